@@ -1,0 +1,1 @@
+"""tilemarlin's generator: the `gen` CLI, the search loop, compiling and measuring."""

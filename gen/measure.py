@@ -1,0 +1,63 @@
+"""The one way tilemarlin times a kernel: CUDA-graph replays over weight copies that L2 cannot hold.
+
+Each call site gets its own copy of the weights; the copies are captured round-robin into one CUDA
+graph, so a replay streams every copy from HBM once and launch overhead is the graph's, not
+Python's. The result is the median over replays of (graph time / calls), in microseconds.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def copies_for(bytes_per_copy: int, device=None, min_copies: int = 2, max_copies: int = 256) -> int:
+    """How many weight copies make the rotation at least 4x larger than the GPU's L2 cache."""
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    need = -(-4 * l2 // max(1, bytes_per_copy))
+    return int(max(min_copies, min(max_copies, need)))
+
+
+def time_calls(calls: list[Callable[[], object]], replays: int = 30, warmup: int = 3) -> float:
+    """Median microseconds per call of `calls`, captured in order into one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:          # first calls outside the graph: lazy init, allocations
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    del graph
+    return statistics.median(samples)
+
+
+def hbm_read_bandwidth(gib: float = 2.0) -> float:
+    """Measured HBM read bandwidth in bytes/s: a sum over `gib` GiB of fp32."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, device="cuda", dtype=torch.float32)
+    out = torch.empty((), device="cuda", dtype=torch.float32)
+    us = time_calls([lambda: torch.sum(x, out=out)], replays=10)
+    return x.numel() * 4 / (us * 1e-6)
+
+
+def fp16_tensor_flops(n: int = 8192) -> float:
+    """Measured FP16 tensor-core rate in flop/s: torch.matmul at n^3."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.float16)
+    us = time_calls([lambda: torch.matmul(a, b, out=c)], replays=10)
+    return 2 * n ** 3 / (us * 1e-6)

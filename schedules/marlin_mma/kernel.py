@@ -1,0 +1,195 @@
+"""The Marlin-design W4A16 kernel as a TileLang program (mma.sync m16n8k16, any arch >= sm_80).
+
+Why it looks the way it does:
+- Weights arrive pre-permuted (layout.py): one 16-byte shared-memory load gives a lane the packed
+  words of four 16x16 sub-tiles, each word decoding straight into the lane's B fragments.
+- Global -> shared moves go through a `num_stages`-deep cp.async pipeline (T.Pipelined), so tile
+  k+1..k+s-1 stream in while tile k is decoded and multiplied. TMA is switched off on purpose: the
+  consumer here is hand-written register code, not T.gemm, and cp.async keeps one code path from
+  sm_80 to sm_90a.
+- Dequantization happens in registers (templates/dequant.cuh.j2): lop3 + magic numbers, then the
+  group scale as one half2 multiply per pair. Channelwise scales are applied once, to the fp32 sums.
+- A fragments come from ldmatrix.x4 on a swizzled shared tile (conflict-free); MMAs are m16n8k16
+  with fp32 accumulators, warp_m/16 x warp_n/8 independent MMAs per k-step per warp.
+- warps_k > 1 lets several warps share a block's k-steps (more MMAs in flight at small M); their sums
+  meet in a shared fp32 tile. split_k > 1 spreads K over blocks: each block atomically adds its fp32
+  partial into a zeroed workspace, and the last block of a tile to arrive (a per-tile counter) writes
+  the output and zeroes the workspace and counter again, so the next call finds them ready. One
+  launch, no host work, CUDA-graph safe.
+"""
+# No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
+
+import tilelang
+import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
+
+from templates import dequant_function_names, render_dequant
+
+from ..problem import Problem
+from .knobs import Knobs
+from .layout import SLAB_N
+
+_MMA_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+# Split-K arrival: every thread fences its workspace atomics, then one thread counts the block in.
+SPLIT_K_HELPERS = r"""
+__device__ __forceinline__ int tm_split_k_arrive(int* counter, int parts) {
+  __threadfence();
+  int last = atomicAdd(counter, 1) == parts - 1;
+  __threadfence();
+  return last;
+}
+"""
+
+
+def build(problem: Problem, knobs: Knobs):
+    """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
+
+    Arguments of the kernel, in order: A [M, K], packed B [K/16, 2N] int32, packed scales
+    [K/group, N], C [M, N]; with split_k > 1 also a fp32 workspace [M, N] and int32 tile counters
+    [>= ceil(M/block_m) * N/block_n], both zero before the first call (the kernel leaves them zero).
+    """
+    n, k, group, dtype = problem.n, problem.k, problem.group, problem.dtype
+    kb = knobs
+    m = T.dynamic("m")
+    tiles = T.dynamic("tiles")
+    bm, bn, bk = kb.block_m, kb.block_n, kb.block_k
+    warps_n, warps_k = kb.warps_n, kb.warps_k
+    m_tiles = kb.warp_m // 16               # 16-row MMA tiles per warp
+    slabs = kb.warp_n // SLAB_N             # 64-column slabs per warp
+    steps = bk // 16 // warps_k             # k-steps of 16 per warp per block tile
+    k_split = k // kb.split_k
+    iters = k_split // bk
+    grouped = not problem.channelwise
+    split = kb.split_k > 1
+    mma_dtype = _MMA_DTYPE[dtype]
+    decode, decode_scaled = dequant_function_names(dtype, problem.bits)
+    prelude = render_dequant(dtype, problem.bits) + (SPLIT_K_HELPERS if split else "")
+    acc_len = m_tiles * slabs * 8 * 4        # per slab: 8 n8 tiles x 4 fp32 accumulators
+    grid_n = n // bn
+
+    def channel_scale(S, col):
+        """The fp32 output scale of column `col`: 1 when scales were applied to the weights."""
+        if grouped:
+            return T.float32(1)
+        # Undo the scale permutation of layout.pack_scales: column 16j + 8s + g sits at 8g + 2j + s.
+        c = col % SLAB_N
+        pos = col - c + (c % 8) * 8 + (c // 16) * 2 + (c // 8) % 2
+        return T.cast(S[0, pos], "float32")
+
+    @T.macro
+    def body(A, B, S, C, ws, counters):
+        with T.Kernel(grid_n, T.ceildiv(m, bm), kb.split_k, threads=kb.threads, prelude=prelude) as (bx, by, bz):
+            A_s = T.alloc_shared((bm, bk), dtype)
+            B_s = T.alloc_shared((bk // 16, bn * 2), "int32")
+            S_s = T.alloc_shared((1, bn), dtype)
+            C_s = T.alloc_shared((bm, bn), "float32")
+            a_frag = T.alloc_local((m_tiles * 8,), dtype)
+            b_words = T.alloc_local((4,), "int32")
+            b_frag = T.alloc_local((8,), dtype)
+            scale = T.alloc_local((slabs * 8,), dtype)
+            acc = T.alloc_local((acc_len,), "float32")
+            T.annotate_layout({A_s: make_swizzled_layout(A_s)})
+
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            wk = warp % warps_k
+            wn = (warp // warps_k) % warps_n
+            wm = warp // (warps_k * warps_n)
+            k0 = bz * k_split
+
+            for i in T.serial(acc_len):
+                acc[i] = T.float32(0)
+
+            for ko in T.Pipelined(iters, num_stages=kb.num_stages):
+                T.copy(A[by * bm, k0 + ko * bk], A_s, disable_tma=True)
+                T.copy(B[(k0 + ko * bk) // 16, bx * bn * 2], B_s, disable_tma=True)
+                if grouped:
+                    T.copy(S[(k0 + ko * bk) // group, bx * bn], S_s, disable_tma=True)
+                    for sj in T.unroll(slabs):
+                        for v in T.vectorized(8):
+                            scale[sj * 8 + v] = S_s[0, (wn * slabs + sj) * SLAB_N + (lane // 4) * 8 + v]
+                for st in T.unroll(steps):
+                    kk = st * warps_k + wk
+                    for mi in T.unroll(m_tiles):
+                        T.ptx_ldmatrix(False, 4,
+                                       T.access_ptr(A_s[wm * kb.warp_m + mi * 16 + lane % 16, kk * 16 + (lane // 16) * 8], "r"),
+                                       T.access_ptr(a_frag[mi * 8], "w"))
+                    for sj in T.unroll(slabs):
+                        for v in T.vectorized(4):
+                            b_words[v] = B_s[kk, (wn * slabs + sj) * 128 + lane * 4 + v]
+                        for j in T.unroll(4):
+                            if grouped:
+                                T.call_extern("handle", decode_scaled, T.access_ptr(b_words[j], "r"),
+                                              T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(b_frag[0], "w"))
+                            else:
+                                T.call_extern("handle", decode, T.access_ptr(b_words[j], "r"),
+                                              T.access_ptr(b_frag[0], "w"))
+                            for mi in T.unroll(m_tiles):
+                                for s in T.unroll(2):
+                                    T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
+                                              a_frag.data, mi * 8, b_frag.data, s * 4,
+                                              acc.data, ((mi * slabs + sj) * 8 + j * 2 + s) * 4, False)
+
+            # Warps meet in a shared fp32 tile: each k-group of warps adds its sums in turn.
+            for i, j in T.Parallel(bm, bn):
+                C_s[i, j] = T.float32(0)
+            for r in T.serial(warps_k):
+                T.sync_threads()
+                if wk == r:
+                    for mi in T.unroll(m_tiles):
+                        for t8 in T.unroll(slabs * 8):
+                            for e in T.unroll(4):
+                                row = wm * kb.warp_m + mi * 16 + lane // 4 + 8 * (e // 2)
+                                col = wn * kb.warp_n + t8 * 8 + (lane % 4) * 2 + e % 2
+                                C_s[row, col] = C_s[row, col] + acc[((mi * slabs * 8) + t8) * 4 + e]
+            T.sync_threads()
+
+            if not split:
+                for i, j in T.Parallel(bm, bn):
+                    if by * bm + i < m:
+                        C[by * bm + i, bx * bn + j] = T.cast(C_s[i, j] * channel_scale(S, bx * bn + j), dtype)
+            else:
+                for i, j in T.Parallel(bm, bn):
+                    if by * bm + i < m:
+                        T.atomic_add(ws[by * bm + i, bx * bn + j], C_s[i, j] * channel_scale(S, bx * bn + j))
+                last = T.alloc_shared((1,), "int32")
+                T.call_extern("handle", "__threadfence")
+                T.sync_threads()
+                if tx == 0:
+                    last[0] = T.call_extern("int32", "tm_split_k_arrive",
+                                            T.access_ptr(counters[by * grid_n + bx], "rw"), kb.split_k)
+                T.sync_threads()
+                if last[0] == 1:
+                    for i, j in T.Parallel(bm, bn):
+                        if by * bm + i < m:
+                            C[by * bm + i, bx * bn + j] = T.cast(
+                                T.call_extern("float32", "__ldcg", T.access_ptr(ws[by * bm + i, bx * bn + j], "r")), dtype)
+                            ws[by * bm + i, bx * bn + j] = T.float32(0)
+                    if tx == 0:
+                        counters[by * grid_n + bx] = 0
+
+    if split:
+        @T.prim_func
+        def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
+                       S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype),
+                       ws: T.Tensor((m, n), "float32"), counters: T.Tensor((tiles,), "int32")):
+            body(A, B, S, C, ws, counters)
+    else:
+        @T.prim_func
+        def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
+                       S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype)):
+            body(A, B, S, C, None, None)
+    return w4a16_gemm
+
+
+PASS_CONFIGS = {
+    # The consumer is hand-written register code: keep the plain cp.async multistage pipeline.
+    "tl.disable_warp_specialized": True,
+}
+
+
+def compile_kernel(problem: Problem, knobs: Knobs, arch):
+    """Compile with nvcc for `arch` (no GPU needed); returns TileLang's JIT kernel."""
+    return tilelang.compile(build(problem, knobs), target=arch.target, pass_configs=PASS_CONFIGS)

@@ -1,0 +1,115 @@
+"""Weight-layout contract of the Marlin-design (mma.sync m16n8k16) family.
+
+Derived from the B-operand fragment of ``mma.sync.m16n8k16.row.col`` (PTX ISA, "Matrix Fragments for
+mma.m16n8k16"): lane l = 4*g + t (g = l // 4, t = l % 4) of a warp holds, for one n8 tile, the halves
+b0, b1 = B[2t, g], B[2t+1, g] and b2, b3 = B[2t+8, g], B[2t+9, g].
+
+One 16x16 (k x n) sub-tile is two n8 tiles, i.e. 8 values per lane, i.e. exactly one 32-bit word of
+eight nibbles. The nibbles are ordered for the lop3 decode (templates/dequant.cuh.j2), which turns
+nibbles (i, i+4) of a word into one half2 for i = 0..3:
+
+    nibble i  ->  pair p = i % 4, element e = i // 4
+    pair p    ->  n8 tile s = p // 2, register r = p % 2
+    value     =   W[k = 2t + 8r + e, n = 8s + g]
+
+so decoding a word yields the lane's B fragments of both n8 tiles in register order, with no shuffles.
+
+Tiling in memory: W[K, N] is cut into slabs of 16 rows x 64 columns (four 16x16 sub-tiles j = 0..3).
+A slab is stored as 32 lanes x 4 words (512 bytes), lane-major, so that one 16-byte load gives a lane
+its words for all four sub-tiles and a warp reads a slab with 32 consecutive 16-byte accesses:
+
+    packed[kt, slab * 128 + lane * 4 + j]    int32, shape [K / 16, 2 * N]
+
+Scales follow the same lanes: within each 64-column slab, the eight scales a lane needs (columns
+16j + 8s + g for j < 4, s < 2) are stored contiguously at slab * 64 + 8g + (2j + s), so a lane reads
+them with one 16-byte load and sub-tile j takes the half2 at 2j.
+"""
+from __future__ import annotations
+
+import torch
+
+TILE_K = 16          # rows of one sub-tile (the MMA's k)
+SLAB_N = 64          # columns of one slab: four 16-column sub-tiles
+WORDS_PER_LANE = 4   # one word per sub-tile of a slab
+LANES = 32
+
+
+def _subtile_map() -> tuple[torch.Tensor, torch.Tensor]:
+    """(k, n) inside a 16x16 sub-tile of nibble i of lane l, as two [32, 8] index tensors."""
+    lane = torch.arange(LANES).unsqueeze(1)
+    nib = torch.arange(8).unsqueeze(0)
+    g, t = lane // 4, lane % 4
+    pair, elem = nib % 4, nib // 4
+    k = 2 * t + 8 * (pair % 2) + elem
+    n = 8 * (pair // 2) + g
+    return k, n
+
+
+def _scale_map() -> torch.Tensor:
+    """Source column (within a slab) of permuted scale position p = 8g + 2j + s."""
+    p = torch.arange(SLAB_N)
+    g, js = p // 8, p % 8
+    j, s = js // 2, js % 2
+    return 16 * j + 8 * s + g
+
+
+def check_packable(k: int, n: int) -> None:
+    if k % TILE_K:
+        raise ValueError(f"K={k} must be a multiple of {TILE_K} for the marlin_mma layout")
+    if n % SLAB_N:
+        raise ValueError(f"N={n} must be a multiple of {SLAB_N} for the marlin_mma layout")
+
+
+def pack_weight(codes: torch.Tensor) -> torch.Tensor:
+    """INT4 codes [K, N] (values 0..15, any integer dtype) -> packed int32 [K / 16, 2 * N]."""
+    if codes.dim() != 2:
+        raise ValueError(f"codes must be 2-D [K, N], got shape {tuple(codes.shape)}")
+    k, n = codes.shape
+    check_packable(k, n)
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+        raise ValueError("INT4 codes must lie in [0, 15]")
+    km, nm = _subtile_map()
+    km, nm = km.to(codes.device), nm.to(codes.device)
+    # [kt, 16, nt, 16] -> [kt, nt, 16, 16] -> per-lane nibbles [kt, nt, 32, 8]
+    tiles = codes.to(torch.int64).reshape(k // 16, 16, n // 16, 16).permute(0, 2, 1, 3)
+    nibbles = tiles[:, :, km, nm]
+    shifts = torch.arange(0, 32, 4, device=codes.device)
+    words = (nibbles << shifts).sum(dim=-1)                      # [kt, nt, 32], fits in 32 bits
+    words = words.reshape(k // 16, n // SLAB_N, WORDS_PER_LANE, LANES).transpose(2, 3)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # to signed int32
+    return words.reshape(k // 16, 2 * n).to(torch.int32).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The exact inverse of :func:`pack_weight`: packed int32 [K / 16, 2 * N] -> codes uint8 [K, N]."""
+    if packed.dim() != 2 or packed.dtype != torch.int32 or packed.shape[1] % (2 * SLAB_N):
+        raise ValueError(f"expected packed int32 [K/16, 2N] with N a multiple of {SLAB_N}, "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    kt, n2 = packed.shape
+    n = n2 // 2
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    words = words.reshape(kt, n // SLAB_N, LANES, WORDS_PER_LANE).transpose(2, 3).reshape(kt, n // 16, LANES)
+    shifts = torch.arange(0, 32, 4, device=packed.device)
+    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF              # [kt, nt, 32, 8]
+    km, nm = _subtile_map()
+    tiles = torch.empty(kt, n // 16, 16, 16, dtype=torch.int64, device=packed.device)
+    tiles[:, :, km.to(packed.device), nm.to(packed.device)] = nibbles
+    return tiles.permute(0, 2, 1, 3).reshape(kt * 16, n).to(torch.uint8)
+
+
+def pack_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Scales [groups, N] -> the same shape, columns permuted per 64-column slab for the lanes."""
+    groups, n = scales.shape
+    if n % SLAB_N:
+        raise ValueError(f"N={n} must be a multiple of {SLAB_N} for the marlin_mma layout")
+    src = _scale_map().to(scales.device)
+    return scales.reshape(groups, n // SLAB_N, SLAB_N)[:, :, src].reshape(groups, n).contiguous()
+
+
+def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
+    """The exact inverse of :func:`pack_scales`."""
+    groups, n = packed.shape
+    src = _scale_map().to(packed.device)
+    out = torch.empty_like(packed).reshape(groups, n // SLAB_N, SLAB_N)
+    out[:, :, src] = packed.reshape(groups, n // SLAB_N, SLAB_N)
+    return out.reshape(groups, n)

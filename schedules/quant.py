@@ -1,0 +1,70 @@
+"""Symmetric round-to-nearest INT4 quantization and the fp32 reference every kernel is checked against.
+
+Convention used across tilemarlin: the weight is W[K, N] (input features x output features), so that
+C = A @ W with A[M, K]. `codes` are unsigned integers in [0, 2**bits), the stored zero point is
+2**(bits-1) (8 for INT4), and w = (code - 8) * scale[k // group, n].
+"""
+from __future__ import annotations
+
+import torch
+
+from .problem import Problem
+
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _TORCH_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r} is not supported; use one of {tuple(_TORCH_DTYPES)}") from None
+
+
+def zero_point(bits: int) -> int:
+    return 1 << (bits - 1)
+
+
+def quantize_rtn(weight_kn: torch.Tensor, group: int = 128, bits: int = 4, dtype: str = "float16"):
+    """Round-to-nearest symmetric quantization of W[K, N].
+
+    Returns (codes uint8 [K, N], scales [K // group, N] in `dtype`); ``group=-1`` is channelwise.
+    The scale is rounded to `dtype` before the codes are computed, so that dequantizing with the
+    stored scale reproduces exactly what the codes were chosen for.
+    """
+    if weight_kn.dim() != 2:
+        raise ValueError(f"weight must be 2-D [K, N], got shape {tuple(weight_kn.shape)}")
+    k, n = weight_kn.shape
+    problem = Problem.make(n=n, k=k, group=group, dtype=dtype, bits=bits)
+    w = weight_kn.float().reshape(problem.num_groups, problem.group, n)
+    qmax = (1 << bits) - 1
+    zero = zero_point(bits)
+    # GPTQ's symmetric convention: the range [-max, max] spread over 2**bits - 1 steps.
+    scales = (w.abs().amax(dim=1) * (2.0 / qmax)).clamp_min(1e-8)
+    scales = scales.to(torch_dtype(dtype))
+    codes = torch.round(w / scales.float().unsqueeze(1)) + zero
+    codes = codes.clamp_(0, qmax).to(torch.uint8).reshape(k, n)
+    return codes, scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """fp32 W[K, N] from codes [K, N] and scales [K // group, N]."""
+    k, n = codes.shape
+    groups = scales.shape[0]
+    if scales.shape[1] != n or k % groups:
+        raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {(k, n)}")
+    w = codes.float() - zero_point(bits)
+    return (w.reshape(groups, k // groups, n) * scales.float().unsqueeze(1)).reshape(k, n)
+
+
+def reference_matmul(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """The fp32 reference: A @ dequantize(W), computed in fp32 on A's device."""
+    w = dequantize(codes.to(a.device), scales.to(a.device), bits)
+    return a.float() @ w
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, in fp32; NaN or Inf anywhere in `out` gives inf."""
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return (torch.linalg.vector_norm(out - ref.float()) / torch.linalg.vector_norm(ref.float()).clamp_min(1e-30)).item()

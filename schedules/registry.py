@@ -1,0 +1,38 @@
+"""The schedule families, and the (family, knobs) pair that names one kernel."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from types import ModuleType
+
+from . import marlin_mma
+
+FAMILIES: dict[str, ModuleType] = {marlin_mma.NAME: marlin_mma}
+
+
+def family(name: str) -> ModuleType:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule family {name!r}; known: {sorted(FAMILIES)}") from None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    family: str
+    knobs: object   # the family's frozen Knobs dataclass
+
+    @property
+    def name(self) -> str:
+        return f"{self.family}:{self.knobs.name}"
+
+    @property
+    def module(self) -> ModuleType:
+        return family(self.family)
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, "knobs": asdict(self.knobs)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Schedule":
+        fam = family(d["family"])
+        return cls(d["family"], fam.Knobs(**d["knobs"]))

@@ -1,0 +1,45 @@
+"""jinja2 sources of device code and reports; `render` is the one way they are instantiated."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+
+_ENV = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(str(Path(__file__).parent)),
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+    keep_trailing_newline=True,
+)
+
+_DEQUANT = {
+    "float16": dict(vec="half2", magic="0x64006400u", name="f16_u4"),
+    "bfloat16": dict(vec="__nv_bfloat162", magic="0x43004300u", name="bf16_u4"),
+}
+
+
+def dequant_function_names(dtype: str, bits: int = 4) -> tuple[str, str]:
+    """(unscaled, scaled) extern names of the decode for this dtype and bit width."""
+    _check(dtype, bits)
+    name = _DEQUANT[dtype]["name"]
+    return f"tm_dequant_{name}", f"tm_dequant_scaled_{name}"
+
+
+@lru_cache(maxsize=None)
+def render_dequant(dtype: str, bits: int = 4) -> str:
+    """CUDA source of the INT`bits` -> `dtype` register decode (templates/dequant.cuh.j2)."""
+    _check(dtype, bits)
+    return _ENV.get_template("dequant.cuh.j2").render(dtype=dtype, bits=bits, **_DEQUANT[dtype])
+
+
+def render(template: str, **context) -> str:
+    return _ENV.get_template(template).render(**context)
+
+
+def _check(dtype: str, bits: int) -> None:
+    if dtype not in _DEQUANT:
+        raise ValueError(f"no dequant template for dtype {dtype!r}; have {tuple(_DEQUANT)}")
+    if bits != 4:
+        raise ValueError(f"no dequant template for {bits}-bit codes; only 4-bit is implemented")
