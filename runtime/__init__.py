@@ -1,0 +1,1 @@
+"""tilemarlin's runtime: tuned tables, compiled-kernel lookup and the torch-facing linear op."""

@@ -1,0 +1,196 @@
+"""The tuned-table format: buckets, round trip, untrusted files, atomic merged saves."""
+import json
+import multiprocessing
+
+import pytest
+
+from runtime.table import (BUCKETS, GpuKey, TableWarning, TunedTable, bucket_of, bucket_range, current_versions,
+                           load_tuned_table, table_path)
+from schedules.marlin_mma import Knobs
+from schedules.problem import Problem
+from schedules.registry import Schedule
+
+GPU = GpuKey("NVIDIA H200", "sm_90a", 132)
+PROBLEM = Problem.make(n=12288, k=4096)
+SCHEDULE = Schedule("marlin_mma", Knobs(block_m=16, block_n=256, split_k=2))
+
+
+def test_bucket_of_edges():
+    assert bucket_of(1) == 1
+    assert bucket_of(3) == 4
+    assert bucket_of(16) == 16
+    assert bucket_of(17) == 32
+    assert bucket_of(4096) == 4096
+    assert bucket_of(100_000) == 4096        # the last bucket serves everything above it
+    for edge in BUCKETS:
+        assert bucket_of(edge) == edge
+    with pytest.raises(ValueError):
+        bucket_of(0)
+
+
+def test_bucket_range():
+    assert bucket_range(1) == (1, 1)
+    assert bucket_range(16) == (9, 16)
+    assert bucket_range(4096) == (2049, None)
+
+
+def test_slug_is_filename_safe():
+    assert GPU.slug == "nvidia-h200_sm_90a_132sm"
+    assert GpuKey("NVIDIA A100-SXM4-80GB", "sm_80", 108).slug == "nvidia-a100-sxm4-80gb_sm_80_108sm"
+    assert table_path(GPU, root="/x").name == "nvidia-h200_sm_90a_132sm.json"
+
+
+def test_table_path_follows_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
+    assert table_path(GPU) == tmp_path / "tuned" / f"{GPU.slug}.json"
+    assert len(load_tuned_table(GPU)) == 0
+
+
+def test_round_trip(tmp_path):
+    path = tmp_path / "t.json"
+    table = TunedTable(GPU)
+    timings = [{"schedule": SCHEDULE.to_dict(), "us": 7.5}, {"schedule": None, "error": "compile: boom"}]
+    table.record(PROBLEM, 16, SCHEDULE, 7.5, fp16_us=15.0, gbps=3300.0, all_timings=timings)
+    table.save(path)
+
+    data = json.loads(path.read_text())
+    assert data["gpu"] == {"name": "NVIDIA H200", "arch": "sm_90a", "sm_count": 132}
+    assert set(data["versions"]) == {"tilemarlin", "tilelang", "cuda", "torch"}
+    assert data["entries"][0]["problem"] == {"n": 12288, "k": 4096, "group": 128, "dtype": "float16", "bits": 4}
+
+    loaded = TunedTable.load(path, GPU)
+    entry = loaded.entry(PROBLEM, 16)
+    assert entry.schedule == SCHEDULE and entry.us == 7.5 and entry.speedup == 2.0
+    assert entry.all_timings == timings
+    assert loaded.lookup(PROBLEM, 9) == SCHEDULE     # 9..16 share the bucket
+    assert loaded.lookup(PROBLEM, 8) is None
+    assert loaded.lookup(Problem.make(n=4096, k=4096), 16) is None
+
+
+def test_record_rejects_non_bucket():
+    with pytest.raises(ValueError, match="bucket"):
+        TunedTable(GPU).record(PROBLEM, 3, SCHEDULE, 1.0)
+
+
+def _saved(tmp_path) -> "Path":
+    path = tmp_path / "t.json"
+    table = TunedTable(GPU)
+    table.record(PROBLEM, 1, SCHEDULE, 5.0)
+    table.save(path)
+    return path
+
+
+def _assert_ignored(path, match):
+    with pytest.warns(TableWarning, match=match) as record:
+        table = TunedTable.load(path, GPU)
+    assert str(path) in str(record[0].message)
+    assert len(table) == 0 and table.lookup(PROBLEM, 1) is None
+    return table
+
+
+def test_missing_file_is_empty(tmp_path):
+    assert len(TunedTable.load(tmp_path / "none.json")) == 0
+
+
+def test_corrupt_file_is_ignored(tmp_path):
+    path = _saved(tmp_path)
+    path.write_bytes(b"\x00\xffgarbage{")
+    _assert_ignored(path, "corrupt|cannot be read")
+
+
+def test_truncated_file_is_ignored(tmp_path):
+    path = _saved(tmp_path)
+    text = path.read_text()
+    path.write_text(text[: len(text) // 2])
+    _assert_ignored(path, "corrupt or truncated")
+
+
+def test_wrong_schema_is_ignored(tmp_path):
+    path = _saved(tmp_path)
+    data = json.loads(path.read_text())
+    data["schema"] = 999
+    path.write_text(json.dumps(data))
+    _assert_ignored(path, "schema 999")
+
+
+def test_not_a_table_is_ignored(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([1, 2, 3]))
+    _assert_ignored(path, "not a tilemarlin tuned table")
+
+
+def test_malformed_entry_is_ignored(tmp_path):
+    path = _saved(tmp_path)
+    data = json.loads(path.read_text())
+    data["entries"][0]["schedule"]["knobs"]["no_such_knob"] = 1
+    path.write_text(json.dumps(data))
+    _assert_ignored(path, "entry 0 is malformed")
+
+
+def test_stale_tilelang_is_ignored(tmp_path):
+    path = _saved(tmp_path)
+    data = json.loads(path.read_text())
+    data["versions"]["tilelang"] = "0.0.1"
+    path.write_text(json.dumps(data))
+    _assert_ignored(path, "stale: tuned with TileLang 0.0.1")
+
+
+def test_other_gpu_is_ignored(tmp_path):
+    path = _saved(tmp_path)
+    with pytest.warns(TableWarning, match="tuned for"):
+        assert len(TunedTable.load(path, GpuKey("NVIDIA H100", "sm_90a", 114))) == 0
+
+
+def test_save_replaces_untrusted_file(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text("{")
+    table = TunedTable(GPU)
+    table.record(PROBLEM, 2, SCHEDULE, 4.0)
+    with pytest.warns(TableWarning, match="replacing"):
+        table.save(path)
+    assert TunedTable.load(path, GPU).entry(PROBLEM, 2).us == 4.0
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_save_merges_and_recorded_entries_win(tmp_path):
+    path = _saved(tmp_path)                      # bucket 1 at 5.0 us
+    mine = TunedTable.load(path, GPU)
+    other = TunedTable.load(path, GPU)
+    other.record(PROBLEM, 1, SCHEDULE, 4.0)      # another tuner re-tunes bucket 1 (--force)
+    other.save(path)
+    mine.record(PROBLEM, 2, SCHEDULE, 6.0)
+    mine.save(path)                              # must keep the other's newer bucket 1
+    final = TunedTable.load(path, GPU)
+    assert final.entry(PROBLEM, 1).us == 4.0 and final.entry(PROBLEM, 2).us == 6.0
+    assert mine.entry(PROBLEM, 1).us == 4.0      # the saver sees the merged table too
+
+
+def test_saved_versions_are_current(tmp_path):
+    path = _saved(tmp_path)
+    assert json.loads(path.read_text())["versions"] == current_versions()
+
+
+def _save_many(path: str, n: int, buckets: list[int], barrier) -> None:
+    problem = Problem.make(n=n, k=4096)
+    barrier.wait()
+    for b in buckets:        # one save per entry: many chances to lose another process's entries
+        table = TunedTable.load(path, GPU)
+        table.record(problem, b, SCHEDULE, float(b))
+        table.save(path)
+
+
+def test_concurrent_saves_keep_both(tmp_path):
+    path = str(tmp_path / "t.json")
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_save_many, args=(path, n, list(BUCKETS), barrier)) for n in (4096, 8192)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    table = TunedTable.load(path, GPU)
+    assert len(table) == 2 * len(BUCKETS)
+    for n in (4096, 8192):
+        for b in BUCKETS:
+            assert table.entry(Problem.make(n=n, k=4096), b).us == float(b)
