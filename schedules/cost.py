@@ -1,0 +1,150 @@
+"""An analytic cost model: ranks the candidates before any are compiled, and picks a schedule at run
+time for a shape that was never tuned.
+
+It only has to order candidates roughly (the search measures the top ones), so it models the few
+effects that decide W4A16 kernels and nothing else:
+- Bytes: each row of blocks (one block_m tile of M) streams the whole packed weight and its scales
+  from HBM, because the grid walks N fastest and a weight tile is evicted before the next row of
+  blocks needs it. Activation tiles are re-read by every column of blocks but mostly hit L2.
+- Bandwidth is capped three ways: the HBM rate; Little's law (the bytes the resident blocks keep in
+  flight, (num_stages - 1) tiles each, over the DRAM latency), which is why small grids and shallow
+  pipelines cannot saturate HBM; and what the active SMs' load pipes can pull.
+- Math: MMAs on padded tiles (ceil(M / block_m) * block_m rows) plus the INT4 decode, at a rate
+  scaled by the SMs in use and by whether enough warps are resident to keep the tensor cores busy.
+- Waves: blocks per SM from shared memory and threads; a partial last wave costs a whole wave.
+- Per wave a pipeline fill (one DRAM latency and num_stages tile loads before the math starts);
+  per call the split-K reduction through the fp32 workspace, the output write, and the launch.
+
+Knobs protocol: a family's Knobs provide block_m, block_n, block_k, num_stages, threads and
+shared_bytes(problem); split_k is optional (1 when absent).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+
+from .arch import Arch, current_arch
+from .problem import Problem
+from .registry import FAMILIES, Schedule
+
+MAX_THREADS_PER_SM = 2048
+MAX_BLOCKS_PER_SM = 32
+WARPS_TO_FILL_SM = 8      # resident warps per SM that keep all four tensor-core partitions issuing
+L2_REUSE = 4.0            # activation tiles: bytes re-read by other blocks mostly come from L2
+SMEM_RESERVED = 1024      # shared memory the driver keeps per block
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Throughputs of one GPU, whole-chip unless named per SM."""
+
+    name: str
+    sm_count: int
+    hbm_bytes_per_s: float
+    mma_flops: float                  # dense fp16 mma.sync rate with fp32 accumulation
+    launch_us: float                  # fixed cost of one kernel in a CUDA graph
+    shared_bytes_per_sm: int = 228 * 1024
+    sm_bytes_per_s: float = 100e9     # the most one SM's loads can pull from L2/HBM
+    latency_us: float = 0.8           # DRAM round trip seen by an asynchronous copy
+    dequant_per_s: float = 2e13       # INT4 -> fp16 decodes (lop3, scale) per second
+
+    @classmethod
+    def for_arch(cls, arch: Arch) -> "GpuSpec":
+        """Nominal numbers of the reference GPU of `arch` (H200 for sm_90a, A100 for sm_80)."""
+        try:
+            return _NOMINAL[arch.name]
+        except KeyError:
+            raise ValueError(f"no nominal GPU numbers for {arch.name}; known: {sorted(_NOMINAL)}") from None
+
+    @classmethod
+    def current(cls, device=None) -> "GpuSpec":
+        """This process's GPU: the nominal numbers of its arch, rescaled to its SM count.
+
+        Per-SM rates (math, decode) scale with the SM count; HBM bandwidth stays nominal (torch does
+        not report it), which only matters across GPUs, never for ranking on one.
+        """
+        import torch
+
+        base = cls.for_arch(current_arch(device))
+        props = torch.cuda.get_device_properties(device)
+        scale = props.multi_processor_count / base.sm_count
+        return replace(base, name=props.name, sm_count=props.multi_processor_count,
+                       mma_flops=base.mma_flops * scale, dequant_per_s=base.dequant_per_s * scale,
+                       shared_bytes_per_sm=getattr(props, "shared_memory_per_multiprocessor", base.shared_bytes_per_sm))
+
+
+_NOMINAL = {
+    # mma.sync reaches about 60 % of the ~6.6e14 FLOP/s that wgmma measures on the H200.
+    "sm_90a": GpuSpec("H200 (nominal)", 132, 4.2e12, 0.6 * 6.6e14, 2.0, 228 * 1024, 120e9, 0.8, 2.2e13),
+    "sm_80": GpuSpec("A100 (nominal)", 108, 1.9e12, 3.1e14, 2.5, 164 * 1024, 90e9, 0.7, 1.0e13),
+    "sm_86": GpuSpec("A10 (nominal)", 72, 0.6e12, 1.25e14, 2.5, 100 * 1024, 60e9, 0.7, 0.6e13),
+    "sm_89": GpuSpec("L40S (nominal)", 142, 0.864e12, 3.6e14, 2.5, 100 * 1024, 80e9, 0.7, 1.6e13),
+}
+
+
+def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> float:
+    """Estimated microseconds of one call with `m` rows (see the module docstring for the model)."""
+    kb = schedule.knobs
+    bm, bn, bk, stages = kb.block_m, kb.block_n, kb.block_k, kb.num_stages
+    split = getattr(kb, "split_k", 1)
+    m_tiles = -(-m // bm)
+    m_pad = m_tiles * bm
+    blocks = (problem.n // bn) * m_tiles * split
+
+    per_sm = max(1, min(gpu.shared_bytes_per_sm // (kb.shared_bytes(problem) + SMEM_RESERVED),
+                        MAX_THREADS_PER_SM // kb.threads, MAX_BLOCKS_PER_SM))
+    waves = -(-blocks // (gpu.sm_count * per_sm))
+    per_wave = -(-blocks // waves)             # blocks resident at once, spread evenly over the waves
+    active_sms = min(gpu.sm_count, per_wave)
+    sm_share = active_sms / gpu.sm_count
+    warps_per_sm = -(-per_wave // gpu.sm_count) * kb.threads // 32
+
+    # One block's k-loop: k_tiles tiles, each a weight tile (+ its scale row) and an activation tile.
+    k_tiles = problem.k // split // bk
+    weight_tile = bk * bn * problem.bits / 8 + (0 if problem.channelwise else bn * 2 * bk / problem.group)
+    act_tile = bm * bk * 2
+    in_flight = per_wave * (stages - 1) * (weight_tile + act_tile)
+    hbm_rate = min(gpu.hbm_bytes_per_s, in_flight / (gpu.latency_us * 1e-6))
+    mem_s = max(per_wave * k_tiles * (weight_tile + act_tile / L2_REUSE) / hbm_rate,
+                per_wave * k_tiles * (weight_tile + act_tile) / (active_sms * gpu.sm_bytes_per_s))
+
+    busy = sm_share * min(1.0, warps_per_sm / WARPS_TO_FILL_SM)
+    mma_s = per_wave * 2 * bm * bn * (problem.k // split) / (gpu.mma_flops * busy)
+    decode_s = per_wave * bn * (problem.k // split) / (gpu.dequant_per_s * busy)
+    math_s = mma_s + decode_s
+    # Pipeline fill: before the steady state a block waits one latency and num_stages tile loads
+    # at its share of the bandwidth, with no math to overlap them.
+    fill_s = gpu.latency_us * 1e-6 + stages * (weight_tile + act_tile) * per_wave / hbm_rate
+    wave_s = max(mem_s, math_s) + fill_s
+
+    out_s = m * problem.n * 2 / gpu.hbm_bytes_per_s
+    # Split-K: every split adds an fp32 partial into the workspace; the last one reads it back and
+    # zeroes it for the next call.
+    reduce_s = (split + 2) * m_pad * problem.n * 4 / gpu.hbm_bytes_per_s if split > 1 else 0.0
+    return (waves * wave_s + out_s + reduce_s) * 1e6 + gpu.launch_us
+
+
+@functools.lru_cache(maxsize=256)
+def _candidates(problem: Problem, arch: Arch, families: tuple[str, ...]) -> tuple[Schedule, ...]:
+    """Every valid schedule of `families` (the space is M-independent, so it is built once)."""
+    return tuple(Schedule(name, knobs) for name in families for knobs in FAMILIES[name].space(problem, arch))
+
+
+def rank(problem: Problem, m: int, arch: Arch, gpu: GpuSpec, families=None) -> list[Schedule]:
+    """All valid candidates of `families` (all by default), fastest estimate first."""
+    names = tuple(sorted(FAMILIES)) if families is None else tuple(families)
+    for name in names:
+        if name not in FAMILIES:
+            raise ValueError(f"unknown schedule family {name!r}; known: {sorted(FAMILIES)}")
+    candidates = _candidates(problem, arch, names)
+    # The name breaks ties, so that the order never depends on how the space was enumerated.
+    return sorted(candidates, key=lambda s: (estimate_us(problem, s, m, gpu), s.name))
+
+
+def best_schedule(problem: Problem, m: int, arch: Arch, gpu: GpuSpec | None = None) -> Schedule:
+    """The cost model's pick for `problem` at M = m; `gpu` defaults to the nominal GPU of `arch`."""
+    ranked = rank(problem, m, arch, gpu or GpuSpec.for_arch(arch))
+    if not ranked:
+        raise ValueError(f"no schedule can run {problem.name} on {arch.name}")
+    return ranked[0]

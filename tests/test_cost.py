@@ -1,0 +1,106 @@
+"""The analytic cost model: the effects it must capture and the ranking built on it."""
+import pytest
+import torch
+
+from schedules import marlin_mma
+from schedules.arch import get_arch
+from schedules.cost import GpuSpec, best_schedule, estimate_us, rank
+from schedules.marlin_mma import Knobs
+from schedules.problem import Problem
+from schedules.registry import Schedule
+
+H200 = get_arch("sm_90a")
+SPEC = GpuSpec.for_arch(H200)
+QKV = Problem.make(n=12288, k=4096)
+O_PROJ = Problem.make(n=4096, k=4096)
+
+
+def est(problem, m, **knobs):
+    return estimate_us(problem, Schedule("marlin_mma", Knobs(**knobs)), m, SPEC)
+
+
+def test_nominal_specs():
+    assert (SPEC.sm_count, SPEC.hbm_bytes_per_s) == (132, 4.2e12)
+    assert SPEC.mma_flops == pytest.approx(0.6 * 6.6e14)
+    a100 = GpuSpec.for_arch(get_arch("sm_80"))
+    assert (a100.sm_count, a100.hbm_bytes_per_s, a100.mma_flops) == (108, 1.9e12, 3.1e14)
+
+
+def test_decode_is_bandwidth_bound_near_the_floor():
+    floor_us = QKV.weight_bytes() / SPEC.hbm_bytes_per_s * 1e6
+    best = estimate_us(QKV, rank(QKV, 1, H200, SPEC)[0], 1, SPEC)
+    assert floor_us < best < 3 * floor_us
+
+
+def test_prefill_is_math_bound_near_the_floor():
+    m = 4096
+    floor_us = 2 * m * QKV.n * QKV.k / SPEC.mma_flops * 1e6
+    best = estimate_us(QKV, rank(QKV, m, H200, SPEC)[0], m, SPEC)
+    assert floor_us < best < 2 * floor_us
+
+
+def test_estimate_grows_with_m_and_pads_to_block_m():
+    knobs = dict(block_m=64, block_n=64, block_k=64, warps_n=1, warps_k=4)
+    times = [est(QKV, m, **knobs) for m in (1, 16, 64, 65, 128, 1024, 4096)]
+    assert times == sorted(times)
+    assert est(QKV, 17, **knobs) == pytest.approx(est(QKV, 64, **knobs), rel=0.05)   # same padded tile
+    assert est(QKV, 65, **knobs) > 1.3 * est(QKV, 64, **knobs)                        # a second row of tiles
+
+
+def test_split_k_fills_a_small_grid():
+    # 4096 / 256 = 16 blocks cannot keep 132 SMs' worth of bytes in flight; split-K 4 gives 64.
+    assert est(O_PROJ, 1, block_n=256, split_k=4) < 0.7 * est(O_PROJ, 1, block_n=256, split_k=1)
+
+
+def test_split_k_costs_a_reduction_when_the_grid_is_full():
+    assert est(QKV, 4096, block_m=128, block_n=128, warps_m=2, warps_n=2, split_k=4) > \
+        est(QKV, 4096, block_m=128, block_n=128, warps_m=2, warps_n=2, split_k=1)
+
+
+def test_deeper_pipeline_keeps_more_bytes_in_flight():
+    # 192 blocks of 16x64: memory bound, and two stages leave too few bytes in flight
+    knobs = dict(block_n=64, block_k=64, warps_n=1, warps_k=4)
+    assert est(QKV, 1, num_stages=4, **knobs) < 0.8 * est(QKV, 1, num_stages=2, **knobs)
+
+
+def test_large_m_prefers_large_block_m():
+    assert rank(QKV, 1, H200, SPEC)[0].knobs.block_m == 16
+    assert rank(QKV, 4096, H200, SPEC)[0].knobs.block_m >= 64
+    # block_m=16 re-reads the weights 256 times and decodes them 256 times at M=4096
+    best_16 = next(s for s in rank(QKV, 4096, H200, SPEC) if s.knobs.block_m == 16)
+    assert estimate_us(QKV, best_16, 4096, SPEC) > 1.5 * estimate_us(QKV, rank(QKV, 4096, H200, SPEC)[0], 4096, SPEC)
+
+
+def test_rank_covers_the_valid_space_sorted():
+    ranked = rank(QKV, 16, H200, SPEC)
+    assert {s.knobs for s in ranked} == set(marlin_mma.space(QKV, H200))
+    times = [estimate_us(QKV, s, 16, SPEC) for s in ranked]
+    assert times == sorted(times)
+    assert all(marlin_mma.check(QKV, s.knobs, H200) is None for s in ranked)
+    assert rank(QKV, 16, H200, SPEC, families=["marlin_mma"]) == ranked
+
+
+def test_rank_depends_on_arch():
+    a100 = get_arch("sm_80")
+    # sm_80 has less shared memory per block: its space is a strict subset here
+    assert {s.knobs for s in rank(QKV, 16, a100, GpuSpec.for_arch(a100))} < {s.knobs for s in rank(QKV, 16, H200, SPEC)}
+
+
+def test_rank_rejects_unknown_family():
+    with pytest.raises(ValueError, match="unknown schedule family"):
+        rank(QKV, 16, H200, SPEC, families=["nope"])
+
+
+def test_best_schedule():
+    assert best_schedule(QKV, 16, H200) == rank(QKV, 16, H200, SPEC)[0]
+    odd = Problem.make(n=96, k=4096)        # N is not a multiple of the 64-column slab
+    with pytest.raises(ValueError, match=odd.name):
+        best_schedule(odd, 16, H200)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_current_spec():
+    spec = GpuSpec.current()
+    assert spec.sm_count == torch.cuda.get_device_properties(0).multi_processor_count
+    assert spec.mma_flops > 0
