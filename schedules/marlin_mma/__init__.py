@@ -36,12 +36,14 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [K, N], scales [G, N]) -> (packed weight [K/16, 2N] int32, packed scales [G, N])."""
-    return layout.pack_weight(codes), layout.pack_scales(scales)
+    """(codes [K, N], scales [G, N]) -> (packed weight [K/16, 2N] int32, scales [G, N] contiguous)."""
+    if scales.dim() != 2 or scales.shape[1] != codes.shape[1] or codes.shape[0] % scales.shape[0]:
+        raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)}")
+    return layout.pack_weight(codes), scales.contiguous()
 
 
 def unpack(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return layout.unpack_weight(weight), layout.unpack_scales(scales)
+    return layout.unpack_weight(weight), scales
 
 
 def workspace_elems(problem: Problem, knobs: Knobs, m: int) -> tuple[int, int]:

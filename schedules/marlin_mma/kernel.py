@@ -58,24 +58,30 @@ def build(problem: Problem, knobs: Knobs):
     m_tiles = kb.warp_m // 16               # 16-row MMA tiles per warp
     slabs = kb.warp_n // SLAB_N             # 64-column slabs per warp
     steps = bk // 16 // warps_k             # k-steps of 16 per warp per block tile
-    k_split = k // kb.split_k
-    iters = k_split // bk
+    unit = kb.split_unit_tiles(problem)     # k-tiles per split-K work unit (a whole group)
+    units = k // (bk * unit)
     grouped = not problem.channelwise
+    scale_weights = grouped and not kb.scale_on_acc
     split = kb.split_k > 1
     mma_dtype = _MMA_DTYPE[dtype]
     decode, decode_scaled = dequant_function_names(dtype, problem.bits)
     prelude = render_dequant(dtype, problem.bits) + (SPLIT_K_HELPERS if split else "")
     acc_len = m_tiles * slabs * 8 * 4        # per slab: 8 n8 tiles x 4 fp32 accumulators
     grid_n = n // bn
+    max_iters = -(-units // kb.split_k) * unit
+
+    def acc_col(lane, wn, sj, t8, e):
+        """Block-tile column of accumulator element e of n8 tile t8 in slab sj (mma C fragment)."""
+        return wn * kb.warp_n + sj * SLAB_N + t8 * 8 + (lane % 4) * 2 + e % 2
+
+    def acc_index(mi, sj, t8, e):
+        return ((mi * slabs + sj) * 8 + t8) * 4 + e
 
     def channel_scale(S, col):
-        """The fp32 output scale of column `col`: 1 when scales were applied to the weights."""
+        """The fp32 output scale of column `col`: 1 unless scales are channelwise."""
         if grouped:
             return T.float32(1)
-        # Undo the scale permutation of layout.pack_scales: column 16j + 8s + g sits at 8g + 2j + s.
-        c = col % SLAB_N
-        pos = col - c + (c % 8) * 8 + (c // 16) * 2 + (c // 8) % 2
-        return T.cast(S[0, pos], "float32")
+        return T.cast(S[0, col], "float32")
 
     @T.macro
     def body(A, B, S, C, ws, counters):
@@ -89,6 +95,7 @@ def build(problem: Problem, knobs: Knobs):
             b_frag = T.alloc_local((8,), dtype)
             scale = T.alloc_local((slabs * 8,), dtype)
             acc = T.alloc_local((acc_len,), "float32")
+            total = T.alloc_local((acc_len if kb.scale_on_acc else 1,), "float32")
             T.annotate_layout({A_s: make_swizzled_layout(A_s)})
 
             tx = T.get_thread_binding()
@@ -97,41 +104,62 @@ def build(problem: Problem, knobs: Knobs):
             wk = warp % warps_k
             wn = (warp // warps_k) % warps_n
             wm = warp // (warps_k * warps_n)
-            k0 = bz * k_split
+            # This block's k-tiles: whole groups, spread over the splits as evenly as they go.
+            # T.Pipelined needs a constant trip count: splits one unit short of the longest run one
+            # idle iteration, reloading their last tile (an L2 hit) and skipping the math.
+            tile0 = (bz * units // kb.split_k) * unit
+            iters = ((bz + 1) * units // kb.split_k) * unit - tile0
 
             for i in T.serial(acc_len):
                 acc[i] = T.float32(0)
+                if kb.scale_on_acc:
+                    total[i] = T.float32(0)
 
-            for ko in T.Pipelined(iters, num_stages=kb.num_stages):
-                T.copy(A[by * bm, k0 + ko * bk], A_s, disable_tma=True)
-                T.copy(B[(k0 + ko * bk) // 16, bx * bn * 2], B_s, disable_tma=True)
+            for ko in T.Pipelined(max_iters, num_stages=kb.num_stages):
+                kt = tile0 + T.min(ko, iters - 1)
+                T.copy(A[by * bm, kt * bk], A_s, disable_tma=True)
+                T.copy(B[kt * (bk // 16), bx * bn * 2], B_s, disable_tma=True)
                 if grouped:
-                    T.copy(S[(k0 + ko * bk) // group, bx * bn], S_s, disable_tma=True)
-                    for sj in T.unroll(slabs):
-                        for v in T.vectorized(8):
-                            scale[sj * 8 + v] = S_s[0, (wn * slabs + sj) * SLAB_N + (lane // 4) * 8 + v]
-                for st in T.unroll(steps):
-                    kk = st * warps_k + wk
-                    for mi in T.unroll(m_tiles):
-                        T.ptx_ldmatrix(False, 4,
-                                       T.access_ptr(A_s[wm * kb.warp_m + mi * 16 + lane % 16, kk * 16 + (lane // 16) * 8], "r"),
-                                       T.access_ptr(a_frag[mi * 8], "w"))
-                    for sj in T.unroll(slabs):
-                        for v in T.vectorized(4):
-                            b_words[v] = B_s[kk, (wn * slabs + sj) * 128 + lane * 4 + v]
-                        for j in T.unroll(4):
-                            if grouped:
-                                T.call_extern("handle", decode_scaled, T.access_ptr(b_words[j], "r"),
-                                              T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(b_frag[0], "w"))
-                            else:
-                                T.call_extern("handle", decode, T.access_ptr(b_words[j], "r"),
-                                              T.access_ptr(b_frag[0], "w"))
+                    T.copy(S[kt * bk // group, bx * bn], S_s, disable_tma=True)
+                if ko < iters:
+                    if scale_weights:
+                        # The lane's B columns: 16j + 8s + g in each of its slabs.
+                        for sj in T.unroll(slabs):
+                            for v in T.unroll(8):
+                                scale[sj * 8 + v] = S_s[0, (wn * slabs + sj) * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + lane // 4]
+                    for st in T.unroll(steps):
+                        kk = st * warps_k + wk
+                        for mi in T.unroll(m_tiles):
+                            T.ptx_ldmatrix(False, 4,
+                                           T.access_ptr(A_s[wm * kb.warp_m + mi * 16 + lane % 16, kk * 16 + (lane // 16) * 8], "r"),
+                                           T.access_ptr(a_frag[mi * 8], "w"))
+                        for sj in T.unroll(slabs):
+                            for v in T.vectorized(4):
+                                b_words[v] = B_s[kk, (wn * slabs + sj) * 128 + lane * 4 + v]
+                            for j in T.unroll(4):
+                                if scale_weights:
+                                    T.call_extern("handle", decode_scaled, T.access_ptr(b_words[j], "r"),
+                                                  T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(b_frag[0], "w"))
+                                else:
+                                    T.call_extern("handle", decode, T.access_ptr(b_words[j], "r"),
+                                                  T.access_ptr(b_frag[0], "w"))
+                                for mi in T.unroll(m_tiles):
+                                    for s in T.unroll(2):
+                                        T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
+                                                  a_frag.data, mi * 8, b_frag.data, s * 4,
+                                                  acc.data, acc_index(mi, sj, j * 2 + s, 0), False)
+                    if kb.scale_on_acc:
+                        # At the last k-tile of a group, fold the group's sums into the total, scaled.
+                        if (tile0 + ko + 1) % unit == 0:
                             for mi in T.unroll(m_tiles):
-                                for s in T.unroll(2):
-                                    T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                                              a_frag.data, mi * 8, b_frag.data, s * 4,
-                                              acc.data, ((mi * slabs + sj) * 8 + j * 2 + s) * 4, False)
+                                for sj in T.unroll(slabs):
+                                    for t8 in T.unroll(8):
+                                        for e in T.unroll(4):
+                                            i = acc_index(mi, sj, t8, e)
+                                            total[i] = total[i] + acc[i] * T.cast(S_s[0, acc_col(lane, wn, sj, t8, e)], "float32")
+                                            acc[i] = T.float32(0)
 
+            sums = total if kb.scale_on_acc else acc
             # Warps meet in a shared fp32 tile: each k-group of warps adds its sums in turn.
             for i, j in T.Parallel(bm, bn):
                 C_s[i, j] = T.float32(0)
@@ -139,11 +167,12 @@ def build(problem: Problem, knobs: Knobs):
                 T.sync_threads()
                 if wk == r:
                     for mi in T.unroll(m_tiles):
-                        for t8 in T.unroll(slabs * 8):
-                            for e in T.unroll(4):
-                                row = wm * kb.warp_m + mi * 16 + lane // 4 + 8 * (e // 2)
-                                col = wn * kb.warp_n + t8 * 8 + (lane % 4) * 2 + e % 2
-                                C_s[row, col] = C_s[row, col] + acc[((mi * slabs * 8) + t8) * 4 + e]
+                        for sj in T.unroll(slabs):
+                            for t8 in T.unroll(8):
+                                for e in T.unroll(4):
+                                    row = wm * kb.warp_m + mi * 16 + lane // 4 + 8 * (e // 2)
+                                    col = acc_col(lane, wn, sj, t8, e)
+                                    C_s[row, col] = C_s[row, col] + sums[acc_index(mi, sj, t8, e)]
             T.sync_threads()
 
             if not split:

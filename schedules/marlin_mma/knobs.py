@@ -15,8 +15,10 @@ class Knobs:
     block_m x block_n x block_k is the thread-block tile; the block's warps form a
     warps_m x warps_n x warps_k grid (warps_k > 1 splits a block's k-steps between warps and adds
     their sums in shared memory at the end, Marlin's answer to too few MMAs per warp at small M);
-    num_stages is the depth of the cp.async pipeline; split_k > 1 splits K between thread blocks,
-    whose fp32 partial sums are reduced in a global workspace.
+    num_stages is the depth of the cp.async pipeline; split_k > 1 splits K between thread blocks
+    (in whole quantization groups, as evenly as they go), whose fp32 partial sums are reduced in a
+    global workspace. scale_on_acc applies group scales to each group's fp32 partial sums instead of
+    to every decoded weight: at small M a thread holds far fewer sums than it decodes weights.
     """
 
     block_m: int = 16
@@ -27,6 +29,7 @@ class Knobs:
     warps_k: int = 1
     num_stages: int = 4
     split_k: int = 1
+    scale_on_acc: bool = False
 
     @property
     def threads(self) -> int:
@@ -43,7 +46,16 @@ class Knobs:
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}_w{self.warps_m}x{self.warps_n}x{self.warps_k}"
-                f"_s{self.num_stages}_sk{self.split_k}")
+                f"_s{self.num_stages}_sk{self.split_k}" + ("_sacc" if self.scale_on_acc else ""))
+
+    def split_unit_tiles(self, problem: Problem) -> int:
+        """k-tiles per unit of split-K work: a whole group, so no split ends inside one."""
+        return 1 if problem.channelwise else problem.group // self.block_k
+
+    def min_iters(self, problem: Problem) -> int:
+        """k-tiles of the smallest split."""
+        units = problem.k // (self.block_k * self.split_unit_tiles(problem))
+        return (units // self.split_k) * self.split_unit_tiles(problem)
 
     def shared_bytes(self, problem: Problem) -> int:
         """Dynamic shared memory: the pipeline stages, or the fp32 epilogue tile if larger."""
@@ -56,7 +68,7 @@ class Knobs:
 
     def registers_estimate(self) -> int:
         """32-bit registers per thread for accumulators and fragments (the rest is addressing)."""
-        acc = (self.warp_m // 16) * (self.warp_n // 8) * 4
+        acc = (self.warp_m // 16) * (self.warp_n // 8) * 4 * (2 if self.scale_on_acc else 1)
         frags = (self.warp_m // 16) * 4 + 4 + 4 + (self.warp_n // SLAB_N) * 4
         return acc + frags
 
@@ -77,15 +89,16 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"{kb.threads} threads exceed the 1024 a block may have"
     if problem.n % kb.block_n:
         return f"N={problem.n} is not a multiple of block_n={kb.block_n}"
-    if problem.k % kb.split_k or (problem.k // kb.split_k) % kb.block_k:
-        return f"K={problem.k} does not split into split_k={kb.split_k} parts of whole block_k={kb.block_k} tiles"
-    if not problem.channelwise:
-        if problem.group % kb.block_k:
-            return f"group={problem.group} must be a multiple of block_k={kb.block_k} (one scale row per tile)"
+    if problem.k % kb.block_k:
+        return f"K={problem.k} is not a multiple of block_k={kb.block_k}"
+    if problem.channelwise and kb.scale_on_acc:
+        return "channelwise scales are always applied to the sums; scale_on_acc adds nothing"
+    if not problem.channelwise and problem.group % kb.block_k:
+        return f"group={problem.group} must be a multiple of block_k={kb.block_k} (one scale row per tile)"
     if kb.num_stages < 2:
         return "num_stages must be at least 2 for the loads to overlap the math"
-    if (problem.k // kb.split_k) // kb.block_k < kb.num_stages:
-        return (f"each split has {(problem.k // kb.split_k) // kb.block_k} k-tiles, fewer than "
+    if kb.min_iters(problem) < kb.num_stages:
+        return (f"split_k={kb.split_k} leaves a split with {kb.min_iters(problem)} k-tiles, fewer than "
                 f"num_stages={kb.num_stages}")
     smem = kb.shared_bytes(problem)
     if smem > arch.max_shared_bytes:

@@ -20,9 +20,8 @@ its words for all four sub-tiles and a warp reads a slab with 32 consecutive 16-
 
     packed[kt, slab * 128 + lane * 4 + j]    int32, shape [K / 16, 2 * N]
 
-Scales follow the same lanes: within each 64-column slab, the eight scales a lane needs (columns
-16j + 8s + g for j < 4, s < 2) are stored contiguously at slab * 64 + 8g + (2j + s), so a lane reads
-them with one 16-byte load and sub-tile j takes the half2 at 2j.
+Scales are not permuted: [K / group, N] in natural order. A lane reads the few it needs from a
+shared-memory row once per k-tile, whether it applies them to the weights or to the fp32 sums.
 """
 from __future__ import annotations
 
@@ -43,14 +42,6 @@ def _subtile_map() -> tuple[torch.Tensor, torch.Tensor]:
     k = 2 * t + 8 * (pair % 2) + elem
     n = 8 * (pair // 2) + g
     return k, n
-
-
-def _scale_map() -> torch.Tensor:
-    """Source column (within a slab) of permuted scale position p = 8g + 2j + s."""
-    p = torch.arange(SLAB_N)
-    g, js = p // 8, p % 8
-    j, s = js // 2, js % 2
-    return 16 * j + 8 * s + g
 
 
 def check_packable(k: int, n: int) -> None:
@@ -95,21 +86,3 @@ def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
     tiles = torch.empty(kt, n // 16, 16, 16, dtype=torch.int64, device=packed.device)
     tiles[:, :, km.to(packed.device), nm.to(packed.device)] = nibbles
     return tiles.permute(0, 2, 1, 3).reshape(kt * 16, n).to(torch.uint8)
-
-
-def pack_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Scales [groups, N] -> the same shape, columns permuted per 64-column slab for the lanes."""
-    groups, n = scales.shape
-    if n % SLAB_N:
-        raise ValueError(f"N={n} must be a multiple of {SLAB_N} for the marlin_mma layout")
-    src = _scale_map().to(scales.device)
-    return scales.reshape(groups, n // SLAB_N, SLAB_N)[:, :, src].reshape(groups, n).contiguous()
-
-
-def unpack_scales(packed: torch.Tensor) -> torch.Tensor:
-    """The exact inverse of :func:`pack_scales`."""
-    groups, n = packed.shape
-    src = _scale_map().to(packed.device)
-    out = torch.empty_like(packed).reshape(groups, n // SLAB_N, SLAB_N)
-    out[:, :, src] = packed.reshape(groups, n // SLAB_N, SLAB_N)
-    return out.reshape(groups, n)
