@@ -1,0 +1,118 @@
+"""Linear-layer shapes of common models, as serving engines run them: q, k and v fused into one qkv
+projection and gate and up into one gate_up projection, so each decoder layer has four GEMMs.
+
+Shapes are K x N (input features x output features). With tensor parallelism, the column-parallel
+layers (qkv, gate_up) split their outputs N across ranks and the row-parallel ones (o, down) split
+their inputs K. No downloads: the registry holds the few config.json fields that decide the shapes,
+and any Hugging Face config.json can be given by path.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# The config.json fields that decide the linear shapes (head_dim only where it is not
+# hidden_size / num_attention_heads).
+MODELS: dict[str, dict] = {
+    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32),
+    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=40),
+    "llama-2-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8),
+    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+    "llama-3-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8),
+    "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4),
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8),
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8),
+    "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_attention_heads=64, num_key_value_heads=8),
+}
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One linear layer: C[M, n] = A[M, k] @ W[k, n]."""
+
+    name: str
+    k: int
+    n: int
+    parallel: str   # "column" (split N under tensor parallelism) or "row" (split K)
+
+    def __post_init__(self):
+        if self.parallel not in ("column", "row"):
+            raise ValueError(f"parallel must be 'column' or 'row', got {self.parallel!r}")
+        if self.k <= 0 or self.n <= 0:
+            raise ValueError(f"layer {self.name}: K and N must be positive, got {self.k}x{self.n}")
+
+    @property
+    def shape(self) -> str:
+        return f"{self.k}x{self.n}"
+
+
+def _split(value: int, tp: int, what: str) -> int:
+    if value % tp:
+        raise ValueError(f"{what}={value} is not divisible by --tp {tp}")
+    return value // tp
+
+
+def layers_from_config(config: dict, tp: int = 1) -> list[Layer]:
+    """The four linear layers of one decoder layer of a Hugging Face-style config, on one of `tp` ranks."""
+    if tp < 1:
+        raise ValueError(f"--tp must be at least 1, got {tp}")
+    try:
+        hidden = int(config["hidden_size"])
+        intermediate = int(config["intermediate_size"])
+        heads = int(config["num_attention_heads"])
+    except KeyError as exc:
+        raise ValueError(f"model config lacks {exc.args[0]!r}") from None
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+
+    q_heads = _split(heads, tp, "num_attention_heads")
+    # Fewer KV heads than ranks: each rank keeps a replica of one KV head, as vLLM and SGLang do.
+    if kv_heads % tp == 0:
+        kv_per_rank = kv_heads // tp
+    elif tp % kv_heads == 0:
+        kv_per_rank = 1
+    else:
+        raise ValueError(f"num_key_value_heads={kv_heads} can neither be split nor replicated over --tp {tp}")
+    inter = _split(intermediate, tp, "intermediate_size")
+    return [
+        Layer("qkv_proj", hidden, (q_heads + 2 * kv_per_rank) * head_dim, "column"),
+        Layer("o_proj", q_heads * head_dim, hidden, "row"),
+        Layer("gate_up_proj", hidden, 2 * inter, "column"),
+        Layer("down_proj", inter, hidden, "row"),
+    ]
+
+
+def model_layers(name_or_config_path: str, tp: int = 1) -> list[Layer]:
+    """Linear layers of a registered model (see MODELS) or of a config.json given by path."""
+    config = MODELS.get(str(name_or_config_path).lower())
+    if config is None:
+        path = Path(name_or_config_path)
+        if not path.is_file():
+            raise ValueError(f"unknown model {name_or_config_path!r}: neither a registered model "
+                             f"({', '.join(MODELS)}) nor a config.json file")
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read model config {path}: {exc}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"model config {path} is not a JSON object")
+        # Multimodal configs keep the language model's fields under text_config.
+        if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+            config = config["text_config"]
+    return layers_from_config(config, tp)
+
+
+def parse_shapes(text: str) -> list[Layer]:
+    """"4096x12288,11008x4096" -> layers named by their K x N shape (taken as given: no --tp split)."""
+    layers = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        try:
+            k, n = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"bad shape {item!r}: expected KxN such as 4096x12288") from None
+        layers.append(Layer(f"{k}x{n}", k, n, "column"))
+    if not layers:
+        raise ValueError(f"no shapes in {text!r}")
+    return layers

@@ -1,0 +1,75 @@
+"""The model-shape registry, config.json reading, tensor-parallel splits and --shapes parsing."""
+import json
+
+import pytest
+
+from gen.models import MODELS, Layer, model_layers, parse_shapes
+
+
+def shapes(layers):
+    return {layer.name: (layer.k, layer.n) for layer in layers}
+
+
+def test_llama_2_7b():
+    assert shapes(model_layers("llama-2-7b")) == {
+        "qkv_proj": (4096, 12288), "o_proj": (4096, 4096), "gate_up_proj": (4096, 22016), "down_proj": (11008, 4096)}
+
+
+def test_gqa_models():
+    # 8 KV heads of 128: qkv = 4096 + 2 * 1024
+    assert shapes(model_layers("llama-3-8b"))["qkv_proj"] == (4096, 6144)
+    assert shapes(model_layers("mistral-7b")) == shapes(model_layers("llama-3-8b"))
+    assert shapes(model_layers("llama-2-70b"))["qkv_proj"] == (8192, 10240)
+    assert shapes(model_layers("qwen2.5-7b")) == {
+        "qkv_proj": (3584, 4608), "o_proj": (3584, 3584), "gate_up_proj": (3584, 37888), "down_proj": (18944, 3584)}
+
+
+def test_required_models_are_registered():
+    for name in ("llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b"):
+        assert len(model_layers(name)) == 4
+    assert model_layers("Llama-2-7B") == model_layers("llama-2-7b")
+
+
+def test_tensor_parallel_splits():
+    tp2 = shapes(model_layers("llama-2-7b", tp=2))
+    assert tp2 == {"qkv_proj": (4096, 6144), "o_proj": (2048, 4096), "gate_up_proj": (4096, 11008),
+                   "down_proj": (5504, 4096)}
+    # 8 KV heads over 16 ranks: one replicated KV head per rank
+    assert shapes(model_layers("llama-3-70b", tp=16))["qkv_proj"] == (8192, (4 + 2) * 128)
+
+
+def test_tensor_parallel_not_divisible():
+    with pytest.raises(ValueError, match="not divisible by --tp 3"):
+        model_layers("llama-2-7b", tp=3)
+    with pytest.raises(ValueError, match="at least 1"):
+        model_layers("llama-2-7b", tp=0)
+
+
+def test_config_json(tmp_path):
+    cfg = dict(MODELS["llama-3-8b"], architectures=["LlamaForCausalLM"], head_dim=None)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert model_layers(str(path)) == model_layers("llama-3-8b")
+    path.write_text(json.dumps(dict(cfg, head_dim=256)))       # an explicit head_dim wins (Gemma-style)
+    assert shapes(model_layers(str(path)))["qkv_proj"] == (4096, (32 + 16) * 256)
+    assert shapes(model_layers(str(path)))["o_proj"] == (32 * 256, 4096)
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown model"):
+        model_layers("no-such-model")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_size": 4096}))
+    with pytest.raises(ValueError, match="intermediate_size"):
+        model_layers(str(path))
+    path.write_text("{")
+    with pytest.raises(ValueError, match="cannot read"):
+        model_layers(str(path))
+
+
+def test_parse_shapes():
+    assert parse_shapes("4096x12288, 11008x4096,") == [Layer("4096x12288", 4096, 12288, "column"),
+                                                        Layer("11008x4096", 11008, 4096, "column")]
+    for bad in ("4096", "4096x", "axb", "", "0x64"):
+        with pytest.raises(ValueError):
+            parse_shapes(bad)
