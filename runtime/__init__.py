@@ -1,1 +1,4 @@
 """tilemarlin's runtime: tuned tables, compiled-kernel lookup and the torch-facing linear op."""
+
+from .linear import QuantLinear, replace_linear  # noqa: E402
+from .op import w4a16_gemm  # noqa: E402

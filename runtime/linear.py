@@ -1,0 +1,138 @@
+"""QuantLinear, the drop-in nn.Linear with INT4 weights, and replace_linear, which swaps them in.
+
+Conventions: nn.Linear.weight is [N, K] (out x in); tilemarlin's weight is W[K, N], so converting a
+layer quantizes weight.T. A QuantLinear holds its weights already packed for the kernel (buffers
+`qweight` and `scales`, saved in the state dict), so loading one costs no repacking.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from schedules.problem import Problem
+from schedules.quant import quantize_rtn
+
+from . import gptq
+from .op import DEFAULT_LAYOUT, dtype_name, layout_family, packed_shapes, problem_of, w4a16_gemm
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequant(W) + bias with symmetric INT4 weights, run by tilemarlin's tuned kernels.
+
+    Build one with :meth:`from_linear` (round-to-nearest), :meth:`from_gptq` (a GPTQ checkpoint's
+    tensors) or :meth:`from_codes`; or construct an empty one of the right shape and load a state dict.
+    """
+
+    bits = 4
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128,
+                 dtype: torch.dtype = torch.float16, device=None, layout: str = DEFAULT_LAYOUT):
+        super().__init__()
+        problem = problem_of(out_features, in_features, group_size, dtype_name(dtype), layout)
+        self.in_features, self.out_features = in_features, out_features
+        self.group_size = problem.group   # group_size=-1 (one group over K) is stored as K
+        self.layout = layout
+        weight_shape, scales_shape = packed_shapes(problem)
+        self.register_buffer("qweight", torch.zeros(weight_shape, dtype=torch.int32, device=device))
+        self.register_buffer("scales", torch.zeros(scales_shape, dtype=dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+
+    @property
+    def problem(self) -> Problem:
+        return problem_of(self.out_features, self.in_features, self.group_size, dtype_name(self.scales.dtype),
+                          self.layout)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+                   layout: str = DEFAULT_LAYOUT) -> "QuantLinear":
+        """From INT4 codes [K, N] (zero point 8) and scales [K / group, N], on their device."""
+        k, n = codes.shape
+        if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
+            raise ValueError(f"scales {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}")
+        layer = cls(k, n, bias=bias is not None, group_size=k // scales.shape[0], dtype=scales.dtype,
+                    device=codes.device, layout=layout)
+        qweight, packed_scales = layout_family(layout).pack(codes, scales)
+        layer.qweight.copy_(qweight)
+        layer.scales.copy_(packed_scales)
+        if bias is not None:
+            layer.bias.copy_(bias)
+        return layer
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> "QuantLinear":
+        """Round-to-nearest symmetric INT4 quantization of an fp16/bf16 nn.Linear, on its device."""
+        weight = linear.weight.detach()
+        codes, scales = quantize_rtn(weight.t(), group_size, cls.bits, dtype_name(weight.dtype))
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls.from_codes(codes, scales, bias)
+
+    @classmethod
+    def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                  g_idx: torch.Tensor | None, bias: torch.Tensor | None = None, bits: int = 4,
+                  group_size: int = 128, checkpoint_format: str = "gptq") -> "QuantLinear":
+        """From one layer's tensors of a GPTQ checkpoint (see runtime/gptq.py for the layout).
+
+        Refuses, with a ValueError that says why, other bit widths, asymmetric zero points and
+        act-order (desc_act) checkpoints.
+        """
+        codes, unpacked_scales = gptq.from_gptq(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
+        return cls.from_codes(codes, unpacked_scales, bias)
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes uint8 [K, N], scales [K / group, N]): the inverse of from_codes."""
+        return layout_family(self.layout).unpack(self.qweight, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = w4a16_gemm(x, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
+                       self.layout)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"bits={self.bits}, group_size={self.group_size}, layout={self.layout}")
+
+
+def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | Iterable[str] | None = None,
+                   group_size: int = 128, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+    """Swap the nn.Linear layers of `model` for QuantLinear (round-to-nearest INT4), in place.
+
+    Parameters
+    ----------
+    model : e.g. a Hugging Face Llama-style model, already in float16 or bfloat16 on its device.
+    filter : which layers to convert: None (all), a callable ``(name, module) -> bool``, or name
+        substrings (a layer is converted when its name contains one of them).
+    group_size : input rows per scale; -1 for one scale per output column.
+    skip : name substrings never converted; the default keeps the (often tied) lm_head in fp16.
+
+    Returns the model. Raises ValueError, naming the layer, for a layer the kernel cannot hold (its
+    N must be a multiple of 64, K of 16 and of the group size), and when no layer matched.
+    """
+    wanted = _name_filter(filter)
+    skip = (skip,) if isinstance(skip, str) else tuple(skip)
+    converted: dict[int, QuantLinear] = {}   # a module shared under two names is converted once
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        if not isinstance(module, nn.Linear) or any(s in name for s in skip) or not wanted(name, module):
+            continue
+        if id(module) not in converted:
+            try:
+                converted[id(module)] = QuantLinear.from_linear(module, group_size)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"cannot convert {name!r} ({module}): {exc}. Leave it out with "
+                                 f"skip=(..., {name!r}) or a filter") from None
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(module)])
+    if not converted:
+        raise ValueError("replace_linear found no nn.Linear to convert (already converted, or the filter "
+                         "and skip left none)")
+    return model
+
+
+def _name_filter(filter) -> Callable[[str, nn.Module], bool]:
+    if filter is None:
+        return lambda name, module: True
+    if callable(filter):
+        return filter
+    substrings = (filter,) if isinstance(filter, str) else tuple(filter)
+    return lambda name, module: any(s in name for s in substrings)

@@ -1,0 +1,232 @@
+"""The torch-facing op: y = x @ dequant(W) for INT4 weights packed in a schedule family's layout.
+
+`tilemarlin::w4a16_gemm` is a torch.library custom op. Its fake implementation gives torch.compile the
+output's shape, so `torch.compile(fullgraph=True)` traces through it; its real implementation is
+CUDA-graph safe: it does no host synchronization and no Python branching on device values, allocates
+only the output (and a split-K workspace the first time a size is seen on a stream), and launches
+one kernel on the current stream.
+
+Dispatch: M = x.numel() // K picks an M bucket; the tuned table of this GPU names the schedule for
+(problem, bucket), else the cost model picks one (with one warning per problem saying how to tune
+it). The choice and its compiled kernel are cached per (device, problem, layout, bucket), so after
+the first call of a bucket a call costs dictionary lookups; a kernel is compiled (or loaded from the
+compiled cache) at most once per process.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from schedules.problem import Problem
+from schedules.registry import FAMILIES, Schedule
+
+from .table import bucket_of
+from .workspace import split_k_workspace
+
+DEFAULT_LAYOUT = FAMILIES["marlin_mma"].LAYOUT
+_FAMILY_OF_LAYOUT = {fam.LAYOUT: fam for fam in FAMILIES.values()}
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class UntunedShapeWarning(UserWarning):
+    """A problem has no tuned kernel on this GPU; the cost model's pick runs instead."""
+
+
+# --- argument checks (shared by the real and the fake implementation) ---------------------------
+
+def layout_family(layout: str):
+    """The schedule family whose kernels read weights packed in `layout`."""
+    try:
+        return _FAMILY_OF_LAYOUT[layout]
+    except KeyError:
+        raise ValueError(f"unknown weight layout {layout!r}; known: {sorted(_FAMILY_OF_LAYOUT)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The Problem dtype of a torch dtype, for the dtypes the kernels take."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"the kernels take float16 or bfloat16 activations and scales, not {dtype}; "
+                        f"convert with .half() or .to(torch.bfloat16)") from None
+
+
+@functools.lru_cache(maxsize=None)
+def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAYOUT) -> Problem:
+    """The Problem of a layer, after checking that `layout` can hold its weights (N, K, group)."""
+    problem = Problem.make(n=n, k=k, group=group, dtype=dtype)
+    layout_family(layout).layout.check_packable(problem.k, problem.n)
+    return problem
+
+
+def packed_shapes(problem: Problem) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of (packed weight, packed scales) in the marlin_mma.v1 layout (see its layout.py)."""
+    return (problem.k // 16, 2 * problem.n), (problem.num_groups, problem.n)
+
+
+def _check_args(x, qweight, scales, n, k, group, layout) -> Problem:
+    dtype = dtype_name(x.dtype)
+    if scales.dtype != x.dtype:
+        raise TypeError(f"x is {x.dtype} but the weights' scales are {scales.dtype}: "
+                        f"cast the input with x.to({scales.dtype})")
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not end in the weight's K={k} input features")
+    problem = problem_of(n, k, group, dtype, layout)
+    weight_shape, scales_shape = packed_shapes(problem)
+    if qweight.dtype != torch.int32 or tuple(qweight.shape) != weight_shape:
+        raise ValueError(f"packed weight must be int32 {weight_shape} for N={n}, K={k} in {layout}, "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+    if tuple(scales.shape) != scales_shape:
+        raise ValueError(f"scales must be {scales_shape} for K={k}, group={problem.group}, N={n}, "
+                         f"got {tuple(scales.shape)}")
+    return problem
+
+
+def _check_device(x, qweight, scales) -> None:
+    if x.device.type != "cuda":
+        raise RuntimeError(f"tilemarlin::w4a16_gemm runs on CUDA GPUs, but x is on {x.device}; "
+                           f"move the input and the layer to a GPU (e.g. model.cuda())")
+    for name, t in (("packed weight", qweight), ("scales", scales)):
+        if t.device != x.device:
+            raise RuntimeError(f"x is on {x.device} but the {name} is on {t.device}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"the {name} must be contiguous and 16-byte aligned (repack the layer)")
+
+
+# --- the op --------------------------------------------------------------------------------------
+
+@torch.library.custom_op("tilemarlin::w4a16_gemm", mutates_args=())
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
+               layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
+    """y[..., N] = x[..., K] @ dequant(W)[K, N] with INT4 weights packed in `layout`.
+
+    Parameters
+    ----------
+    x : float16 or bfloat16 CUDA tensor [..., K]; any strides (a non-contiguous x is copied).
+    qweight, scales : the packed weight and scales (``schedules.marlin_mma.pack``), on x's device,
+        scales in x's dtype.
+    n, k, group : output features, input features, rows per scale (-1: one group spanning K).
+    layout : the packing of qweight and scales.
+
+    Returns
+    -------
+    A new tensor [..., N] in x's dtype.
+    """
+    problem = _check_args(x, qweight, scales, n, k, group, layout)
+    _check_device(x, qweight, scales)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel():
+        _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
+    return out
+
+
+@w4a16_gemm.register_fake
+def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT):
+    _check_args(x, qweight, scales, n, k, group, layout)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Problem, layout: str) -> None:
+    """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream."""
+    if not a.is_contiguous() or a.data_ptr() % 16:   # the kernel loads rows with 16-byte copies
+        a = a.clone(memory_format=torch.contiguous_format)
+    m = a.shape[0]
+    launcher = _launcher(a.device, problem, layout, bucket_of(m))
+    schedule = launcher.schedule
+    fam, knobs = schedule.module, schedule.knobs
+    fp32_elems, counters = fam.workspace_elems(problem, knobs, m)
+    partials, tile_counters = split_k_workspace(a.device, fp32_elems, counters) if fp32_elems or counters else (None, None)
+    launcher.kernel(*fam.kernel_args(problem, knobs, a, qweight, scales, out, partials, tile_counters))
+
+
+# --- choosing and loading kernels ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Launcher:
+    schedule: Schedule
+    kernel: object
+
+
+_LOCK = threading.RLock()   # guards the three dicts below; held while a kernel compiles
+_LAUNCHERS: dict[tuple, _Launcher] = {}
+_TABLES: dict[int, object] = {}          # device index -> this GPU's TunedTable
+_WARNED: set[Problem] = set()
+
+
+def _launcher(device: torch.device, problem: Problem, layout: str, bucket: int) -> _Launcher:
+    key = (device.index, problem, layout, bucket)
+    launcher = _LAUNCHERS.get(key)
+    if launcher is None:
+        with _LOCK:   # one thread resolves and compiles; the others then find it
+            launcher = _LAUNCHERS.get(key)
+            if launcher is None:
+                from gen.compile import compile_schedule
+                from schedules.arch import current_arch
+
+                schedule = schedule_for(problem, bucket, device, layout)
+                kernel = compile_schedule(problem, schedule, current_arch(device))
+                launcher = _LAUNCHERS[key] = _Launcher(schedule, kernel)
+    return launcher
+
+
+def schedule_for(problem: Problem, m: int, device=None, layout: str = DEFAULT_LAYOUT) -> Schedule:
+    """The schedule the op runs for `problem` at M = m on `device`: the tuned table's, else the cost
+    model's (warning once per problem). Its family must use `layout`."""
+    from schedules.arch import current_arch
+    from schedules.cost import GpuSpec, best_schedule
+
+    device = _cuda_device(device)
+    bucket = bucket_of(m)
+    with _LOCK:
+        schedule = _tuned_table(device).lookup(problem, bucket)
+        if schedule is None:
+            # The bucket's upper edge, as the tuner measures it: one choice per bucket.
+            schedule = best_schedule(problem, bucket, current_arch(device), GpuSpec.current(device))
+            _warn_untuned(problem, device, schedule)
+    if schedule.module.LAYOUT != layout:
+        raise ValueError(f"{schedule.name} reads weights in layout {schedule.module.LAYOUT}, but these are "
+                         f"packed in {layout}; repack the layer for it")
+    return schedule
+
+
+def _tuned_table(device: torch.device):
+    table = _TABLES.get(device.index)
+    if table is None:
+        from .table import GpuKey, load_tuned_table
+
+        table = _TABLES[device.index] = load_tuned_table(GpuKey.current(device))
+    return table
+
+
+def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule) -> None:
+    if problem in _WARNED:
+        return
+    _WARNED.add(problem)
+    warnings.warn(
+        f"no tuned kernel for {problem.name} on {torch.cuda.get_device_name(device)}; running the cost "
+        f"model's pick ({schedule.name}), which may be slower. Tune this shape (K x N) with: "
+        f"gen tune --shapes {problem.k}x{problem.n}", UntunedShapeWarning, stacklevel=2)
+
+
+def precompile(problems: Iterable[Problem], ms: Iterable[int], device=None, layout: str = DEFAULT_LAYOUT,
+               workers: int | None = None) -> dict:
+    """Compile, in parallel, every kernel the op will run for `problems` at the M values `ms`, so
+    that first calls only load them from the compiled cache. Returns {(problem, schedule): error or None}."""
+    from gen.compile import compile_many
+    from schedules.arch import current_arch
+
+    device = _cuda_device(device)
+    buckets = {bucket_of(m) for m in ms}
+    jobs = {(p, schedule_for(p, b, device, layout)) for p in set(problems) for b in buckets}
+    return compile_many(sorted(jobs, key=lambda job: (job[0].name, job[1].name)), current_arch(device), workers)
+
+
+def _cuda_device(device) -> torch.device:
+    """`device` as a torch.device with an index; None is the current CUDA device."""
+    device = torch.device("cuda") if device is None else torch.device(device)
+    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device

@@ -1,0 +1,317 @@
+"""The runtime without a GPU: QuantLinear, replace_linear, the op's checks, fake tensors and dispatch.
+
+Where a test needs the op to compute on the CPU, it swaps the CUDA launch for the fp32 reference
+(`reference_launch`), so that everything around the kernel is checked: shapes, transposes, bias.
+"""
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import runtime.op as op
+from runtime import QuantLinear, replace_linear, w4a16_gemm
+from schedules import marlin_mma
+from schedules.problem import Problem
+from schedules.quant import dequantize, quantize_rtn, reference_matmul
+from schedules.registry import Schedule
+
+
+def reference_launch(a, qweight, scales, out, problem, layout):
+    codes, unpacked_scales = marlin_mma.unpack(qweight, scales)
+    out.copy_(reference_matmul(a, codes, unpacked_scales).to(out.dtype))
+
+
+@pytest.fixture
+def cpu_op(monkeypatch):
+    """The op computing with the reference on CPU tensors."""
+    monkeypatch.setattr(op, "_check_device", lambda *tensors: None)
+    monkeypatch.setattr(op, "_launch", reference_launch)
+
+
+def _linear(k=256, n=192, bias=True, dtype=torch.float16, seed=0):
+    torch.manual_seed(seed)
+    return nn.Linear(k, n, bias=bias).to(dtype)
+
+
+# --- QuantLinear ---------------------------------------------------------------------------------
+
+def test_from_linear_quantizes_the_transposed_weight():
+    linear = _linear()
+    layer = QuantLinear.from_linear(linear, group_size=64)
+    codes, scales = quantize_rtn(linear.weight.detach().t(), 64)
+    got_codes, got_scales = layer.unpack()
+    assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales)
+    assert torch.equal(layer.bias, linear.bias.detach())
+    assert layer.qweight.dtype == torch.int32 and tuple(layer.qweight.shape) == (256 // 16, 2 * 192)
+    w = dequantize(got_codes, got_scales).t()
+    assert (w - linear.weight.float()).abs().max() <= 0.6 * scales.float().max()   # half a step, and rounding
+
+
+def test_extra_repr_names_the_layer():
+    text = repr(QuantLinear.from_linear(_linear(bias=False), group_size=128))
+    for part in ("in_features=256", "out_features=192", "bits=4", "group_size=128", "layout=marlin_mma.v1"):
+        assert part in text
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_state_dict_round_trip(bias):
+    layer = QuantLinear.from_linear(_linear(bias=bias), group_size=64)
+    fresh = QuantLinear(256, 192, bias=bias, group_size=64)
+    fresh.load_state_dict(layer.state_dict())
+    assert set(layer.state_dict()) == ({"qweight", "scales", "bias"} if bias else {"qweight", "scales"})
+    for name, tensor in layer.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        QuantLinear(256, 192, bias=bias, group_size=128).load_state_dict(layer.state_dict())
+
+
+def test_channelwise_is_group_minus_one():
+    layer = QuantLinear.from_linear(_linear(), group_size=-1)
+    assert layer.group_size == 256 and tuple(layer.scales.shape) == (1, 192)
+
+
+@pytest.mark.parametrize("k, n, group, match", [
+    (256, 100, 128, "N=100 must be a multiple of 64"),
+    (200, 128, 8, "K=200 must be a multiple of 16"),
+    (256, 128, 96, "not a multiple of the group size 96"),
+])
+def test_shapes_the_layout_cannot_hold(k, n, group, match):
+    with pytest.raises(ValueError, match=match):
+        QuantLinear(k, n, group_size=group)
+
+
+def test_float32_layers_are_refused():
+    with pytest.raises(TypeError, match="float16 or bfloat16.*not torch.float32"):
+        QuantLinear.from_linear(_linear(dtype=torch.float32))
+
+
+def test_forward_matches_the_reference(cpu_op):
+    linear = _linear()
+    layer = QuantLinear.from_linear(linear, group_size=64)
+    codes, scales = layer.unpack()
+    x = torch.randn(2, 5, 256, dtype=torch.float16)
+    want = (reference_matmul(x.reshape(-1, 256), codes, scales) + linear.bias.float()).reshape(2, 5, 192)
+    got = layer(x)
+    assert got.shape == (2, 5, 192) and got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+
+
+# --- replace_linear ------------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(128, 128, bias=False)
+        self.up_proj = nn.Linear(128, 256, bias=False)
+        self.down_proj = nn.Linear(256, 128, bias=True)
+
+
+class TinyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.lm_head = nn.Linear(128, 200, bias=False)
+
+
+def _kinds(model):
+    return {name: type(m).__name__ for name, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+
+
+def test_replace_linear_converts_all_but_lm_head():
+    model = TinyModel().half()
+    assert replace_linear(model, group_size=64) is model
+    kinds = _kinds(model)
+    assert kinds.pop("lm_head") == "Linear"
+    assert len(kinds) == 6 and set(kinds.values()) == {"QuantLinear"}
+    assert model.layers[1].down_proj.bias is not None and model.layers[0].q_proj.bias is None
+
+
+@pytest.mark.parametrize("filter, converted", [
+    (["up_proj", "down_proj"], {"up_proj", "down_proj"}),
+    ("q_proj", {"q_proj"}),
+    (lambda name, module: module.out_features == 128, {"q_proj", "down_proj"}),
+])
+def test_replace_linear_filters(filter, converted):
+    model = TinyModel().half()
+    replace_linear(model, filter=filter, group_size=64)
+    for name, kind in _kinds(model).items():
+        assert (kind == "QuantLinear") == (name.rsplit(".", 1)[-1] in converted), name
+
+
+def test_replace_linear_converts_a_shared_layer_once():
+    model = TinyModel().half()
+    model.layers[1].q_proj = model.layers[0].q_proj
+    replace_linear(model, filter="q_proj", group_size=64)
+    assert isinstance(model.layers[0].q_proj, QuantLinear) and model.layers[1].q_proj is model.layers[0].q_proj
+
+
+def test_replace_linear_names_a_layer_it_cannot_convert():
+    model = TinyModel().half()
+    with pytest.raises(ValueError, match="'lm_head'.*N=200 must be a multiple of 64"):
+        replace_linear(model, skip=(), group_size=64)
+
+
+def test_replace_linear_without_a_match_says_so():
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        replace_linear(TinyModel().half(), filter="o_proj")
+
+
+def test_replace_linear_on_a_tiny_llama_matches_fake_quantized_weights(cpu_op):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
+    fake_quantized = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
+    fake_quantized.load_state_dict(model.state_dict())
+    replace_linear(model, group_size=64)
+    replaced = [name for name, m in model.named_modules() if isinstance(m, QuantLinear)]
+    assert len(replaced) == 14      # q, k, v, o, gate, up, down in each of 2 layers
+    for name in replaced:
+        codes, scales = model.get_submodule(name).unpack()
+        fake_quantized.get_submodule(name).weight.data.copy_(dequantize(codes, scales).t())
+    ids = torch.randint(0, 128, (2, 7))
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), fake_quantized(ids).logits.float()
+    assert (got - want).norm() / want.norm() < 1e-2
+
+
+# --- the op's checks -----------------------------------------------------------------------------
+
+def _op_args(m=3, k=256, n=128, group=128, dtype=torch.float16):
+    qweight, scales = marlin_mma.pack(torch.randint(0, 16, (k, n), dtype=torch.uint8), torch.rand(k // group, n).to(dtype))
+    return torch.randn(m, k, dtype=dtype), qweight, scales, n, k, group
+
+
+def test_cpu_tensors_are_refused_naming_the_device():
+    with pytest.raises(RuntimeError, match="runs on CUDA GPUs, but x is on cpu"):
+        w4a16_gemm(*_op_args())
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (lambda a: (a[0].float(),) + a[1:], TypeError, "not torch.float32"),
+    (lambda a: (a[0].bfloat16(),) + a[1:], TypeError, "x is torch.bfloat16 but the weights' scales are torch.float16"),
+    (lambda a: (a[0][:, :128],) + a[1:], ValueError, "does not end in the weight's K=256"),
+    (lambda a: a[:3] + (100, 256, 128), ValueError, "N=100 must be a multiple of 64"),
+    (lambda a: a[:3] + (128, 256, 96), ValueError, "not a multiple of the group size 96"),
+    (lambda a: (a[0], a[1][:, :128]) + a[2:], ValueError, "packed weight must be int32"),
+    (lambda a: a[:2] + (a[2][:, :64],) + a[3:], ValueError, "scales must be"),
+])
+def test_bad_arguments_are_refused(change, error, match):
+    with pytest.raises(error, match=match):
+        w4a16_gemm(*change(_op_args()))
+
+
+def test_unknown_layout_is_refused():
+    with pytest.raises(ValueError, match="unknown weight layout 'marlin_mma.v0'"):
+        w4a16_gemm(*_op_args(), layout="marlin_mma.v0")
+
+
+def test_fake_tensors_give_the_output_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 9, 256, dtype=torch.float16, device="cuda")
+        qweight = torch.empty(16, 256, dtype=torch.int32, device="cuda")
+        scales = torch.empty(2, 128, dtype=torch.float16, device="cuda")
+        y = w4a16_gemm(x, qweight, scales, 128, 256, 128)
+        assert y.shape == (2, 9, 128) and y.dtype == torch.float16 and y.device.type == "cuda"
+        with pytest.raises(ValueError, match="K=256"):
+            w4a16_gemm(torch.empty(9, 128, dtype=torch.float16, device="cuda"), qweight, scales, 128, 256, 128)
+
+
+def test_dynamo_traces_a_quant_linear_into_one_graph():
+    layer = QuantLinear.from_linear(_linear(), group_size=64)
+    model = nn.Sequential(nn.LayerNorm(256).half(), layer, nn.SiLU())
+    graph, _ = torch._dynamo.export(model)(torch.randn(4, 256, dtype=torch.float16))
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert "tilemarlin.w4a16_gemm.default" in targets
+
+
+def test_op_passes_torch_library_checks(cpu_op):
+    x, qweight, scales, n, k, group = _op_args()
+    torch.library.opcheck(torch.ops.tilemarlin.w4a16_gemm.default, (x, qweight, scales, n, k, group),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+# --- dispatch: tuned table, cost-model fallback, caching ----------------------------------------
+
+PROBLEM = Problem(n=128, k=256, group=128)
+TUNED = Schedule("marlin_mma", marlin_mma.Knobs(block_n=128, split_k=1))
+FALLBACK = Schedule("marlin_mma", marlin_mma.Knobs(block_n=64, split_k=2))
+
+
+class StubTable:
+    def __init__(self, entries):
+        self.entries, self.lookups = entries, []
+
+    def lookup(self, problem, m):
+        self.lookups.append((problem, m))
+        return self.entries.get((problem, m))
+
+
+@pytest.fixture
+def dispatch(monkeypatch):
+    """Dispatch with a stub table, a counting compiler and a stub cost model; no GPU."""
+    import schedules.arch
+    import schedules.cost
+    import gen.compile
+
+    calls = {"compile": [], "fallback": []}
+    table = StubTable({(PROBLEM, 16): TUNED})
+    monkeypatch.setattr(op, "_LAUNCHERS", {})
+    monkeypatch.setattr(op, "_WARNED", set())
+    monkeypatch.setattr(op, "_tuned_table", lambda device: table)
+    monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: schedules.arch.get_arch("sm_90a"))
+    monkeypatch.setattr(schedules.cost.GpuSpec, "current", classmethod(lambda cls, device=None: None))
+    monkeypatch.setattr(schedules.cost, "best_schedule",
+                        lambda problem, m, arch, gpu=None: calls["fallback"].append(m) or FALLBACK)
+    monkeypatch.setattr(gen.compile, "compile_schedule",
+                        lambda problem, schedule, arch: calls["compile"].append(schedule) or f"kernel {schedule.name}")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stub GPU")
+    return table, calls
+
+
+CUDA0 = torch.device("cuda", 0)
+
+
+def test_tuned_bucket_runs_the_tuned_schedule_compiled_once(dispatch):
+    table, calls = dispatch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
+        assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16) is first
+    assert first.schedule == TUNED and calls["compile"] == [TUNED] and len(table.lookups) == 1
+
+
+def test_untuned_bucket_falls_back_to_the_cost_model_warning_once_per_problem(dispatch):
+    _, calls = dispatch
+    with pytest.warns(op.UntunedShapeWarning, match="gen tune --shapes 256x128") as record:
+        for bucket in (1, 1, 4, 1024):
+            assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, bucket).schedule == FALLBACK
+    assert len([w for w in record if issubclass(w.category, op.UntunedShapeWarning)]) == 1
+    assert calls["fallback"] == [1, 4, 1024]
+
+
+def test_concurrent_first_calls_compile_once(dispatch):
+    _, calls = dispatch
+    barrier = threading.Barrier(8)
+    found = []
+
+    def first_call():
+        barrier.wait()
+        found.append(op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16))
+
+    threads = [threading.Thread(target=first_call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(found) == 8 and len({id(f) for f in found}) == 1 and calls["compile"] == [TUNED]
+
+
+def test_a_schedule_for_another_layout_is_refused(dispatch):
+    with pytest.raises(ValueError, match="reads weights in layout marlin_mma.v1, but these are packed in other.v9"):
+        op.schedule_for(PROBLEM, 16, CUDA0, layout="other.v9")
