@@ -1,0 +1,316 @@
+"""The search for the fastest correct kernel of each (problem, M bucket).
+
+1. Plan: the cost model ranks every valid schedule at the bucket's upper edge; the top ones are kept.
+2. Compile: M is dynamic, so one kernel serves every bucket; the jobs are deduplicated across buckets
+   and compiled in parallel on the CPU cores (gen.compile.compile_many fills the disk cache).
+3. Measure, on the GPU: each candidate is checked against the fp32 reference first (fresh random
+   inputs at both ends of the bucket, output poisoned with NaN, two calls so that a split-K workspace
+   left dirty is caught), then timed with gen.measure.time_calls over weight copies that L2 cannot
+   hold, next to FP16 torch.matmul in the same process.
+A candidate that fails to compile, crashes, hangs or is wrong is a result with its reason, never the
+end of the run.
+
+Measuring runs in a child process. A kernel that faults (illegal address) leaves the CUDA context
+unusable for the rest of the process, so the child reports the culprit, exits, and a fresh child
+carries on with the remaining candidates; a child that dies or stops reporting is handled the same way.
+"""
+from __future__ import annotations
+
+import functools
+import multiprocessing
+from dataclasses import dataclass, field
+
+from schedules.arch import Arch, get_arch
+from schedules.cost import GpuSpec, estimate_us, rank
+from schedules.problem import Problem
+from schedules.registry import Schedule
+from runtime.table import bucket_range
+
+DEFAULT_TOP = 8
+# fp16 outputs carry ~5e-4 of rounding error; bf16 has an 8-bit mantissa, so its rounding alone is ~2e-3.
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+STALL_TIMEOUT_S = 300.0   # no word from the measuring child for this long: the kernel is presumed hung
+
+
+@dataclass
+class Result:
+    """One candidate at one bucket: its estimate and then its time, or why it has none."""
+
+    schedule: Schedule
+    estimate_us: float
+    us: float | None = None
+    rel_err: float | None = None
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"schedule": self.schedule.to_dict(), "name": self.schedule.name, "estimate_us": self.estimate_us,
+                "us": self.us, "rel_err": self.rel_err, "error": self.error}
+
+
+@dataclass
+class BucketSearch:
+    """The candidates of one (problem, bucket) and FP16's time at the bucket's upper edge."""
+
+    problem: Problem
+    bucket: int
+    results: list[Result] = field(default_factory=list)
+    fp16_us: float | None = None
+
+    def winner(self) -> Result | None:
+        timed = [r for r in self.results if r.us is not None and r.error is None]
+        return min(timed, key=lambda r: r.us) if timed else None
+
+    def timings(self) -> list[dict]:
+        return [r.to_dict() for r in self.results]
+
+
+def achieved_gbps(problem: Problem, m: int, us: float) -> float:
+    """Bytes one call must move (weights, scales, activations, output) per second, in GB/s."""
+    elem = 2
+    moved = problem.weight_bytes() + m * problem.k * elem + m * problem.n * elem
+    return moved / (us * 1e-6) / 1e9
+
+
+def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = DEFAULT_TOP) -> list[BucketSearch]:
+    """The top `top` candidates of each (problem, bucket) by estimated time at the bucket's edge."""
+    if top < 1:
+        raise ValueError(f"--top must be at least 1, got {top}")
+    return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu)) for s in rank(p, b, arch, gpu)[:top]])
+            for p, b in pairs]
+
+
+def compile_jobs(searches: list[BucketSearch]) -> list[tuple[Problem, Schedule]]:
+    """Distinct (problem, schedule) pairs, in first-seen order: one kernel serves every bucket."""
+    return list(dict.fromkeys((s.problem, r.schedule) for s in searches for r in s.results))
+
+
+def compile_candidates(searches: list[BucketSearch], arch: Arch, workers: int | None = None, progress=None) -> int:
+    """Compile every planned candidate once; failures become `compile:` errors. Returns the job count."""
+    from gen.compile import compile_many
+
+    jobs = compile_jobs(searches)
+    errors = compile_many(jobs, arch, workers=workers, progress=progress) if jobs else {}
+    for search in searches:
+        for r in search.results:
+            if errors.get((search.problem, r.schedule)):
+                r.error = f"compile: {errors[(search.problem, r.schedule)]}"
+    return len(jobs)
+
+
+# --- measuring (parent side) ---------------------------------------------------------------------
+
+class MeasureError(RuntimeError):
+    """The measuring child could not start (no GPU, broken install): nothing can be measured."""
+
+
+def measure_problem(problem: Problem, arch: Arch, searches: list[BucketSearch], progress=None, on_bucket=None,
+                    stall_timeout_s: float = STALL_TIMEOUT_S, child_main=None) -> None:
+    """Check and time the compiled candidates of `searches` (all of `problem`) in child processes.
+
+    Fills each Result's us / rel_err / error and each search's fp16_us; calls progress(result) after
+    every candidate and on_bucket(search) when a bucket is complete. `child_main` replaces the
+    measuring child (tests drive the crash and hang handling with fake children).
+    """
+    child_main = child_main or _measure_child
+    by_bucket = {s.bucket: s for s in searches}
+    todo = {s.bucket: [i for i, r in enumerate(s.results) if r.error is None] for s in searches}
+    for bucket in [b for b, idx in todo.items() if not idx]:        # nothing compiled: done already
+        del todo[bucket]
+        if on_bucket:
+            on_bucket(by_bucket[bucket])
+    ctx = multiprocessing.get_context("spawn")   # a fresh CUDA context for every child
+    while todo:
+        tasks = [(b, [(i, by_bucket[b].results[i].schedule) for i in idx]) for b, idx in todo.items()]
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=child_main, args=(child_end, problem, arch.name, tasks), daemon=True)
+        child.start()
+        child_end.close()
+        started, progressed = None, False
+        try:
+            while True:
+                if not parent_end.poll(stall_timeout_s):
+                    lost = f"hung: no progress for {stall_timeout_s:.0f} s, the measuring process was killed"
+                    break
+                try:
+                    msg = parent_end.recv()
+                except EOFError:
+                    child.join(5)
+                    lost = f"crashed the measuring process (exit code {child.exitcode})"
+                    break
+                kind = msg[0]
+                if kind == "start":
+                    started = msg[1:]
+                elif kind == "fp16":
+                    by_bucket[msg[1]].fp16_us = msg[2]
+                elif kind == "result":
+                    _, bucket, i, fields = msg
+                    _finish(by_bucket[bucket], i, fields, todo, progress, on_bucket)
+                    started, progressed = None, True
+                elif kind == "restart":          # the CUDA context is gone; the culprit was reported
+                    lost = None
+                    break
+                elif kind == "fatal":
+                    raise MeasureError(f"measuring {problem.name} failed: {msg[1]}")
+                elif kind == "done":
+                    lost = None
+                    break
+        finally:
+            if child.is_alive():
+                child.kill()
+            child.join()
+            parent_end.close()
+        if lost and started:
+            bucket, i = started
+            _finish(by_bucket[bucket], i, {"error": lost}, todo, progress, on_bucket)
+        elif not progressed:   # a child that finishes nothing would be restarted forever
+            raise MeasureError(f"measuring {problem.name} failed before any candidate finished: "
+                               f"{lost or 'the measuring process stopped'}")
+
+
+def _finish(search: BucketSearch, i: int, fields: dict, todo: dict, progress, on_bucket) -> None:
+    result = search.results[i]
+    for name, value in fields.items():
+        setattr(result, name, value)
+    todo[search.bucket].remove(i)
+    if progress:
+        progress(result)
+    if not todo[search.bucket]:
+        del todo[search.bucket]
+        if on_bucket:
+            on_bucket(search)
+
+
+# --- measuring (child side) ----------------------------------------------------------------------
+
+def _measure_child(conn, problem: Problem, arch_name: str, tasks: list) -> None:
+    """Entry point of the measuring process; reports over `conn` (see measure_problem)."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    try:
+        bench = _Bench(problem)
+    except Exception as exc:
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        return
+    arch = get_arch(arch_name)
+    for bucket, candidates in tasks:
+        try:
+            conn.send(("fp16", bucket, bench.time_fp16(bucket)))
+        except Exception as exc:
+            conn.send(("fatal", f"FP16 baseline at M={bucket}: {type(exc).__name__}: {exc}"))
+            return
+        for i, schedule in candidates:
+            conn.send(("start", bucket, i))
+            try:
+                fields = bench.check_and_time(schedule, arch, bucket)
+            except Exception as exc:
+                fields = {"error": f"failed: {type(exc).__name__}: {str(exc).strip()[:300]}"}
+                if not _cuda_usable():
+                    fields["error"] = "crash (CUDA context lost): " + fields["error"][len("failed: "):]
+                    conn.send(("result", bucket, i, fields))
+                    conn.send(("restart",))
+                    return
+            conn.send(("result", bucket, i, fields))
+    conn.send(("done",))
+
+
+def _cuda_usable() -> bool:
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return torch.ones(1, device="cuda").add_(1).item() == 2.0
+    except Exception:
+        return False
+
+
+class _Bench:
+    """Random weights of one problem on the GPU, packed per family, with copies for timing."""
+
+    def __init__(self, problem: Problem):
+        import torch
+
+        from schedules.quant import torch_dtype
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device is visible")
+        torch.manual_seed(0)
+        self.problem = problem
+        self.dtype = torch_dtype(problem.dtype)
+        p = problem
+        self.codes = torch.randint(0, 1 << p.bits, (p.k, p.n), dtype=torch.uint8, device="cuda")
+        # Scales of ~1/100 keep outputs of K-long sums of O(1) activations well inside fp16.
+        self.scales = (torch.rand(p.num_groups, p.n, device="cuda") * 0.01 + 0.005).to(self.dtype)
+        self._packed: dict[str, list] = {}
+        self.fp16_weights = None
+
+    def packed(self, family_module) -> list:
+        """Copies of the packed weights: the first is checked, all are rotated through when timing."""
+        from gen.measure import copies_for
+
+        name = family_module.NAME
+        if name not in self._packed:
+            qw, qs = family_module.pack(self.codes, self.scales)
+            n = copies_for(qw.numel() * qw.element_size() + qs.numel() * qs.element_size())
+            self._packed[name] = [(qw, qs)] + [(qw.clone(), qs.clone()) for _ in range(n - 1)]
+        return self._packed[name]
+
+    def time_fp16(self, m: int) -> float:
+        import torch
+
+        from gen.measure import copies_for, time_calls
+        from schedules.quant import dequantize
+
+        if self.fp16_weights is None:
+            w = dequantize(self.codes, self.scales, self.problem.bits).to(self.dtype)
+            self.fp16_weights = [w] + [w.clone() for _ in range(copies_for(w.numel() * w.element_size()) - 1)]
+        a = torch.randn(m, self.problem.k, dtype=self.dtype, device="cuda")
+        out = torch.empty(m, self.problem.n, dtype=self.dtype, device="cuda")
+        return time_calls([functools.partial(torch.matmul, a, w, out=out) for w in self.fp16_weights])
+
+    def check_and_time(self, schedule: Schedule, arch: Arch, bucket: int) -> dict:
+        """{"us", "rel_err"} of a correct candidate, or {"error", "rel_err"} of a wrong one."""
+        import torch
+
+        from gen.compile import compile_schedule
+        from gen.measure import time_calls
+        from schedules.quant import reference_matmul, relative_error
+
+        p, fam, knobs = self.problem, schedule.module, schedule.knobs
+        kernel = compile_schedule(p, schedule, arch)    # a disk-cache hit after compile_many
+        copies = self.packed(fam)
+        ws_elems, counter_elems = fam.workspace_elems(p, knobs, bucket)
+        ws = torch.zeros(ws_elems, dtype=torch.float32, device="cuda")
+        counters = torch.zeros(counter_elems, dtype=torch.int32, device="cuda")
+        tol = TOLERANCE[p.dtype]
+
+        def run(m: int, qw, qs):
+            a = torch.randn(m, p.k, dtype=self.dtype, device="cuda")
+            out = torch.full((m, p.n), float("nan"), dtype=self.dtype, device="cuda")
+            args = fam.kernel_args(p, knobs, a, qw, qs, out, ws, counters)
+            return a, out, args
+
+        worst = 0.0
+        low, _ = bucket_range(bucket)
+        for m in sorted({low, bucket}):
+            for call in (1, 2):   # the second call runs on the workspace the first one left behind
+                a, out, args = run(m, *copies[0])
+                kernel(*args)
+                torch.cuda.synchronize()
+                err = relative_error(out, reference_matmul(a, self.codes, self.scales, p.bits))
+                worst = max(worst, err)
+                if not err < tol:
+                    return {"error": f"wrong: relative error {err:.3g} at M={m} (call {call}), tolerance {tol}",
+                            "rel_err": err}
+        if ws.any() or counters.any():
+            return {"error": "wrong: the split-K workspace was not left zero", "rel_err": worst}
+
+        a, out, _ = run(bucket, *copies[0])
+        calls = [functools.partial(kernel, *fam.kernel_args(p, knobs, a, qw, qs, out, ws, counters))
+                 for qw, qs in copies]
+        us = time_calls(calls)
+        # The replays must still compute the right thing (e.g. split-K state across graph replays).
+        err = relative_error(out, reference_matmul(a, self.codes, self.scales, p.bits))
+        if not err < tol:
+            return {"error": f"wrong after timing: relative error {err:.3g} at M={bucket}", "rel_err": err}
+        return {"us": us, "rel_err": max(worst, err)}

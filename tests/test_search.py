@@ -1,0 +1,166 @@
+"""The search without a GPU: planning, deduplicated compile jobs, failure bookkeeping, and the
+measuring-process protocol (crashes, hangs, lost CUDA contexts) driven by fake measuring children.
+
+gen.search is imported inside the tests, not here: each fake child is spawned from this module and
+should start in a fraction of a second, without importing TileLang.
+"""
+import os
+import time
+
+import pytest
+
+from schedules.arch import get_arch
+from schedules.problem import Problem
+
+H200 = get_arch("sm_90a")
+QKV = Problem.make(n=12288, k=4096)
+
+
+def _search():
+    import gen.search
+
+    return gen.search
+
+
+def _spec():
+    from schedules.cost import GpuSpec
+
+    return GpuSpec.for_arch(H200)
+
+
+def test_plan_keeps_the_top_ranked():
+    from schedules.cost import rank
+
+    s = _search()
+    searches = s.plan([(QKV, 1), (QKV, 4096)], H200, _spec(), top=5)
+    assert [(x.problem, x.bucket) for x in searches] == [(QKV, 1), (QKV, 4096)]
+    for x in searches:
+        assert [r.schedule for r in x.results] == rank(QKV, x.bucket, H200, _spec())[:5]
+        assert [r.estimate_us for r in x.results] == sorted(r.estimate_us for r in x.results)
+        assert all(r.us is None and r.error is None for r in x.results)
+    with pytest.raises(ValueError, match="--top"):
+        s.plan([(QKV, 1)], H200, _spec(), top=0)
+
+
+def test_compile_jobs_are_deduplicated_across_buckets():
+    s = _search()
+    small = s.plan([(QKV, b) for b in (1, 2, 4, 8, 16)], H200, _spec(), top=4)
+    assert len(s.compile_jobs(small)) == 4       # same padded 16-row tile: the same top 4
+    everything = s.plan([(QKV, b) for b in (1, 16, 256, 4096)], H200, _spec(), top=4)
+    jobs = s.compile_jobs(everything)
+    assert len(jobs) == len(set(jobs)) < 16
+    assert set(jobs) == {(QKV, r.schedule) for x in everything for r in x.results}
+
+
+def test_compile_failures_become_results(monkeypatch):
+    s = _search()
+    searches = s.plan([(QKV, 1), (QKV, 16)], H200, _spec(), top=3)
+    broken = searches[0].results[1].schedule
+    seen = []
+
+    def fake_compile_many(jobs, arch, workers=None, progress=None):
+        seen.extend(jobs)
+        return {job: ("nvcc: out of registers" if job[1] == broken else None) for job in jobs}
+
+    monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)
+    assert s.compile_candidates(searches, H200) == 3 == len(seen)
+    for x in searches:
+        for r in x.results:
+            assert r.error == ("compile: nvcc: out of registers" if r.schedule == broken else None)
+
+
+def test_winner_and_timings():
+    s = _search()
+    x = s.BucketSearch(QKV, 16, [s.Result("a", 1.0, us=9.0), s.Result("b", 2.0, us=7.0),
+                                 s.Result("c", 3.0, error="wrong: 0.5", rel_err=0.5), s.Result("d", 4.0)])
+    assert x.winner().schedule == "b"
+    assert s.BucketSearch(QKV, 16, [s.Result("c", 3.0, error="compile: x")]).winner() is None
+
+
+def test_achieved_gbps():
+    s = _search()
+    moved = QKV.weight_bytes() + 16 * (QKV.k + QKV.n) * 2
+    assert s.achieved_gbps(QKV, 16, 10.0) == pytest.approx(moved / 10e-6 / 1e9)
+
+
+# --- the measuring-process protocol, with fake children --------------------------------------------
+# A fake child reads its "schedules" as instructions: "ok:<us>", "wrong", "crash" (the process dies),
+# "hang", "lost" (the CUDA context is gone: report and ask for a restart).
+
+def fake_child(conn, problem, arch_name, tasks):
+    for bucket, candidates in tasks:
+        conn.send(("fp16", bucket, 10.0))
+        for i, what in candidates:
+            conn.send(("start", bucket, i))
+            if what.startswith("ok:"):
+                conn.send(("result", bucket, i, {"us": float(what[3:]), "rel_err": 1e-4}))
+            elif what == "wrong":
+                conn.send(("result", bucket, i, {"error": "wrong: relative error 0.5", "rel_err": 0.5}))
+            elif what == "crash":
+                os._exit(3)
+            elif what == "hang":
+                time.sleep(600)
+            elif what == "lost":
+                conn.send(("result", bucket, i, {"error": "crash (CUDA context lost): illegal address"}))
+                conn.send(("restart",))
+                return
+            else:
+                raise AssertionError(f"the parent sent {what!r}, which it should have skipped")
+    conn.send(("done",))
+
+
+def fatal_child(conn, problem, arch_name, tasks):
+    conn.send(("fatal", "RuntimeError: no CUDA device is visible"))
+
+
+def dying_child(conn, problem, arch_name, tasks):
+    os._exit(1)
+
+
+def _bucket(s, bucket, whats):
+    return s.BucketSearch(QKV, bucket, [s.Result(w, float(i)) for i, w in enumerate(whats)])
+
+
+def test_measure_survives_crashes_and_lost_contexts():
+    s = _search()
+    first = _bucket(s, 1, ["ok:5", "crash", "ok:3"])
+    second = _bucket(s, 16, ["lost", "ok:7", "wrong", "never compiled"])
+    second.results[3].error = "compile: boom"
+    done, measured = [], []
+    s.measure_problem(QKV, H200, [first, second], progress=measured.append, on_bucket=done.append,
+                      child_main=fake_child)
+
+    assert [r.us for r in first.results] == [5.0, None, 3.0]
+    assert first.results[1].error == "crashed the measuring process (exit code 3)"
+    assert first.winner().us == 3.0 and first.fp16_us == 10.0
+    assert second.results[0].error.startswith("crash (CUDA context lost)")
+    assert second.results[2].error.startswith("wrong") and second.results[2].rel_err == 0.5
+    assert second.results[3].error == "compile: boom"
+    assert second.winner().us == 7.0
+    assert sorted(d.bucket for d in done) == [1, 16]          # each bucket reported once, when complete
+    assert len(measured) == 6
+
+
+def test_measure_kills_a_hung_candidate():
+    s = _search()
+    x = _bucket(s, 1, ["hang", "ok:2"])
+    s.measure_problem(QKV, H200, [x], child_main=fake_child, stall_timeout_s=8)
+    assert x.results[0].error.startswith("hung: no progress for 8 s")
+    assert x.winner().us == 2.0
+
+
+def test_measure_reports_a_child_that_cannot_start():
+    s = _search()
+    with pytest.raises(s.MeasureError, match="no CUDA device"):
+        s.measure_problem(QKV, H200, [_bucket(s, 1, ["ok:1"])], child_main=fatal_child)
+    with pytest.raises(s.MeasureError, match="before any candidate finished"):
+        s.measure_problem(QKV, H200, [_bucket(s, 1, ["ok:1"])], child_main=dying_child)
+
+
+def test_measure_skips_buckets_with_nothing_compiled():
+    s = _search()
+    x = _bucket(s, 1, ["never compiled"])
+    x.results[0].error = "compile: boom"
+    done = []
+    s.measure_problem(QKV, H200, [x], on_bucket=done.append, child_main=dying_child)  # no child needed
+    assert done == [x] and x.winner() is None
