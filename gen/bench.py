@@ -1,0 +1,423 @@
+"""`gen bench`: tilemarlin against FP16 and the other W4A16 kernels at hand, per layer and batch size.
+
+Every kernel is timed the one way tilemarlin times anything (gen.measure.time_calls: a CUDA graph over
+enough weight copies that L2 holds none), in the same run, next to the ceilings measured in that run
+(HBM read bandwidth, FP16 tensor-core rate). Before a kernel is timed at a point, one call is checked
+against the fp32 reference where the kernel computes exactly our quantized weight; a wrong result is
+recorded as a failure, never as a time. The run is saved as JSON (`meta` + one row per layer, M and
+kernel) after every layer, and the report (gen/report.py) is built from that JSON alone, so
+`--from-json` can rebuild tables and plots on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from gen import report
+
+DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
+# fp16 results land near 1e-3 and bf16 ones (torch_int4) near 5e-3 of the reference; a wrong layout,
+# scale or reduction lands near 1.
+REL_ERR_LIMIT = 2e-2
+NO_GPU_EXIT = 2
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+def parse_ms(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, duplicates dropped); anything but positive integers is an error."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) == 0:
+            raise argparse.ArgumentTypeError(
+                f"{part!r} is not a positive integer; expected a list such as 1,2,4,16,512")
+        values.append(int(part))
+    return sorted(set(values))
+
+
+def parse_kernels(text: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [name for name in names if name not in KERNELS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown kernel(s) {', '.join(unknown)}; known: {', '.join(KERNELS)}")
+    if report.BASELINE not in names:
+        raise argparse.ArgumentTypeError(f"the list must include {report.BASELINE}: every speedup is over it")
+    return list(dict.fromkeys(names))
+
+
+def parse_group(text: str) -> int:
+    try:
+        group = int(text)
+    except ValueError:
+        group = 0
+    if group != -1 and group <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a group size; use a positive integer, or -1 for channelwise")
+    return group
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="time tilemarlin against FP16 and other W4A16 kernels, write table, JSON and plots",
+        description="Times tilemarlin, FP16 torch.matmul, torch's INT4 kernel and any other W4A16 kernel "
+                    "importable, per layer and batch size, next to the measured ceilings. Needs a CUDA GPU, "
+                    "except with --from-json.")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default="llama-2-7b",
+                        help="model name or config path (default: %(default)s)")
+    source.add_argument("--shapes", metavar="KxN,...",
+                        help="layer shapes instead of a model's, e.g. 4096x12288,4096x4096")
+    source.add_argument("--from-json", metavar="FILE",
+                        help="rebuild the table, plots and markdown from a recorded run; no GPU needed")
+    parser.add_argument("--group", type=parse_group, default=128,
+                        help="rows per scale, -1 for channelwise (default: %(default)s)")
+    parser.add_argument("--ms", type=parse_ms, default=list(DEFAULT_MS), metavar="M,...",
+                        help="batch sizes (default: %s)" % ",".join(map(str, DEFAULT_MS)))
+    parser.add_argument("--kernels", type=parse_kernels, default=list(KERNELS), metavar="NAME,...",
+                        help="kernels to time; must include fp16 (default: %s)" % ",".join(KERNELS))
+    parser.add_argument("--out", default="docs/bench",
+                        help="folder for the JSON, plots and markdown (default: %(default)s)")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also write the layers-summed table as markdown, for the docs")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    if args.from_json:
+        return _report_from_json(args)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gen bench measures kernels and needs a CUDA GPU, but torch sees none "
+              "(torch.cuda.is_available() is False).\n"
+              "To rebuild the table and plots from a recorded run, no GPU needed:\n"
+              f"  gen bench --from-json {args.out}/<gpu>-<model>.json [--markdown]", file=sys.stderr)
+        return NO_GPU_EXIT
+    try:
+        model, layers = _layers(args)
+    except (ImportError, ValueError, OSError, KeyError) as exc:
+        print(f"gen bench: {exc}", file=sys.stderr)
+        return 2
+    return _measure_and_report(args, model, layers)
+
+
+def _report_from_json(args) -> int:
+    try:
+        data = report.load(args.from_json)
+    except (OSError, ValueError) as exc:
+        print(f"gen bench: cannot read {args.from_json}: {exc}", file=sys.stderr)
+        return 2
+    for message in report.write_report(data, args.out, Path(args.from_json).stem, args.markdown):
+        print(message, file=sys.stderr)
+    return 0
+
+
+def _layers(args) -> tuple[str, list]:
+    """(name for the files, layers with .name, .k, .n): a model's linear layers or the --shapes given."""
+    from gen import models   # imported only when measuring
+    from schedules.problem import Problem
+
+    if args.shapes:
+        layers = models.parse_shapes(args.shapes)
+        name = "shapes-" + "-".join(f"{layer.k}x{layer.n}" for layer in layers)
+    else:
+        path = Path(args.model)
+        name = (path.parent.name if path.is_file() else path.name) if path.exists() else args.model
+        layers = models.model_layers(args.model)
+    for layer in layers:   # a group that does not divide K fails here, before minutes of measuring
+        Problem.make(n=layer.n, k=layer.k, group=args.group)
+    return name, layers
+
+
+# --- the kernels compared --------------------------------------------------------------------------
+# Each contender turns one layer's weights into its own format, in as many copies as L2 needs to miss,
+# and returns a function from activations x [M, K] fp16 to the list of calls to time (one per copy).
+
+class KernelUnavailable(Exception):
+    """The kernel cannot run in this environment at all: skipped for the whole run, noted in meta."""
+
+
+@dataclass
+class LayerWeights:
+    """One layer's random INT4 weights on the GPU, the source every contender's copies are made from."""
+    name: str
+    k: int
+    n: int
+    group: int            # rows per scale (K for channelwise)
+    codes: object         # uint8 [K, N] in 0..15
+    scales: object        # fp16 [K / group, N]
+
+
+@dataclass
+class Contender:
+    calls: Callable       # x -> list of zero-argument calls, one per weight copy
+    exact: bool           # computes exactly dequantize(codes, scales), so it is checked against the reference
+
+
+def _copies(tensors: tuple, nbytes: int) -> list[tuple]:
+    from gen.measure import copies_for
+
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies_for(nbytes) - 1)]
+
+
+def tilemarlin_contender(w: LayerWeights) -> Contender:
+    try:
+        from runtime.op import w4a16_gemm
+    except ImportError as exc:
+        raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
+    from schedules import marlin_mma
+
+    copies = _copies(marlin_mma.pack(w.codes, w.scales), report.weight_bytes("tilemarlin", w.k, w.n, w.group))
+    return Contender(lambda x: [functools.partial(w4a16_gemm, x, qw, qs, w.n, w.k, w.group) for qw, qs in copies],
+                     exact=True)
+
+
+def fp16_contender(w: LayerWeights) -> Contender:
+    import torch
+
+    from schedules.quant import dequantize
+
+    weight = dequantize(w.codes, w.scales).to(torch.float16)   # the same values the INT4 kernels compute with
+    copies = _copies((weight,), report.weight_bytes("fp16", w.k, w.n, w.group))
+    return Contender(lambda x: [functools.partial(torch.matmul, x, c) for (c,) in copies], exact=True)
+
+
+def torch_int4_contender(w: LayerWeights) -> Contender:
+    """torch's tinygemm kernel: bf16 activations, weights as uint8 [N, K/2] (even k in the high nibble)
+    converted to its tiled int32 layout, and (scale, zero) pairs per group with w = (q - 8) * scale + zero."""
+    import torch
+
+    if not (hasattr(torch, "_weight_int4pack_mm") and hasattr(torch, "_convert_weight_to_int4pack")):
+        raise KernelUnavailable(f"torch {torch.__version__} has no _weight_int4pack_mm")
+    tiles = [t for t in (8, 4, 2) if w.k % (16 * t) == 0]
+    if not tiles:
+        raise ValueError(f"K={w.k} is not a multiple of 32, which tinygemm needs")
+    codes_nk = w.codes.t().contiguous()
+    packed = torch._convert_weight_to_int4pack((codes_nk[:, 0::2] << 4 | codes_nk[:, 1::2]).contiguous(), tiles[0])
+    scales = w.scales.to(torch.bfloat16)
+    scale_zero = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()   # symmetric: zero 0
+    copies = _copies((packed, scale_zero), report.weight_bytes("torch_int4", w.k, w.n, w.group))
+
+    def calls(x):
+        xb = x.to(torch.bfloat16)   # converted outside the graph: only the kernel is timed
+        return [functools.partial(torch._weight_int4pack_mm, xb, p, w.group, sz) for p, sz in copies]
+
+    return Contender(calls, exact=True)
+
+
+def humming_contender(w: LayerWeights) -> Contender:
+    """humming-kernels' HummingLayer with its default kernel choices. It quantizes the weight itself
+    (its own symmetric INT4 scales), so its result is not checked against our reference."""
+    import torch
+
+    try:
+        from humming.layer import HummingLayer
+    except ImportError as exc:
+        raise KernelUnavailable(f"humming is not importable: {exc}") from None
+    from gen.measure import copies_for
+    from schedules.quant import dequantize
+
+    weight_nk = dequantize(w.codes, w.scales).to(torch.float16).t().contiguous()
+    layers = []
+    for _ in range(copies_for(report.weight_bytes("humming", w.k, w.n, w.group))):
+        config = {"dtype": "int4", "group_size": 0 if w.group == w.k else w.group}   # 0: channelwise
+        layer = HummingLayer(shape_n=w.n, shape_k=w.k, weight_config=config, torch_dtype=torch.float16).cuda()
+        layer.load_from_unquantized(weight_nk)
+        layer.transform()
+        layers.append(layer)
+    return Contender(lambda x: [functools.partial(layer, x) for layer in layers], exact=False)
+
+
+CONTENDERS = {"tilemarlin": tilemarlin_contender, "fp16": fp16_contender,
+              "torch_int4": torch_int4_contender, "humming": humming_contender}
+
+
+# --- measuring ---------------------------------------------------------------------------------------
+
+def replays_for(m: int) -> int:
+    """Graph replays per point: prefill-sized calls run milliseconds each, and ten replays of those
+    give as steady a median as thirty of the microsecond-sized decode calls."""
+    return 30 if m <= 256 else 10
+
+
+def _error_text(exc: BaseException) -> str:
+    """One line for the row: the message's first line, or its last where it carries a traceback
+    (TVM and TileLang errors end with the statement that matters)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    line = (lines[-1] if lines[0].startswith("Traceback") else lines[0]) if lines else ""
+    return f"{type(exc).__name__}: {line}"[:300]
+
+
+def _measure_point(contender: Contender, x, reference, kernel: str, w: LayerWeights, m: int) -> dict:
+    """One row: the kernel checked (where exact), then timed; any failure becomes the row's error."""
+    from gen.measure import time_calls
+    from schedules.quant import relative_error
+
+    row = {}
+    try:
+        calls = contender.calls(x)
+        if contender.exact:
+            err = relative_error(calls[0](), reference())
+            row["rel_err"] = err if math.isfinite(err) else None   # JSON has no inf
+            if not err <= REL_ERR_LIMIT:   # NaN and inf (non-finite output) fail too
+                raise ValueError(f"wrong result: relative error {err:.2e} > {REL_ERR_LIMIT:.0e}")
+        us = time_calls(calls, replays=replays_for(m))
+    except Exception as exc:  # a kernel that fails is a result, not a crash
+        return {**row, "us": None, "error": _error_text(exc)}
+    nbytes = report.bytes_moved(kernel, w.k, w.n, m, w.group)
+    return {**row, "us": us, "bytes": nbytes, "gbps": nbytes / us / 1e3,
+            "tflops": report.flops(w.k, w.n, m) / us / 1e6}
+
+
+def _random_weights(layer, group: int) -> LayerWeights:
+    import torch
+
+    from schedules.problem import Problem
+
+    problem = Problem.make(n=layer.n, k=layer.k, group=group)
+    codes = torch.randint(0, 16, (problem.k, problem.n), dtype=torch.uint8, device="cuda")
+    # Positive scales of a realistic size keep every output well inside fp16 and bf16 range.
+    scales = (0.005 + 0.01 * torch.rand(problem.num_groups, problem.n, device="cuda")).to(torch.float16)
+    return LayerWeights(layer.name, problem.k, problem.n, problem.group, codes, scales)
+
+
+def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list) -> None:
+    import torch
+
+    from schedules.quant import reference_matmul
+
+    contenders, layer_errors = {}, {}
+    for kernel in args.kernels:
+        if kernel in skipped:
+            continue
+        try:
+            contenders[kernel] = CONTENDERS[kernel](w)
+        except KernelUnavailable as exc:
+            skipped[kernel] = str(exc)
+            print(f"skipping {kernel}: {exc}", file=sys.stderr)
+        except Exception as exc:  # this layer's shape or format does not suit the kernel
+            layer_errors[kernel] = _error_text(exc)
+    for m in args.ms:
+        x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
+        reference = functools.cache(lambda: reference_matmul(x, w.codes, w.scales))   # only if needed
+        line = []
+        for kernel in args.kernels:
+            if kernel in skipped:
+                continue
+            base = {"layer": w.name, "k": w.k, "n": w.n, "m": m, "kernel": kernel}
+            if kernel in layer_errors:
+                result = {"us": None, "error": layer_errors[kernel]}
+            else:
+                result = _measure_point(contenders[kernel], x, reference, kernel, w, m)
+            rows.append({**base, **result})
+            line.append(f"{kernel} {'FAILED' if result['us'] is None else format(result['us'], '.1f') + ' us'}")
+        print(f"{w.name} M={m}: " + ", ".join(line), file=sys.stderr, flush=True)
+    contenders.clear()
+    torch.cuda.empty_cache()
+
+
+def _meta(args, model: str, layers: list) -> dict:
+    import torch
+
+    from gen.measure import fp16_tensor_flops, hbm_read_bandwidth
+
+    props = torch.cuda.get_device_properties(0)
+    print("measuring the ceilings (HBM read, FP16 tensor cores)...", file=sys.stderr, flush=True)
+    return {
+        "gpu": torch.cuda.get_device_name(0),
+        "sm_count": props.multi_processor_count,
+        "versions": _versions(),
+        "ceilings": {"hbm_read_gbps": hbm_read_bandwidth() / 1e9, "fp16_tflops": fp16_tensor_flops() / 1e12},
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["gen", *sys.argv[1:]]),
+        "model": model,
+        "layers": [{"name": layer.name, "k": layer.k, "n": layer.n} for layer in layers],
+        "group": args.group,
+        "ms": args.ms,
+        "kernels": args.kernels,
+        "skipped": {},
+        "complete": False,
+    }
+
+
+def _versions() -> dict:
+    import importlib.metadata
+
+    import torch
+
+    versions = {}
+    try:
+        versions["tilemarlin"] = importlib.metadata.version("tilemarlin")
+    except importlib.metadata.PackageNotFoundError:   # run from a source checkout
+        import tomllib
+
+        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        versions["tilemarlin"] = tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
+    for package in ("tilelang", "humming"):
+        try:
+            versions[package] = __import__(package).__version__
+        except Exception:   # absent or broken: the run notes what it skipped
+            pass
+    versions["torch"] = torch.__version__
+    versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def _precompile_tilemarlin(layers: list, args) -> None:
+    """Compile every tilemarlin kernel the run will call, in parallel, before anything is timed:
+    compiled one by one at their first calls they would cost 5-7 s each."""
+    try:
+        from runtime.op import precompile
+    except ImportError:
+        return   # tilemarlin_contender records why tilemarlin is skipped
+    from schedules.problem import Problem
+
+    print("compiling tilemarlin's kernels for these layers and batch sizes...", file=sys.stderr, flush=True)
+    problems = [Problem.make(n=layer.n, k=layer.k, group=args.group) for layer in layers]
+    try:
+        failed = {job: error for job, error in precompile(problems, args.ms).items() if error}
+    except Exception as exc:   # the first calls compile instead, and record any failure per point
+        print(f"precompiling failed ({_error_text(exc)}); kernels compile at first call", file=sys.stderr)
+        return
+    for (problem, schedule), error in failed.items():
+        print(f"  {problem.name} {schedule.name}: {error}", file=sys.stderr)
+
+
+def _save(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)   # a reader never sees half a file
+
+
+def _measure_and_report(args, model: str, layers: list) -> int:
+    import torch
+
+    torch.manual_seed(0)
+    data = {"meta": _meta(args, model, layers), "rows": []}
+    stem = f"{report.slug(data['meta']['gpu'])}-{report.slug(model)}"
+    json_path = report.output_paths(args.out, stem)["json"]
+    if "tilemarlin" in args.kernels:
+        _precompile_tilemarlin(layers, args)
+    with torch.no_grad():
+        for layer in layers:
+            weights = _random_weights(layer, args.group)
+            _measure_layer(weights, args, data["meta"]["skipped"], data["rows"])
+            del weights
+            _save(data, json_path)   # a crash later still leaves the layers done
+    data["meta"]["complete"] = True
+    _save(data, json_path)
+    print(f"wrote {json_path}")
+    for message in report.write_report(data, args.out, stem, args.markdown):
+        print(message, file=sys.stderr)
+    return 0

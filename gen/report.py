@@ -1,0 +1,333 @@
+"""The bench report: terminal table, markdown summary and plots, all built from the JSON `gen bench` records.
+
+Nothing here needs a GPU or torch, so a report can be rebuilt anywhere from a recorded file
+(`gen bench --from-json FILE`). matplotlib is optional: without it the plots are skipped with a
+message saying how to make them later.
+
+The JSON holds `meta` (GPU, versions, ceilings, command) and `rows`, one per (layer, M, kernel), with
+`us` null where the kernel failed or was wrong at that point (its `error` says why).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+BASELINE = "fp16"        # every speedup is over torch.matmul in FP16
+OURS = "tilemarlin"
+
+
+# --- the cost model: what one call must move and compute -------------------------------------
+
+def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
+    """Bytes of weights (and scales, zeros) one call must read, in the kernel's own storage format."""
+    groups = 1 if group == -1 else k // group
+    if kernel == BASELINE:
+        return 2 * k * n
+    if kernel == "torch_int4":   # tinygemm stores a bf16 (scale, zero) pair per group and column
+        return k * n // 2 + 4 * groups * n
+    return k * n // 2 + 2 * groups * n   # INT4 codes + fp16 scales (tilemarlin, humming)
+
+
+def bytes_moved(kernel: str, k: int, n: int, m: int, group: int) -> int:
+    """Weights (+scales) read, activations read and output written, at 2 bytes per element."""
+    return weight_bytes(kernel, k, n, group) + 2 * m * k + 2 * m * n
+
+
+def flops(k: int, n: int, m: int) -> int:
+    return 2 * m * k * n
+
+
+def ideal_us(kernel: str, k: int, n: int, m: int, group: int, ceilings: dict) -> float:
+    """Roofline time: the larger of moving the bytes at the read ceiling and computing at the FP16 rate."""
+    memory = bytes_moved(kernel, k, n, m, group) / (ceilings["hbm_read_gbps"] * 1e9)
+    compute = flops(k, n, m) / (ceilings["fp16_tflops"] * 1e12)
+    return max(memory, compute) * 1e6
+
+
+def ideal_int4_speedup(shapes: list[tuple[int, int]], m: int, group: int, ceilings: dict) -> float:
+    """The best an INT4 kernel could do over an ideal FP16 one, summed over `shapes` (K, N)."""
+    fp16 = sum(ideal_us(BASELINE, k, n, m, group, ceilings) for k, n in shapes)
+    int4 = sum(ideal_us(OURS, k, n, m, group, ceilings) for k, n in shapes)
+    return fp16 / int4
+
+
+# --- reading the recorded file -------------------------------------------------------------------
+
+def load(path: str | Path) -> dict:
+    """The recorded bench, checked for the fields the report relies on."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
+        raise ValueError(f"{path}: not a gen bench file (expected an object with 'meta' and 'rows')")
+    for i, row in enumerate(data["rows"]):
+        missing = {"layer", "k", "n", "m", "kernel", "us"} - row.keys()
+        if missing:
+            raise ValueError(f"{path}: row {i} lacks {sorted(missing)}")
+    return data
+
+
+def slug(text: str) -> str:
+    """A file-name-safe lower-case form: 'NVIDIA H200' -> 'nvidia-h200'."""
+    return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def output_paths(out_dir: str | Path, stem: str) -> dict[str, Path]:
+    out = Path(out_dir)
+    return {"json": out / f"{stem}.json", "speedup": out / f"{stem}-speedup.png",
+            "roofline": out / f"{stem}-roofline.png", "markdown": out / f"{stem}.md"}
+
+
+def layers(data: dict) -> list[tuple[str, int, int]]:
+    """(name, K, N) of each layer, in the order measured."""
+    seen: dict[str, tuple[str, int, int]] = {}
+    for row in data["rows"]:
+        seen.setdefault(row["layer"], (row["layer"], row["k"], row["n"]))
+    return list(seen.values())
+
+
+def batch_sizes(data: dict) -> list[int]:
+    return sorted({row["m"] for row in data["rows"]})
+
+
+def kernels(data: dict) -> list[str]:
+    """Kernels with at least one time, baseline first, then in the order the run listed them."""
+    timed = {row["kernel"] for row in data["rows"] if row["us"] is not None}
+    order = [BASELINE] + list(data["meta"].get("kernels", [])) + sorted(timed)
+    return [k for k in dict.fromkeys(order) if k in timed]
+
+
+def layer_times(data: dict, layer: str) -> dict[int, dict[str, float]]:
+    """m -> kernel -> us for one layer (failed points left out)."""
+    table: dict[int, dict[str, float]] = {}
+    for row in data["rows"]:
+        if row["layer"] == layer and row["us"] is not None:
+            table.setdefault(row["m"], {})[row["kernel"]] = row["us"]
+    return table
+
+
+def summed_times(data: dict) -> dict[int, dict[str, float]]:
+    """m -> kernel -> us summed over all layers; only where the kernel has a time for every layer,
+    since a sum with a layer missing would flatter it."""
+    names = [name for name, _, _ in layers(data)]
+    per_layer = [layer_times(data, name) for name in names]
+    table: dict[int, dict[str, float]] = {}
+    for m in batch_sizes(data):
+        for kernel in kernels(data):
+            parts = [t.get(m, {}).get(kernel) for t in per_layer]
+            if all(p is not None for p in parts):
+                table.setdefault(m, {})[kernel] = sum(parts)
+    return table
+
+
+def speedups(times: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    """m -> kernel -> baseline us / kernel us, where both were measured."""
+    out: dict[int, dict[str, float]] = {}
+    for m, row in times.items():
+        if BASELINE in row:
+            out[m] = {k: row[BASELINE] / us for k, us in row.items() if k != BASELINE}
+    return out
+
+
+def failures(data: dict) -> list[str]:
+    """One line per (layer, kernel, error) that cost points, listing the M values it failed at."""
+    grouped: dict[tuple[str, str, str], list[int]] = {}
+    for r in data["rows"]:
+        if r["us"] is None:
+            grouped.setdefault((r["layer"], r["kernel"], r.get("error", "no time recorded")), []).append(r["m"])
+    return [f"{layer} {kernel} at M={','.join(map(str, ms))}: {error}"
+            for (layer, kernel, error), ms in grouped.items()]
+
+
+# --- tables ----------------------------------------------------------------------------------------
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the layers-summed table: per M, FP16 and tilemarlin sums, every speedup,
+    and the ideal INT4 speedup from the measured ceilings."""
+    meta = data["meta"]
+    others = [k for k in kernels(data) if k != BASELINE]
+    times = summed_times(data)
+    gains = speedups(times)
+    shapes = [(k, n) for _, k, n in layers(data)]
+    header = ["M", "FP16 sum (us)", f"{OURS} sum (us)"] + [f"{k} speedup" for k in others]
+    header.append("ideal INT4 speedup")
+    rows = []
+    for m in batch_sizes(data):
+        row = [str(m), _fmt(times.get(m, {}).get(BASELINE)), _fmt(times.get(m, {}).get(OURS))]
+        row += [_fmt(gains.get(m, {}).get(k), 2) for k in others]
+        row.append(_fmt(ideal_int4_speedup(shapes, m, meta["group"], meta["ceilings"]), 2))
+        rows.append(row)
+    return header, rows
+
+
+def layer_table(data: dict, layer: str) -> tuple[list[str], list[list[str]]]:
+    """Per M for one layer: every kernel's time and speedup, and how close tilemarlin came to the
+    read ceiling, with its relative error against the fp32 reference."""
+    by_key = {(r["m"], r["kernel"]): r for r in data["rows"] if r["layer"] == layer}
+    others = [k for k in kernels(data) if k != BASELINE]
+    read_gbps = data["meta"]["ceilings"]["hbm_read_gbps"]
+    header = ["M", "fp16 us"] + [h for k in others for h in (f"{k} us", f"{k} x")]
+    header += [f"{OURS} GB/s", "% of read", "rel err"]
+    rows = []
+    for m in batch_sizes(data):
+        base = by_key.get((m, BASELINE), {}).get("us")
+        row = [str(m), _fmt(base)]
+        for k in others:
+            us = by_key.get((m, k), {}).get("us")
+            row += [_fmt(us), _fmt(base / us if base and us else None, 2)]
+        ours = by_key.get((m, OURS), {})
+        gbps = ours.get("gbps") if ours.get("us") is not None else None
+        row += [_fmt(gbps, 0), _fmt(100 * gbps / read_gbps if gbps else None, 0)]
+        err = ours.get("rel_err")
+        row.append("-" if err is None else f"{err:.1e}")
+        rows.append(row)
+    return header, rows
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(c) for c in col) for col in zip(header, *rows)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def terminal_report(data: dict) -> str:
+    meta = data["meta"]
+    parts = [f"{meta.get('gpu', '?')}  {meta.get('model', '?')}  group {meta['group']}  "
+             f"HBM read {meta['ceilings']['hbm_read_gbps'] / 1000:.2f} TB/s  "
+             f"FP16 {meta['ceilings']['fp16_tflops']:.0f} TFLOP/s"]
+    for name, k, n in layers(data):
+        parts.append(f"\n{name} (K={k}, N={n})\n" + text_table(*layer_table(data, name)))
+    parts.append("\nall layers summed\n" + text_table(*summary_table(data)))
+    notes = [f"skipped {k}: {why}" for k, why in meta.get("skipped", {}).items()] + failures(data)
+    if notes:
+        parts.append("\n" + "\n".join(notes))
+    return "\n".join(parts)
+
+
+def markdown(data: dict) -> str:
+    from templates import render
+
+    header, rows = summary_table(data)
+    return render("bench_table.md.j2", meta=data["meta"], header=header, rows=rows,
+                  layers=[f"{name} {k}x{n}" for name, k, n in layers(data)],
+                  notes=[f"{k} not measured: {why}" for k, why in data["meta"].get("skipped", {}).items()],
+                  failures=failures(data))
+
+
+# --- plots -----------------------------------------------------------------------------------------
+
+class PlotsUnavailable(RuntimeError):
+    pass
+
+
+_COLORS = {OURS: "C0", BASELINE: "C7", "torch_int4": "C1", "humming": "C2"}
+
+
+def _color(kernel: str) -> str:
+    """The same color for a kernel in every plot."""
+    return _COLORS.get(kernel, "C3")
+
+
+def _figure(**kwargs):
+    """A matplotlib Figure drawn off-screen (no pyplot, so no display or global state is involved)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotsUnavailable(
+            "matplotlib is not installed, so no plots were drawn; the JSON has everything: "
+            "run `gen bench --from-json FILE` where matplotlib is installed (pip install matplotlib)"
+        ) from None
+    return Figure(**kwargs)
+
+
+def plot_speedup(data: dict, path: str | Path) -> Path:
+    """Speedup over FP16 against batch size, one panel per layer and one for the layers summed, with
+    the roofline-ideal INT4 curve (the layout of the Marlin paper's Figure 1)."""
+    meta = data["meta"]
+    names = layers(data)
+    panels = [(f"{name} ({k}x{n})", layer_times(data, name), [(k, n)]) for name, k, n in names]
+    panels.append(("all layers summed", summed_times(data), [(k, n) for _, k, n in names]))
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig = _figure(figsize=(5 * cols, 3.8 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    ms = batch_sizes(data)
+    for ax, (title, times, shapes) in zip(axes, panels):
+        gains = speedups(times)
+        ideal = [ideal_int4_speedup(shapes, m, meta["group"], meta["ceilings"]) for m in ms]
+        ax.plot(ms, ideal, "k--", lw=1.2, label="ideal INT4 (roofline)")
+        ax.axhline(1.0, color="grey", lw=0.8, label="FP16 (torch.matmul)")
+        for kernel in kernels(data):
+            points = [(m, gains[m][kernel]) for m in ms if kernel in gains.get(m, {})]
+            if points:
+                style = dict(lw=2.2, zorder=3) if kernel == OURS else dict(lw=1.2)
+                ax.plot(*zip(*points), marker="o", ms=3.5, color=_color(kernel), label=kernel, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ms, [str(m) for m in ms], fontsize=7)
+        ax.set_ylim(bottom=0)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("batch size M")
+        ax.set_ylabel("speedup over FP16")
+        ax.grid(True, alpha=0.3)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"W4A16 speedup over FP16: {meta.get('model', '')} on {meta.get('gpu', '')}, "
+                 f"group {meta['group']}")
+    fig.savefig(path, dpi=130)
+    return Path(path)
+
+
+def plot_roofline(data: dict, path: str | Path) -> Path:
+    """Each (layer, M, kernel) point at its arithmetic intensity against the measured ceilings."""
+    meta = data["meta"]
+    bw, peak = meta["ceilings"]["hbm_read_gbps"] * 1e9, meta["ceilings"]["fp16_tflops"] * 1e12
+    fig = _figure(figsize=(7.5, 5.5), layout="constrained")
+    ax = fig.subplots()
+    markers = "osD^v<>p*h"
+    intensities = []
+    for kernel in kernels(data):
+        for li, (name, k, n) in enumerate(layers(data)):
+            pts = [(flops(k, n, r["m"]) / bytes_moved(kernel, k, n, r["m"], meta["group"]),
+                    flops(k, n, r["m"]) / (r["us"] * 1e-6) / 1e12)
+                   for r in data["rows"] if r["layer"] == name and r["kernel"] == kernel and r["us"] is not None]
+            if pts:
+                intensities += [x for x, _ in pts]
+                ax.scatter(*zip(*pts), s=22, color=_color(kernel), marker=markers[li % len(markers)],
+                           label=f"{kernel} {name}", alpha=0.85, zorder=3)
+    ridge = peak / bw
+    lo = min(intensities + [ridge]) / 2
+    hi = max(intensities + [ridge]) * 2
+    xs = [lo, ridge, hi]
+    ax.plot(xs, [min(bw * x, peak) / 1e12 for x in xs], "k-", lw=1.5,
+            label=f"ceilings: {bw / 1e12:.2f} TB/s read, {peak / 1e12:.0f} TFLOP/s FP16")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (flop / byte moved)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title(f"Roofline: {meta.get('model', '')} on {meta.get('gpu', '')}")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=6, ncol=2)
+    fig.savefig(path, dpi=130)
+    return Path(path)
+
+
+def write_report(data: dict, out_dir: str | Path, stem: str, with_markdown: bool) -> list[str]:
+    """Print the tables and write the plots (and the markdown); returns messages about what was
+    skipped. The JSON itself is written by the bench, never here."""
+    paths = output_paths(out_dir, stem)
+    paths["json"].parent.mkdir(parents=True, exist_ok=True)
+    print(terminal_report(data))
+    messages = []
+    try:
+        for kind, plot in (("speedup", plot_speedup), ("roofline", plot_roofline)):
+            print(f"wrote {plot(data, paths[kind])}")
+    except PlotsUnavailable as exc:
+        messages.append(str(exc))
+    if with_markdown:
+        paths["markdown"].write_text(markdown(data))
+        print(f"wrote {paths['markdown']}")
+    return messages

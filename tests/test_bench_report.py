@@ -1,0 +1,255 @@
+"""`gen bench` without a GPU: the report from a recorded sample, the command line, the no-GPU exit.
+
+tests/data/bench_sample.json is a hand-made fixture in the recorded format (two layers, M = 1, 16,
+4096; one failed torch_int4 point; humming skipped). Its numbers are chosen so the sums are easy to
+check by hand: FP16 40 / 41 / 940 us, tilemarlin 20 / 22 / 1000 us.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gen import bench, report
+
+SAMPLE = Path(__file__).parent / "data" / "bench_sample.json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gen")
+    bench.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["bench", *argv])
+
+
+@pytest.fixture
+def sample() -> dict:
+    return report.load(SAMPLE)
+
+
+# --- the report from the recorded sample ---------------------------------------------------------------
+
+def test_sample_is_marked_as_a_fixture(sample):
+    assert "not a measurement" in sample["meta"]["fixture"].lower()
+
+
+def test_summed_times_cover_only_kernels_measured_on_every_layer(sample):
+    summed = report.summed_times(sample)
+    assert summed[1] == pytest.approx({"fp16": 40.0, "tilemarlin": 20.0, "torch_int4": 22.0})
+    assert summed[16] == pytest.approx({"fp16": 41.0, "tilemarlin": 22.0, "torch_int4": 80.0})
+    # torch_int4 failed on qkv at M=4096: summing o alone would flatter it, so there is no sum
+    assert summed[4096] == pytest.approx({"fp16": 940.0, "tilemarlin": 1000.0})
+
+
+def test_summed_speedups(sample):
+    gains = report.speedups(report.summed_times(sample))
+    assert gains[1]["tilemarlin"] == pytest.approx(2.0)
+    assert gains[1]["torch_int4"] == pytest.approx(40.0 / 22.0)
+    assert gains[16]["tilemarlin"] == pytest.approx(41.0 / 22.0)
+    assert gains[16]["torch_int4"] == pytest.approx(41.0 / 80.0)
+    assert gains[4096] == pytest.approx({"tilemarlin": 0.94})
+
+
+def test_layer_times_leave_out_failed_points(sample):
+    qkv = report.layer_times(sample, "qkv")
+    assert qkv[4096] == {"fp16": 700.0, "tilemarlin": 750.0}
+    assert report.layer_times(sample, "o")[4096]["torch_int4"] == 4000.0
+
+
+def test_kernels_put_the_baseline_first_and_drop_skipped_ones(sample):
+    assert report.kernels(sample) == ["fp16", "tilemarlin", "torch_int4"]
+
+
+def test_ideal_int4_speedup_from_the_ceilings(sample):
+    ceilings = sample["meta"]["ceilings"]
+    # o at M=1 is memory bound both ways: FP16 moves 2*4096*4096 + 2*4096 + 2*4096 bytes; INT4 moves
+    # 4096*4096/2 codes + 2*32*4096 scale bytes + the same activations and output.
+    fp16_bytes = 33_554_432 + 8192 + 8192
+    int4_bytes = 8_388_608 + 262_144 + 8192 + 8192
+    assert report.ideal_int4_speedup([(4096, 4096)], 1, 128, ceilings) == pytest.approx(fp16_bytes / int4_bytes)
+    # at M=4096 both are bound by the FP16 tensor-core rate
+    assert report.ideal_int4_speedup([(4096, 4096), (4096, 12288)], 4096, 128, ceilings) == pytest.approx(1.0)
+
+
+def test_bytes_moved_per_format():
+    assert report.bytes_moved("fp16", 128, 64, 2, 128) == 2 * 128 * 64 + 2 * 2 * 128 + 2 * 2 * 64
+    assert report.bytes_moved("tilemarlin", 256, 64, 1, 128) == 256 * 64 // 2 + 2 * 2 * 64 + 2 * 256 + 2 * 64
+    assert report.bytes_moved("torch_int4", 256, 64, 1, 128) == 256 * 64 // 2 + 4 * 2 * 64 + 2 * 256 + 2 * 64
+    assert report.weight_bytes("tilemarlin", 256, 64, -1) == 256 * 64 // 2 + 2 * 64   # channelwise: one group
+
+
+def test_markdown_summary_table(sample):
+    text = report.markdown(sample)
+    assert ("| M | FP16 sum (us) | tilemarlin sum (us) | tilemarlin speedup | torch_int4 speedup "
+            "| ideal INT4 speedup |") in text
+    assert "| 1 | 40.0 | 20.0 | 2.00 | 1.82 | 3.87 |" in text
+    assert "| 16 | 41.0 | 22.0 | 1.86 | 0.51 | 3.81 |" in text
+    assert "| 4096 | 940.0 | 1000.0 | 0.94 | - | 1.00 |" in text
+    assert "qkv 4096x12288, o 4096x4096" in text
+    assert "humming not measured" in text
+    assert "failed: qkv torch_int4 at M=4096: RuntimeError" in text
+
+
+def test_terminal_report_has_a_table_per_layer_and_the_sum(sample):
+    text = report.terminal_report(sample)
+    assert "qkv (K=4096, N=12288)" in text and "o (K=4096, N=4096)" in text
+    assert "all layers summed" in text
+    # tilemarlin at qkv M=1: (12288*4096/2 + 2*32*12288 + 2*4096 + 2*12288) bytes in 15 us
+    assert f"{(25_165_824 + 786_432 + 8192 + 24_576) / 15.0 / 1e3:.0f}" in text
+
+
+def test_load_rejects_other_json(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="not a gen bench file"):
+        report.load(path)
+    path.write_text(json.dumps({"meta": {}, "rows": [{"layer": "x", "m": 1}]}))
+    with pytest.raises(ValueError, match="lacks"):
+        report.load(path)
+
+
+def test_from_json_writes_png_plots_and_markdown(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    args = parse(["--from-json", str(SAMPLE), "--out", str(tmp_path), "--markdown"])
+    assert args.func(args) == 0
+    for suffix in ("-speedup.png", "-roofline.png"):
+        png = tmp_path / f"bench_sample{suffix}"
+        assert png.read_bytes()[:8] == PNG_MAGIC
+        assert png.stat().st_size > 10_000   # a drawn figure, not an empty canvas
+    assert "| 1 | 40.0 | 20.0 | 2.00 |" in (tmp_path / "bench_sample.md").read_text()
+    assert not (tmp_path / "bench_sample.json").exists()   # the recorded file is read, never rewritten
+    assert "all layers summed" in capsys.readouterr().out
+
+
+def test_without_matplotlib_the_plots_are_skipped_with_a_message(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)   # makes the import fail
+    args = parse(["--from-json", str(SAMPLE), "--out", str(tmp_path), "--markdown"])
+    assert args.func(args) == 0
+    assert not list(tmp_path.glob("*.png"))
+    assert (tmp_path / "bench_sample.md").exists()
+    err = capsys.readouterr().err
+    assert "matplotlib is not installed" in err and "--from-json" in err
+
+
+def test_from_json_with_a_missing_file_is_a_clear_error(tmp_path, capsys):
+    args = parse(["--from-json", str(tmp_path / "nope.json")])
+    assert args.func(args) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+# --- the command line -----------------------------------------------------------------------------------
+
+def test_defaults():
+    args = parse([])
+    assert args.model == "llama-2-7b" and args.shapes is None and args.from_json is None
+    assert args.ms == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert args.kernels == ["tilemarlin", "fp16", "torch_int4", "humming"]
+    assert args.group == 128 and args.out == "docs/bench" and args.markdown is False
+    assert args.func is bench.run
+
+
+def test_ms_are_parsed_sorted_and_deduplicated():
+    assert parse(["--ms", "16, 1,4,16"]).ms == [1, 4, 16]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ms=0"], "'0' is not a positive integer"),
+    (["--ms=-4"], "'-4' is not a positive integer"),
+    (["--ms=1,,2"], "'' is not a positive integer"),
+    (["--ms=two"], "'two' is not a positive integer"),
+    (["--kernels=tilemarlin,cutlass,fp16"], "unknown kernel(s) cutlass"),
+    (["--kernels=tilemarlin"], "must include fp16"),
+    (["--group=0"], "'0' is not a group size"),
+    (["--group=abc"], "'abc' is not a group size"),
+    (["--model", "x", "--shapes", "4096x4096"], "not allowed with argument"),
+    (["--model", "x", "--from-json", "f.json"], "not allowed with argument"),
+])
+def test_bad_arguments_give_clear_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_channelwise_group_is_accepted():
+    assert parse(["--group", "-1"]).group == -1
+
+
+def test_kernels_keep_the_order_given():
+    assert parse(["--kernels", "fp16,tilemarlin"]).kernels == ["fp16", "tilemarlin"]
+
+
+# --- measuring, without a GPU ---------------------------------------------------------------------------
+
+def test_no_gpu_exits_2_and_points_to_from_json(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = parse(["--model", "llama-2-7b"])
+    assert args.func(args) == bench.NO_GPU_EXIT == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and "--from-json" in err
+
+
+def _cpu_layer():
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (256, 64), dtype=torch.uint8)
+    scales = (0.005 + 0.01 * torch.rand(2, 64)).to(torch.float16)
+    return bench.LayerWeights("t", 256, 64, 128, codes, scales)
+
+
+def _measure(contender, w, x, monkeypatch, timed: list):
+    from gen import measure
+    from schedules.quant import reference_matmul
+
+    monkeypatch.setattr(measure, "time_calls", lambda calls, replays: timed.append(len(calls)) or 12.5)
+    return bench._measure_point(contender, x, lambda: reference_matmul(x, w.codes, w.scales), "fp16", w, x.shape[0])
+
+
+def test_a_correct_kernel_is_checked_then_timed(monkeypatch):
+    w, timed = _cpu_layer(), []
+    x = torch.randn(4, 256, dtype=torch.float16)
+    right = bench.Contender(lambda x: [lambda: (x.float() @ bench_dequant(w)).half()] * 3, exact=True)
+    row = _measure(right, w, x, monkeypatch, timed)
+    assert timed == [3]
+    assert row["us"] == 12.5 and row["rel_err"] < 1e-3
+    assert row["bytes"] == report.bytes_moved("fp16", 256, 64, 4, 128)
+    assert row["gbps"] == pytest.approx(row["bytes"] / 12.5 / 1e3)
+    assert row["tflops"] == pytest.approx(2 * 4 * 256 * 64 / 12.5 / 1e6)
+
+
+def test_a_wrong_kernel_is_never_timed(monkeypatch):
+    w, timed = _cpu_layer(), []
+    x = torch.randn(4, 256, dtype=torch.float16)
+    wrong = bench.Contender(lambda x: [lambda: -(x.float() @ bench_dequant(w)).half()], exact=True)
+    row = _measure(wrong, w, x, monkeypatch, timed)
+    assert timed == [] and row["us"] is None and "wrong result" in row["error"]
+    assert row["rel_err"] == pytest.approx(2.0, rel=1e-3)   # -out is off by twice the reference
+
+
+def test_a_kernel_that_raises_is_a_result_not_a_crash(monkeypatch):
+    w, timed = _cpu_layer(), []
+
+    def broken(x):
+        raise RuntimeError("no kernel for this shape\nCUDA error: invalid argument")
+
+    row = _measure(bench.Contender(broken, exact=True), w, torch.randn(1, 256, dtype=torch.float16), monkeypatch, timed)
+    assert row == {"us": None, "error": "RuntimeError: no kernel for this shape"}
+
+
+def test_errors_keep_the_line_that_says_what_went_wrong():
+    traceback = ValueError("Traceback (most recent call last):\n  File x\nTVMError: bad")
+    assert bench._error_text(traceback) == "ValueError: TVMError: bad"
+    assert bench._error_text(RuntimeError("")) == "RuntimeError: "
+
+
+def bench_dequant(w):
+    from schedules.quant import dequantize
+
+    return dequantize(w.codes, w.scales)
+
+
+def test_prefill_sizes_replay_fewer_times():
+    assert bench.replays_for(256) == 30 and bench.replays_for(512) == 10
