@@ -286,13 +286,16 @@ def _atomic_write(path: Path, text: str) -> None:
         raise
 
 
-def table_path(gpu: GpuKey, root=None) -> Path:
-    """Where the table of `gpu` lives: <root or cache_root()/tuned>/<gpu.slug>.json."""
-    if root is None:
-        from gen.compile import cache_root
+def tables_dir() -> Path:
+    """The folder of the tuned tables, one JSON file per GPU: cache_root()/tuned."""
+    from gen.compile import cache_root
 
-        root = cache_root() / "tuned"
-    return Path(root) / f"{gpu.slug}.json"
+    return cache_root() / "tuned"
+
+
+def table_path(gpu: GpuKey, root=None) -> Path:
+    """Where the table of `gpu` lives: <root or tables_dir()>/<gpu.slug>.json."""
+    return Path(root if root is not None else tables_dir()) / f"{gpu.slug}.json"
 
 
 def load_tuned_table(gpu: GpuKey | None = None) -> TunedTable:

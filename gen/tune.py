@@ -1,0 +1,233 @@
+"""`gen tune`: find and cache the fastest correct kernel of every linear layer and M bucket.
+
+    gen tune --model llama-2-7b                 # 4 layers x 13 buckets on this GPU
+    gen tune --model path/to/config.json --tp 2
+    gen tune --shapes 4096x12288 --buckets 1,16 --top 4
+    gen tune --model llama-2-7b --dry-run --arch sm_90a --top 2   # no GPU: compile + cost model only
+
+Results go to this GPU's tuned table (runtime/table.py) after every bucket, so an interrupted run
+resumes where it stopped; --force re-tunes what is already there.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from runtime.table import BUCKETS
+from schedules.problem import SUPPORTED_DTYPES, Problem
+
+from .search import DEFAULT_TOP
+
+
+@dataclass
+class Target:
+    """One problem to tune and the layers that share it."""
+
+    problem: Problem
+    layers: list[str]
+
+    @property
+    def label(self) -> str:
+        return ",".join(self.layers)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("tune", help="tune kernels for a model's linear layers on this GPU",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model's layers are split over")
+    p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
+    p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
+    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
+    p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
+    p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure")
+    p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
+    p.add_argument("--arch", help="target arch for --dry-run (default sm_90a); with a GPU it must match the GPU")
+    p.add_argument("--workers", type=int, help="parallel compile processes (default: one per CPU core)")
+    p.set_defaults(func=run)
+
+
+def targets_from_args(args) -> list[Target]:
+    """The distinct problems of --model and --shapes, each with the names of its layers."""
+    from .models import model_layers, parse_shapes
+
+    if not args.model and not args.shapes:
+        raise ValueError("say what to tune: --model NAME|PATH/config.json and/or --shapes KxN,...")
+    layers = (model_layers(args.model, tp=args.tp) if args.model else []) + \
+        (parse_shapes(args.shapes) if args.shapes else [])
+    targets: dict[Problem, Target] = {}
+    for layer in layers:
+        try:
+            problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)
+        except ValueError as exc:
+            raise ValueError(f"layer {layer.name} ({layer.shape}): {exc}") from None
+        targets.setdefault(problem, Target(problem, [])).layers.append(layer.name)
+    return list(targets.values())
+
+
+def parse_buckets(text: str | None) -> list[int]:
+    if not text:
+        return list(BUCKETS)
+    try:
+        buckets = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"bad --buckets {text!r}: expected comma-separated integers") from None
+    bad = [b for b in buckets if b not in BUCKETS]
+    if bad or not buckets:
+        raise ValueError(f"--buckets must be bucket edges, one or more of {','.join(map(str, BUCKETS))}; got {text!r}")
+    return buckets
+
+
+def run(args) -> int:
+    try:
+        targets = targets_from_args(args)
+        buckets = parse_buckets(args.buckets)
+        if args.top < 1:
+            raise ValueError(f"--top must be at least 1, got {args.top}")
+    except ValueError as exc:
+        print(f"gen tune: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        return dry_run(args, targets, buckets)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gen tune: no CUDA GPU is visible, so no kernel can be checked or timed.\n"
+              "To compile the candidates and rank them by the cost model only, add --dry-run --arch sm_90a "
+              "(or sm_80).", file=sys.stderr)
+        return 2
+    return tune_on_gpu(args, targets, buckets)
+
+
+def pending_pairs(targets: list[Target], buckets: list[int], table, force: bool) -> list[tuple[Problem, int]]:
+    """The (problem, bucket) pairs to tune: those not in `table` yet, or all of them with --force."""
+    return [(t.problem, b) for t in targets for b in buckets if force or table.entry(t.problem, b) is None]
+
+
+def _compile(searches, arch, workers) -> None:
+    from tqdm import tqdm
+
+    from .search import compile_candidates, compile_jobs
+
+    failed = 0
+    with tqdm(total=len(compile_jobs(searches)), desc=f"compile ({arch.name})", unit="kernel") as bar:
+        def progress(job, error):
+            nonlocal failed
+            failed += error is not None
+            bar.set_postfix(failed=failed, refresh=False)
+            bar.update(1)
+
+        compile_candidates(searches, arch, workers=workers, progress=progress)
+
+
+def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
+    from tqdm import tqdm
+
+    from runtime.table import GpuKey, TunedTable, table_path
+    from schedules.arch import current_arch, get_arch
+    from schedules.cost import GpuSpec
+
+    from .search import MeasureError, achieved_gbps, measure_problem, plan
+
+    arch = current_arch()
+    if args.arch and get_arch(args.arch) != arch:
+        print(f"gen tune: --arch {args.arch} does not match this GPU ({arch.name}); kernels are tuned for the "
+              "GPU they run on (use --dry-run to compile for another arch)", file=sys.stderr)
+        return 2
+    gpu = GpuKey.current()
+    path = table_path(gpu)
+    table = TunedTable.load(path, gpu)
+    pending = pending_pairs(targets, buckets, table, args.force)
+    print(f"tuning on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs): {len(targets)} shapes x {len(buckets)} buckets, "
+          f"{len(pending)} to tune, {len(targets) * len(buckets) - len(pending)} already in {path}")
+
+    searches = plan(pending, arch, GpuSpec.current(), top=args.top)
+    if searches:
+        _compile(searches, arch, args.workers)
+
+    def record(search):
+        best = search.winner()
+        if best is not None:
+            table.record(search.problem, search.bucket, best.schedule, best.us, fp16_us=search.fp16_us,
+                         gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=search.timings())
+            table.save(path)   # after every bucket: an interrupted run resumes from here
+
+    to_measure = sum(r.error is None for s in searches for r in s.results)
+    with tqdm(total=to_measure, desc="check + time", unit="cand") as bar:
+        for target in targets:
+            mine = [s for s in searches if s.problem == target.problem]
+            if not mine:
+                continue
+            bar.set_postfix_str(target.label, refresh=True)
+            try:
+                measure_problem(target.problem, arch, mine, progress=lambda _: bar.update(1), on_bucket=record)
+            except MeasureError as exc:
+                bar.close()
+                print(f"gen tune: {exc}", file=sys.stderr)
+                return 1
+
+    unsolved = [s for s in searches if s.winner() is None]
+    print_results(targets, buckets, table)
+    for s in unsolved:
+        reasons = sorted({(r.error or "").split(":")[0] for r in s.results}) or ["no valid schedule"]
+        print(f"no correct candidate for {s.problem.name} at bucket {s.bucket} ({', '.join(reasons)}); "
+              "the runtime will use the cost model's pick there", file=sys.stderr)
+    print(f"tuned table: {path}")
+    return 1 if unsolved else 0
+
+
+def print_results(targets: list[Target], buckets: list[int], table) -> None:
+    rows = []
+    for t in targets:
+        for b in buckets:
+            e = table.entry(t.problem, b)
+            if e is None:
+                rows.append([t.label, f"{t.problem.k}x{t.problem.n}", b, "-", "-", "-", "-"])
+                continue
+            rows.append([t.label, f"{t.problem.k}x{t.problem.n}", b, e.schedule.name, f"{e.us:.1f}",
+                         f"{e.speedup:.2f}x" if e.speedup else "-", f"{e.gbps:.0f}" if e.gbps else "-"])
+    print(format_table(["layer", "KxN", "bucket", "winner", "us", "vs FP16", "GB/s"], rows))
+
+
+def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
+    from schedules.arch import get_arch
+    from schedules.cost import GpuSpec
+
+    from .search import plan
+
+    try:
+        arch = get_arch(args.arch or "sm_90a")
+        spec = GpuSpec.for_arch(arch)
+    except ValueError as exc:
+        print(f"gen tune: {exc}", file=sys.stderr)
+        return 2
+    print(f"DRY RUN for {arch.name}: candidates are compiled but nothing is measured; they are ranked by the "
+          f"cost model only (estimates for {spec.name}), and no tuned table is written.")
+    searches = plan([(t.problem, b) for t in targets for b in buckets], arch, spec, top=args.top)
+    _compile(searches, arch, args.workers)
+
+    labels = {t.problem: t.label for t in targets}
+    rows = []
+    for s in searches:
+        ok = [r for r in s.results if r.error is None]
+        best = ok[0] if ok else None   # results are in estimate order
+        rows.append([labels[s.problem], f"{s.problem.k}x{s.problem.n}", s.bucket,
+                     best.schedule.name if best else "(none compiled)",
+                     f"{best.estimate_us:.1f}" if best else "-", f"{len(ok)}/{len(s.results)}"])
+        for r in s.results:
+            if r.error:
+                print(f"  {labels[s.problem]} bucket {s.bucket}: {r.schedule.name}: {r.error}", file=sys.stderr)
+    print(format_table(["layer", "KxN", "bucket", "best by cost model", "estimate us", "compiled"], rows))
+    print("DRY RUN: these are cost-model estimates, not measurements; run without --dry-run on the GPU to tune.")
+    return 0 if all(any(r.error is None for r in s.results) for s in searches) else 1
+
+
+def format_table(headers: list[str], rows: list[list]) -> str:
+    """A plain, aligned text table."""
+    cells = [[str(c) for c in row] for row in [headers] + rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""`gen tune` and `gen cache` without a GPU: argument handling, resume, the dry run (one real
+compile), and listing, showing and clearing the cache."""
+import argparse
+
+import pytest
+
+from gen import cache_cmd, tune
+from runtime.table import BUCKETS, GpuKey, TunedTable, table_path
+from schedules.marlin_mma import Knobs
+from schedules.problem import Problem
+from schedules.registry import Schedule
+
+GPU = GpuKey("NVIDIA H200", "sm_90a", 132)
+SCHEDULE = Schedule("marlin_mma", Knobs())
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser(prog="gen")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    tune.register(subparsers)
+    cache_cmd.register(subparsers)
+    return parser.parse_args(list(argv))
+
+
+def call(capsys, *argv):
+    args = parse(*argv)
+    rc = args.func(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_tune_defaults():
+    args = parse("tune", "--model", "llama-2-7b")
+    assert (args.tp, args.group, args.dtype, args.top, args.force, args.dry_run) == (1, 128, "float16", 8, False, False)
+    assert tune.parse_buckets(args.buckets) == list(BUCKETS)
+
+
+def test_targets_merge_layers_that_share_a_problem():
+    targets = tune.targets_from_args(parse("tune", "--model", "llama-2-7b", "--shapes", "4096x4096,1024x256"))
+    assert [t.label for t in targets] == ["qkv_proj", "o_proj,4096x4096", "gate_up_proj", "down_proj", "1024x256"]
+    assert targets[0].problem == Problem.make(n=12288, k=4096, group=128)
+    cw = tune.targets_from_args(parse("tune", "--shapes", "1024x256", "--group", "-1", "--dtype", "bfloat16"))
+    assert cw[0].problem == Problem(n=256, k=1024, group=1024, dtype="bfloat16")
+
+
+def test_target_errors_name_the_layer():
+    with pytest.raises(ValueError, match="down_proj .*2752x4096.* group size 128"):
+        tune.targets_from_args(parse("tune", "--model", "llama-2-7b", "--tp", "4"))
+    with pytest.raises(ValueError, match="--model"):
+        tune.targets_from_args(parse("tune"))
+
+
+def test_parse_buckets():
+    assert tune.parse_buckets("16,1,16") == [1, 16]
+    for bad in ("3", "1,x", ",", "8192"):
+        with pytest.raises(ValueError, match="--buckets"):
+            tune.parse_buckets(bad)
+
+
+def test_bad_arguments_exit_2(capsys):
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--buckets", "3")
+    assert rc == 2 and "bucket edges" in err
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--top", "0")
+    assert rc == 2 and "--top" in err
+
+
+def test_resume_skips_tuned_buckets():
+    targets = tune.targets_from_args(parse("tune", "--shapes", "1024x256,4096x4096"))
+    table = TunedTable(GPU)
+    table.record(targets[0].problem, 16, SCHEDULE, 3.0)
+    pending = tune.pending_pairs(targets, [1, 16], table, force=False)
+    assert pending == [(targets[0].problem, 1), (targets[1].problem, 1), (targets[1].problem, 16)]
+    assert len(tune.pending_pairs(targets, [1, 16], table, force=True)) == 4
+
+
+def test_without_gpu_suggests_dry_run(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, _, err = call(capsys, "tune", "--model", "llama-2-7b")
+    assert rc == 2
+    assert "no CUDA GPU" in err and "--dry-run --arch sm_90a" in err
+
+
+def test_dry_run_compiles_and_ranks_without_measuring(capsys, cache_dir):
+    rc, out, err = call(capsys, "tune", "--shapes", "1024x256", "--buckets", "1,16", "--top", "1",
+                        "--dry-run", "--arch", "sm_90a", "--workers", "1")
+    assert rc == 0, err
+    assert "DRY RUN for sm_90a" in out and "nothing is measured" in out and "cost model only" in out
+    assert out.count("marlin_mma:") == 2 and "1/1" in out       # one candidate per bucket, compiled
+    assert not (cache_dir / "tuned").exists()                  # nothing measured, so no table
+    assert any((cache_dir / "kernels").rglob("*"))              # the compile filled the kernel cache
+
+
+def test_dry_run_rejects_unknown_arch(capsys):
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--dry-run", "--arch", "sm_70")
+    assert rc == 2 and "unknown arch" in err
+
+
+def _table(problem=Problem.make(n=256, k=1024)):
+    table = TunedTable(GPU)
+    table.record(problem, 16, SCHEDULE, 3.0, fp16_us=6.0, gbps=150.0,
+                 all_timings=[{"us": 3.0, "error": None}, {"us": None, "error": "compile: x"}])
+    table.save(table_path(GPU))
+    return table_path(GPU)
+
+
+def test_cache_list_and_show(capsys, cache_dir):
+    rc, out, _ = call(capsys, "cache", "list")
+    assert rc == 0 and "(none)" in out and "compiled kernels" in out
+    path = _table()
+    rc, out, _ = call(capsys, "cache", "list")
+    assert rc == 0 and GPU.slug in out and "NVIDIA H200" in out and " ok" in out
+    rc, out, _ = call(capsys, "cache", "show", "--gpu", GPU.slug)
+    assert rc == 0 and str(path) in out and "1024x256" in out and "2.00x" in out and "1/2" in out
+    rc, _, err = call(capsys, "cache", "show", "--gpu", "nope")
+    assert rc == 2 and GPU.slug in err
+
+
+def test_cache_list_reports_broken_tables(capsys, cache_dir):
+    path = _table()
+    path.write_text("{")
+    rc, out, _ = call(capsys, "cache", "list")
+    assert rc == 0 and "ignored: not valid JSON" in out
+
+
+def test_cache_clear(capsys, cache_dir):
+    path = _table()
+    kernels = cache_dir / "kernels" / "x.so"
+    kernels.parent.mkdir()
+    kernels.write_bytes(b"0" * 10)
+    rc, out, _ = call(capsys, "cache", "clear", "--gpu", GPU.slug)      # that table only
+    assert rc == 0 and not path.exists() and kernels.exists()
+    _table()
+    rc, out, _ = call(capsys, "cache", "clear", "--kernels")
+    assert rc == 0 and path.exists() and not kernels.exists()
+    rc, out, _ = call(capsys, "cache", "clear")
+    assert rc == 0 and not path.exists()
