@@ -253,3 +253,19 @@ def bench_dequant(w):
 
 def test_prefill_sizes_replay_fewer_times():
     assert bench.replays_for(256) == 30 and bench.replays_for(512) == 10
+
+
+@pytest.mark.gpu
+def test_a_small_bench_on_the_gpu(tmp_path):
+    """One layer, two batch sizes, end to end: every kernel checked against the reference, then timed."""
+    args = parse(["--shapes", "4096x4096", "--ms", "1,16", "--kernels", "tilemarlin,fp16,torch_int4",
+                  "--out", str(tmp_path), "--markdown"])
+    assert args.func(args) == 0
+    (path,) = tmp_path.glob("*-shapes-4096x4096.json")
+    data = report.load(path)
+    assert data["meta"]["complete"] and data["meta"]["ceilings"]["hbm_read_gbps"] > 100
+    rows = {(r["kernel"], r["m"]): r for r in data["rows"]}
+    assert set(rows) == {(k, m) for k in ("tilemarlin", "fp16", "torch_int4") for m in (1, 16)}
+    for row in rows.values():
+        assert row["us"] is not None, row
+        assert row["rel_err"] <= bench.REL_ERR_LIMIT and row["gbps"] > 0
