@@ -7,6 +7,7 @@ import torch
 
 from ..arch import Arch
 from ..problem import Problem
+from ..quant import torch_dtype
 from . import layout
 from .kernel import PASS_CONFIGS, build
 from .knobs import Knobs, check
@@ -21,15 +22,16 @@ AXES = {
     "block_k": (64, 128),
     "warps": ((1, 2, 1), (1, 4, 1), (1, 1, 4), (1, 2, 2), (1, 4, 2), (2, 2, 1), (2, 4, 1), (4, 2, 1)),
     "num_stages": (3, 4, 6),
-    "split_k": (1, 2, 4, 8),
+    "split_k": (1, 2, 3, 4, 6, 8, 12, 16),
+    "scale_on_acc": (False, True),
 }
 
 
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
     """Every valid point of the named axes for `problem` on `arch`."""
     out = []
-    for bm, bn, bk, (wm, wn, wk), stages, sk in itertools.product(*AXES.values()):
-        knobs = Knobs(bm, bn, bk, wm, wn, wk, stages, sk)
+    for bm, bn, bk, (wm, wn, wk), stages, sk, sacc in itertools.product(*AXES.values()):
+        knobs = Knobs(bm, bn, bk, wm, wn, wk, stages, sk, sacc)
         if check(problem, knobs, arch) is None:
             out.append(knobs)
     return out
@@ -53,11 +55,44 @@ def workspace_elems(problem: Problem, knobs: Knobs, m: int) -> tuple[int, int]:
     return m * problem.n, -(-m // knobs.block_m) * (problem.n // knobs.block_n)
 
 
-def kernel_args(problem, knobs, a, weight, scales, out, workspace, counters) -> tuple:
-    """The kernel's positional arguments, in the order build() declares them."""
+def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspace=None, counters=None) -> tuple:
+    """The kernel's positional arguments, in the order build() declares them, after checking every
+    tensor: a wrong dtype, shape or device is an error that names the tensor, never a wrong answer."""
+    dtype = torch_dtype(problem.dtype)
+    _expect("activations", a, dtype, (None, problem.k))
+    m = a.shape[0]
+    _expect("packed weight", weight, torch.int32, (problem.k // 16, 2 * problem.n))
+    _expect("scales", scales, dtype, (problem.num_groups, problem.n))
+    _expect("output", out, dtype, (m, problem.n))
+    tensors = {"activations": a, "packed weight": weight, "scales": scales, "output": out}
+    if knobs.split_k > 1:
+        ws_elems, n_counters = workspace_elems(problem, knobs, m)
+        _expect("split-K workspace", workspace, torch.float32, None, min_elems=ws_elems)
+        _expect("split-K counters", counters, torch.int32, None, min_elems=n_counters)
+        tensors.update({"split-K workspace": workspace, "split-K counters": counters})
+    for what, t in tensors.items():
+        if t.device.type != "cuda":
+            raise ValueError(f"{what} is on {t.device}; tilemarlin kernels need CUDA tensors")
+        if t.device != a.device:
+            raise ValueError(f"{what} is on {t.device} but the activations are on {a.device}")
     if knobs.split_k == 1:
         return a, weight, scales, out
-    return a, weight, scales, out, workspace[: a.shape[0] * problem.n].view(a.shape[0], problem.n), counters
+    return a, weight, scales, out, workspace[:ws_elems].view(m, problem.n), counters
+
+
+def _expect(what, t, dtype, shape, min_elems=0) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{what} must be {dtype}, got {t.dtype}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(want is not None and got != want for got, want in zip(t.shape, shape)):
+            want = "x".join("M" if s is None else str(s) for s in shape)
+            raise ValueError(f"{what} must have shape [{want}], got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous")
+    if t.numel() < min_elems:
+        raise ValueError(f"{what} has {t.numel()} elements, this call needs {min_elems}")
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "space", "build", "PASS_CONFIGS", "pack", "unpack",

@@ -1,0 +1,26 @@
+"""The `gen` command line. Each subcommand lives in its own module with `register(subparsers)`,
+which adds its parser and sets `func` to the function that runs it (returning an exit code)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = ("gen.tune", "gen.cache_cmd", "gen.bench", "gen.compile_cmd")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gen", description="tilemarlin: tuned W4A16 GEMM kernels on TileLang")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
