@@ -122,7 +122,7 @@ def measure_problem(problem: Problem, arch: Arch, searches: list[BucketSearch], 
     while todo:
         tasks = [(b, [(i, by_bucket[b].results[i].schedule) for i in idx]) for b, idx in todo.items()]
         parent_end, child_end = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=child_main, args=(child_end, problem, arch.name, tasks), daemon=True)
+        child = ctx.Process(target=child_main, args=(child_end, problem, arch.name, tasks))
         child.start()
         child_end.close()
         started, progressed = None, False

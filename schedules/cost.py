@@ -9,14 +9,16 @@ effects that decide W4A16 kernels and nothing else:
 - Bandwidth is capped three ways: the HBM rate; Little's law (the bytes the resident blocks keep in
   flight, (num_stages - 1) tiles each, over the DRAM latency), which is why small grids and shallow
   pipelines cannot saturate HBM; and what the active SMs' load pipes can pull.
-- Math: MMAs on padded tiles (ceil(M / block_m) * block_m rows) plus the INT4 decode, at a rate
-  scaled by the SMs in use and by whether enough warps are resident to keep the tensor cores busy.
+- Math: MMAs on padded tiles (ceil(M / block_m) * block_m rows) plus the INT4 decode (ALU
+  instructions per weight: the lop3 decode, and either a scale multiply per weight or, with
+  scale_on_acc, a scaled add per fp32 sum per group), at a rate scaled by the SMs in use and by
+  whether enough warps are resident to keep the tensor cores busy.
 - Waves: blocks per SM from shared memory and threads; a partial last wave costs a whole wave.
 - Per wave a pipeline fill (one DRAM latency and num_stages tile loads before the math starts);
   per call the split-K reduction through the fp32 workspace, the output write, and the launch.
 
 Knobs protocol: a family's Knobs provide block_m, block_n, block_k, num_stages, threads and
-shared_bytes(problem); split_k is optional (1 when absent).
+shared_bytes(problem); split_k (1), scale_on_acc (False) and warps_m (1) are optional.
 """
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ MAX_BLOCKS_PER_SM = 32
 WARPS_TO_FILL_SM = 8      # resident warps per SM that keep all four tensor-core partitions issuing
 L2_REUSE = 4.0            # activation tiles: bytes re-read by other blocks mostly come from L2
 SMEM_RESERVED = 1024      # shared memory the driver keeps per block
+# ALU instructions per decoded weight: lop3 + magic-number subtract is one per weight (one of each
+# per half2 pair), the group-scale multiply half of one (one hmul2 per pair).
+DECODE_OPS = 1.0
+SCALE_OPS = 0.5
+SCALE_ON_ACC_OPS = 2.0    # per fp32 sum per group: a scaled add and the reset of the group's sum
 
 
 @dataclass(frozen=True)
@@ -47,7 +54,7 @@ class GpuSpec:
     shared_bytes_per_sm: int = 228 * 1024
     sm_bytes_per_s: float = 100e9     # the most one SM's loads can pull from L2/HBM
     latency_us: float = 0.8           # DRAM round trip seen by an asynchronous copy
-    dequant_per_s: float = 2e13       # INT4 -> fp16 decodes (lop3, scale) per second
+    alu_ops_per_s: float = 3e13       # integer / fp16 ALU instructions (per lane) per second
 
     @classmethod
     def for_arch(cls, arch: Arch) -> "GpuSpec":
@@ -61,7 +68,7 @@ class GpuSpec:
     def current(cls, device=None) -> "GpuSpec":
         """This process's GPU: the nominal numbers of its arch, rescaled to its SM count.
 
-        Per-SM rates (math, decode) scale with the SM count; HBM bandwidth stays nominal (torch does
+        Per-SM rates (MMA, ALU) scale with the SM count; HBM bandwidth stays nominal (torch does
         not report it), which only matters across GPUs, never for ranking on one.
         """
         import torch
@@ -70,16 +77,16 @@ class GpuSpec:
         props = torch.cuda.get_device_properties(device)
         scale = props.multi_processor_count / base.sm_count
         return replace(base, name=props.name, sm_count=props.multi_processor_count,
-                       mma_flops=base.mma_flops * scale, dequant_per_s=base.dequant_per_s * scale,
+                       mma_flops=base.mma_flops * scale, alu_ops_per_s=base.alu_ops_per_s * scale,
                        shared_bytes_per_sm=getattr(props, "shared_memory_per_multiprocessor", base.shared_bytes_per_sm))
 
 
 _NOMINAL = {
     # mma.sync reaches about 60 % of the ~6.6e14 FLOP/s that wgmma measures on the H200.
-    "sm_90a": GpuSpec("H200 (nominal)", 132, 4.2e12, 0.6 * 6.6e14, 2.0, 228 * 1024, 120e9, 0.8, 2.2e13),
-    "sm_80": GpuSpec("A100 (nominal)", 108, 1.9e12, 3.1e14, 2.5, 164 * 1024, 90e9, 0.7, 1.0e13),
-    "sm_86": GpuSpec("A10 (nominal)", 72, 0.6e12, 1.25e14, 2.5, 100 * 1024, 60e9, 0.7, 0.6e13),
-    "sm_89": GpuSpec("L40S (nominal)", 142, 0.864e12, 3.6e14, 2.5, 100 * 1024, 80e9, 0.7, 1.6e13),
+    "sm_90a": GpuSpec("H200 (nominal)", 132, 4.2e12, 0.6 * 6.6e14, 2.0, 228 * 1024, 120e9, 0.8, 3.3e13),
+    "sm_80": GpuSpec("A100 (nominal)", 108, 1.9e12, 3.1e14, 2.5, 164 * 1024, 90e9, 0.7, 1.5e13),
+    "sm_86": GpuSpec("A10 (nominal)", 72, 0.6e12, 1.25e14, 2.5, 100 * 1024, 60e9, 0.7, 0.9e13),
+    "sm_89": GpuSpec("L40S (nominal)", 142, 0.864e12, 3.6e14, 2.5, 100 * 1024, 80e9, 0.7, 2.4e13),
 }
 
 
@@ -88,6 +95,7 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     kb = schedule.knobs
     bm, bn, bk, stages = kb.block_m, kb.block_n, kb.block_k, kb.num_stages
     split = getattr(kb, "split_k", 1)
+    scale_on_acc = getattr(kb, "scale_on_acc", False)
     m_tiles = -(-m // bm)
     m_pad = m_tiles * bm
     blocks = (problem.n // bn) * m_tiles * split
@@ -100,8 +108,10 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     sm_share = active_sms / gpu.sm_count
     warps_per_sm = -(-per_wave // gpu.sm_count) * kb.threads // 32
 
-    # One block's k-loop: k_tiles tiles, each a weight tile (+ its scale row) and an activation tile.
-    k_tiles = problem.k // split // bk
+    # One block's k-loop: k_tiles tiles (the longest split's), each a weight tile (+ its scale row)
+    # and an activation tile.
+    k_tiles = -(-problem.k // (bk * split))
+    k_block = k_tiles * bk
     weight_tile = bk * bn * problem.bits / 8 + (0 if problem.channelwise else bn * 2 * bk / problem.group)
     act_tile = bm * bk * 2
     in_flight = per_wave * (stages - 1) * (weight_tile + act_tile)
@@ -110,8 +120,16 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
                 per_wave * k_tiles * (weight_tile + act_tile) / (active_sms * gpu.sm_bytes_per_s))
 
     busy = sm_share * min(1.0, warps_per_sm / WARPS_TO_FILL_SM)
-    mma_s = per_wave * 2 * bm * bn * (problem.k // split) / (gpu.mma_flops * busy)
-    decode_s = per_wave * bn * (problem.k // split) / (gpu.dequant_per_s * busy)
+    mma_s = per_wave * 2 * bm * bn * k_block / (gpu.mma_flops * busy)
+    if problem.channelwise:          # scales multiply the final sums: nothing per weight
+        ops_per_weight = DECODE_OPS
+    elif scale_on_acc:
+        ops_per_weight = DECODE_OPS + SCALE_ON_ACC_OPS * bm / problem.group
+    else:
+        ops_per_weight = DECODE_OPS + SCALE_OPS
+    # Warps that share block columns (warps_m > 1) each decode the same weights.
+    decoded = per_wave * bn * k_block * getattr(kb, "warps_m", 1)
+    decode_s = decoded * ops_per_weight / (gpu.alu_ops_per_s * busy)
     math_s = mma_s + decode_s
     # Pipeline fill: before the steady state a block waits one latency and num_stages tile loads
     # at its share of the bandwidth, with no math to overlap them.

@@ -63,12 +63,20 @@ def test_deeper_pipeline_keeps_more_bytes_in_flight():
     assert est(QKV, 1, num_stages=4, **knobs) < 0.8 * est(QKV, 1, num_stages=2, **knobs)
 
 
+def test_scale_on_acc_pays_off_at_small_block_m():
+    # Where the decode is on the critical path: 48 wide blocks leave most SMs idle.
+    small = dict(block_n=256, block_k=64, warps_n=1, warps_k=4, num_stages=3)
+    assert est(QKV, 16, scale_on_acc=True, **small) < est(QKV, 16, scale_on_acc=False, **small)
+    large = dict(block_m=128, block_n=128, block_k=64, warps_m=2, warps_n=2, num_stages=3)
+    assert est(QKV, 4096, scale_on_acc=True, **large) > est(QKV, 4096, scale_on_acc=False, **large)
+
+
 def test_large_m_prefers_large_block_m():
     assert rank(QKV, 1, H200, SPEC)[0].knobs.block_m == 16
     assert rank(QKV, 4096, H200, SPEC)[0].knobs.block_m >= 64
     # block_m=16 re-reads the weights 256 times and decodes them 256 times at M=4096
     best_16 = next(s for s in rank(QKV, 4096, H200, SPEC) if s.knobs.block_m == 16)
-    assert estimate_us(QKV, best_16, 4096, SPEC) > 1.5 * estimate_us(QKV, rank(QKV, 4096, H200, SPEC)[0], 4096, SPEC)
+    assert estimate_us(QKV, best_16, 4096, SPEC) > 1.3 * estimate_us(QKV, rank(QKV, 4096, H200, SPEC)[0], 4096, SPEC)
 
 
 def test_rank_covers_the_valid_space_sorted():
@@ -99,7 +107,6 @@ def test_best_schedule():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_current_spec():
     spec = GpuSpec.current()
     assert spec.sm_count == torch.cuda.get_device_properties(0).multi_processor_count
