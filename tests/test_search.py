@@ -164,3 +164,15 @@ def test_measure_skips_buckets_with_nothing_compiled():
     done = []
     s.measure_problem(QKV, H200, [x], on_bucket=done.append, child_main=dying_child)  # no child needed
     assert done == [x] and x.winner() is None
+
+
+def test_real_child_without_a_gpu_reports_why():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("exercises the measuring process on a machine without CUDA")
+    s = _search()
+    small = Problem.make(n=256, k=1024)
+    searches = s.plan([(small, 1)], H200, _spec(), top=1)
+    with pytest.raises(s.MeasureError, match="no CUDA device is visible"):
+        s.measure_problem(small, H200, searches)
