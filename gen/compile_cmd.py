@@ -1,0 +1,64 @@
+"""`gen compile`: build one schedule for an explicit arch (no GPU needed) and show what nvcc got."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("compile", help="compile one schedule for an arch and write its CUDA/PTX",
+                              description="Compile one schedule with nvcc for --arch (works without a GPU). "
+                                          "Without --knobs, the cost model's best schedule for --m is used.")
+    p.add_argument("--shape", required=True, help="KxN, e.g. 4096x12288")
+    p.add_argument("--group", type=int, default=128, help="group size, -1 for channelwise (default 128)")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    p.add_argument("--arch", default="sm_90a", help="nvcc arch: sm_90a (H100/H200), sm_80 (A100), ...")
+    p.add_argument("--m", type=int, default=1, help="batch size the cost model picks for (default 1)")
+    p.add_argument("--family", default="marlin_mma")
+    p.add_argument("--knobs", default="", help="comma-separated key=value overrides, e.g. split_k=2,block_n=128")
+    p.add_argument("--out", type=Path, default=None, help="folder for kernel.cu and kernel.ptx")
+    p.set_defaults(func=run)
+
+
+def parse_knobs(family, text: str):
+    """key=value pairs -> the family's Knobs (unknown keys and bad values are errors)."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(family.Knobs)}
+    values = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise argparse.ArgumentTypeError(f"bad knob {item!r}; knobs are {', '.join(fields)}")
+        values[key] = value.lower() in ("1", "true", "yes") if fields[key].type in (bool, "bool") else int(value)
+    return family.Knobs(**values)
+
+
+def run(args) -> int:
+    from schedules.arch import get_arch
+    from schedules.cost import GpuSpec, best_schedule
+    from schedules.problem import Problem
+    from schedules.registry import Schedule, family
+
+    from .compile import compile_schedule
+    from .models import parse_shapes
+
+    (layer,) = parse_shapes(args.shape)
+    problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)
+    arch = get_arch(args.arch)
+    if args.knobs:
+        schedule = Schedule(args.family, parse_knobs(family(args.family), args.knobs))
+    else:
+        schedule = best_schedule(problem, args.m, arch, GpuSpec.for_arch(arch))
+    reason = schedule.module.check(problem, schedule.knobs, arch)
+    if reason:
+        print(f"{schedule.name} is not valid for {problem.name} on {arch.name}: {reason}")
+        return 2
+    kernel = compile_schedule(problem, schedule, arch)
+    print(f"compiled {schedule.name} for {problem.name} on {arch.name}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kernel.cu").write_text(kernel.get_kernel_source())
+        kernel.export_ptx(str(args.out / "kernel.ptx"))
+        print(f"wrote {args.out / 'kernel.cu'} and {args.out / 'kernel.ptx'}")
+    return 0
