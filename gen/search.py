@@ -17,6 +17,7 @@ carries on with the remaining candidates; a child that dies or stops reporting i
 from __future__ import annotations
 
 import functools
+import math
 import multiprocessing
 from dataclasses import dataclass, field
 
@@ -43,8 +44,10 @@ class Result:
     error: str | None = None
 
     def to_dict(self) -> dict:
+        # JSON has no infinity: an output with NaN or Inf (relative error inf) is told by its error.
+        rel_err = self.rel_err if self.rel_err is not None and math.isfinite(self.rel_err) else None
         return {"schedule": self.schedule.to_dict(), "name": self.schedule.name, "estimate_us": self.estimate_us,
-                "us": self.us, "rel_err": self.rel_err, "error": self.error}
+                "us": self.us, "rel_err": rel_err, "error": self.error}
 
 
 @dataclass

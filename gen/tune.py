@@ -35,7 +35,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("tune", help="tune kernels for a model's linear layers on this GPU",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model's layers are split over")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over (--shapes are taken as given)")
     p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
     p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")

@@ -176,3 +176,15 @@ def test_real_child_without_a_gpu_reports_why():
     searches = s.plan([(small, 1)], H200, _spec(), top=1)
     with pytest.raises(s.MeasureError, match="no CUDA device is visible"):
         s.measure_problem(small, H200, searches)
+
+
+def test_timings_are_plain_json():
+    import json
+
+    s = _search()
+    from schedules.marlin_mma import Knobs
+    from schedules.registry import Schedule
+
+    r = s.Result(Schedule("marlin_mma", Knobs()), 5.0, rel_err=float("inf"), error="wrong: relative error inf")
+    text = json.dumps(r.to_dict(), allow_nan=False)
+    assert json.loads(text)["rel_err"] is None and json.loads(text)["schedule"]["family"] == "marlin_mma"
