@@ -231,7 +231,7 @@ class TunedTable:
         except TableError as exc:
             warnings.warn(f"ignoring tuned table {path}: {exc}", TableWarning, stacklevel=2)
             table = None
-        return table or cls(gpu)
+        return table if table is not None else cls(gpu)
 
     def save(self, path) -> None:
         """Write atomically, merged under a file lock with what other tuners saved meanwhile.
@@ -251,7 +251,7 @@ class TunedTable:
             except TableError as exc:
                 warnings.warn(f"replacing tuned table {path}: {exc}", TableWarning, stacklevel=2)
                 on_disk = None
-            merged = dict(on_disk._entries) if on_disk else {}
+            merged = dict(on_disk._entries) if on_disk is not None else {}
             merged.update({key: self._entries[key] for key in self._recorded})
             self._entries = merged
             self.versions = current_versions()
