@@ -207,10 +207,13 @@ def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule) ->
     if problem in _WARNED:
         return
     _WARNED.add(problem)
+    command = f"gen tune --shapes {problem.k}x{problem.n} --group {-1 if problem.channelwise else problem.group}"
+    if problem.dtype != "float16":
+        command += f" --dtype {problem.dtype}"
     warnings.warn(
         f"no tuned kernel for {problem.name} on {torch.cuda.get_device_name(device)}; running the cost "
-        f"model's pick ({schedule.name}), which may be slower. Tune this shape (K x N) with: "
-        f"gen tune --shapes {problem.k}x{problem.n}", UntunedShapeWarning, stacklevel=2)
+        f"model's pick ({schedule.name}), which may be slower. Tune this shape with: {command}",
+        UntunedShapeWarning, stacklevel=2)
 
 
 def precompile(problems: Iterable[Problem], ms: Iterable[int], device=None, layout: str = DEFAULT_LAYOUT,
