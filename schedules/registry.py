@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from types import ModuleType
 
-from . import marlin_mma
+from . import hopper_wgmma, marlin_mma
 
-FAMILIES: dict[str, ModuleType] = {marlin_mma.NAME: marlin_mma}
+FAMILIES: dict[str, ModuleType] = {fam.NAME: fam for fam in (marlin_mma, hopper_wgmma)}
 
 
 def family(name: str) -> ModuleType:

@@ -85,7 +85,8 @@ def build(problem: Problem, knobs: Knobs):
 
     @T.macro
     def body(A, B, S, C, ws, counters):
-        with T.Kernel(grid_n, T.ceildiv(m, bm), kb.split_k, threads=kb.threads, prelude=prelude) as (bx, by, bz):
+        # M tiles vary fastest: blocks that share a weight tile run together and read it from HBM once.
+        with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=kb.threads, prelude=prelude) as (by, bx, bz):
             A_s = T.alloc_shared((bm, bk), dtype)
             B_s = T.alloc_shared((bk // 16, bn * 2), "int32")
             S_s = T.alloc_shared((1, bn), dtype)
