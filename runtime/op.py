@@ -29,7 +29,9 @@ from .table import bucket_of
 from .workspace import split_k_workspace
 
 DEFAULT_LAYOUT = FAMILIES["marlin_mma"].LAYOUT
-_FAMILY_OF_LAYOUT = {fam.LAYOUT: fam for fam in FAMILIES.values()}
+_FAMILY_OF_LAYOUT = {}   # layout name -> the family that defines it (listed first); others read it too
+for _family in FAMILIES.values():
+    _FAMILY_OF_LAYOUT.setdefault(_family.LAYOUT, _family)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
