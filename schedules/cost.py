@@ -3,16 +3,16 @@ time for a shape that was never tuned.
 
 It only has to order candidates roughly (the search measures the top ones), so it models the few
 effects that decide W4A16 kernels and nothing else:
-- Bytes: each row of blocks (one block_m tile of M) streams the whole packed weight and its scales
-  from HBM, because the grid walks N fastest and a weight tile is evicted before the next row of
-  blocks needs it. Activation tiles are re-read by every column of blocks but mostly hit L2.
-- Bandwidth is capped three ways: the HBM rate; Little's law (the bytes the resident blocks keep in
+- Bytes: the grids run M tiles fastest, so the blocks that share a weight tile run together and HBM
+  delivers each weight byte once (L2 serves the other M tiles). Activations are re-read by every
+  column of blocks: from L2 while they fit in half of it, else from HBM each time. Everything a
+  block loads also crosses L2 and the SM's load pipe.
+- Bandwidth is capped by the HBM rate and by Little's law (the bytes the resident blocks keep in
   flight, (num_stages - 1) tiles each, over the DRAM latency), which is why small grids and shallow
-  pipelines cannot saturate HBM; and what the active SMs' load pipes can pull.
-- Math: MMAs on padded tiles (ceil(M / block_m) * block_m rows) plus the INT4 decode (ALU
-  instructions per weight: the lop3 decode, and either a scale multiply per weight or, with
-  scale_on_acc, a scaled add per fp32 sum per group), at a rate scaled by the SMs in use and by
-  whether enough warps are resident to keep the tensor cores busy.
+  pipelines cannot saturate HBM; L2 and the active SMs' load pipes cap the on-chip traffic.
+- Math: MMAs on padded tiles (ceil(M / block_m) * block_m rows) at the family's MMA rate (mma.sync
+  or wgmma), plus the INT4 decode in ALU instructions per weight (FamilyTraits), scaled by the SMs
+  in use and by whether enough warps are resident to keep the tensor cores busy.
 - Waves: blocks per SM from shared memory and threads; a partial last wave costs a whole wave.
 - Per wave a pipeline fill (one DRAM latency and num_stages tile loads before the math starts);
   per call the split-K reduction through the fp32 workspace, the output write, and the launch.
@@ -23,7 +23,6 @@ shared_bytes(problem); split_k (1), scale_on_acc (False) and warps_m (1) are opt
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
 
 from .arch import Arch, current_arch
@@ -32,14 +31,28 @@ from .registry import FAMILIES, Schedule
 
 MAX_THREADS_PER_SM = 2048
 MAX_BLOCKS_PER_SM = 32
-WARPS_TO_FILL_SM = 8      # resident warps per SM that keep all four tensor-core partitions issuing
-L2_REUSE = 4.0            # activation tiles: bytes re-read by other blocks mostly come from L2
 SMEM_RESERVED = 1024      # shared memory the driver keeps per block
-# ALU instructions per decoded weight: lop3 + magic-number subtract is one per weight (one of each
-# per half2 pair), the group-scale multiply half of one (one hmul2 per pair).
-DECODE_OPS = 1.0
-SCALE_OPS = 0.5
 SCALE_ON_ACC_OPS = 2.0    # per fp32 sum per group: a scaled add and the reset of the group's sum
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    """What the cost model needs to know about a family beyond its knobs."""
+
+    wgmma: bool = False             # MMAs by wgmma (sm_90a) rather than mma.sync
+    decode_ops: float = 1.0         # ALU instructions per decoded weight
+    scale_ops: float = 0.5          # and per weight to apply its group scale
+    warps_to_fill_sm: int = 8       # resident warps per SM that keep the tensor cores issuing
+
+
+TRAITS = {
+    # lop3 + magic-number subtract: one instruction per weight (one of each per half2 pair); the
+    # group scale one hmul2 per pair. mma.sync needs warps on all four SM partitions, two deep.
+    "marlin_mma": FamilyTraits(),
+    # Shift, mask, subtract, convert and store to shared memory per weight, and a multiply by the
+    # scale; one consumer warpgroup keeps wgmma busy.
+    "hopper_wgmma": FamilyTraits(wgmma=True, decode_ops=5.0, scale_ops=1.0, warps_to_fill_sm=4),
+}
 
 
 @dataclass(frozen=True)
@@ -51,7 +64,10 @@ class GpuSpec:
     hbm_bytes_per_s: float
     mma_flops: float                  # dense fp16 mma.sync rate with fp32 accumulation
     launch_us: float                  # fixed cost of one kernel in a CUDA graph
+    wgmma_flops: float = 0.0          # dense fp16 wgmma rate (0: the arch has no wgmma)
     shared_bytes_per_sm: int = 228 * 1024
+    l2_bytes: int = 50 * 2**20
+    l2_bytes_per_s: float = 8e12
     sm_bytes_per_s: float = 100e9     # the most one SM's loads can pull from L2/HBM
     latency_us: float = 0.8           # DRAM round trip seen by an asynchronous copy
     alu_ops_per_s: float = 3e13       # integer / fp16 ALU instructions (per lane) per second
@@ -66,7 +82,7 @@ class GpuSpec:
 
     @classmethod
     def current(cls, device=None) -> "GpuSpec":
-        """This process's GPU: the nominal numbers of its arch, rescaled to its SM count.
+        """This process's GPU: the nominal numbers of its arch, rescaled to its SM count and L2.
 
         Per-SM rates (MMA, ALU) scale with the SM count; HBM bandwidth stays nominal (torch does
         not report it), which only matters across GPUs, never for ranking on one.
@@ -77,35 +93,45 @@ class GpuSpec:
         props = torch.cuda.get_device_properties(device)
         scale = props.multi_processor_count / base.sm_count
         return replace(base, name=props.name, sm_count=props.multi_processor_count,
-                       mma_flops=base.mma_flops * scale, alu_ops_per_s=base.alu_ops_per_s * scale,
+                       mma_flops=base.mma_flops * scale, wgmma_flops=base.wgmma_flops * scale,
+                       alu_ops_per_s=base.alu_ops_per_s * scale,
+                       l2_bytes=getattr(props, "L2_cache_size", base.l2_bytes) or base.l2_bytes,
                        shared_bytes_per_sm=getattr(props, "shared_memory_per_multiprocessor", base.shared_bytes_per_sm))
 
 
 _NOMINAL = {
-    # mma.sync reaches about 60 % of the ~6.6e14 FLOP/s that wgmma measures on the H200.
-    "sm_90a": GpuSpec("H200 (nominal)", 132, 4.2e12, 0.6 * 6.6e14, 2.0, 228 * 1024, 120e9, 0.8, 3.3e13),
-    "sm_80": GpuSpec("A100 (nominal)", 108, 1.9e12, 3.1e14, 2.5, 164 * 1024, 90e9, 0.7, 1.5e13),
-    "sm_86": GpuSpec("A10 (nominal)", 72, 0.6e12, 1.25e14, 2.5, 100 * 1024, 60e9, 0.7, 0.9e13),
-    "sm_89": GpuSpec("L40S (nominal)", 142, 0.864e12, 3.6e14, 2.5, 100 * 1024, 80e9, 0.7, 2.4e13),
+    # wgmma measures ~6.6e14 FLOP/s on the H200; mma.sync reaches about 60 % of that.
+    "sm_90a": GpuSpec("H200 (nominal)", 132, 4.2e12, 0.6 * 6.6e14, 2.0, wgmma_flops=6.6e14,
+                      shared_bytes_per_sm=228 * 1024, l2_bytes=60 * 2**20, l2_bytes_per_s=8e12,
+                      sm_bytes_per_s=120e9, latency_us=0.8, alu_ops_per_s=3.3e13),
+    "sm_80": GpuSpec("A100 (nominal)", 108, 1.9e12, 3.1e14, 2.5, shared_bytes_per_sm=164 * 1024,
+                     l2_bytes=40 * 2**20, l2_bytes_per_s=4.5e12, sm_bytes_per_s=90e9, latency_us=0.7,
+                     alu_ops_per_s=1.5e13),
+    "sm_86": GpuSpec("A10 (nominal)", 72, 0.6e12, 1.25e14, 2.5, shared_bytes_per_sm=100 * 1024,
+                     l2_bytes=6 * 2**20, l2_bytes_per_s=2e12, sm_bytes_per_s=60e9, latency_us=0.7,
+                     alu_ops_per_s=0.9e13),
+    "sm_89": GpuSpec("L40S (nominal)", 142, 0.864e12, 3.6e14, 2.5, shared_bytes_per_sm=100 * 1024,
+                     l2_bytes=96 * 2**20, l2_bytes_per_s=4e12, sm_bytes_per_s=80e9, latency_us=0.7,
+                     alu_ops_per_s=2.4e13),
 }
 
 
 def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> float:
     """Estimated microseconds of one call with `m` rows (see the module docstring for the model)."""
     kb = schedule.knobs
+    traits = TRAITS.get(schedule.family, FamilyTraits())
     bm, bn, bk, stages = kb.block_m, kb.block_n, kb.block_k, kb.num_stages
     split = getattr(kb, "split_k", 1)
-    scale_on_acc = getattr(kb, "scale_on_acc", False)
     m_tiles = -(-m // bm)
     m_pad = m_tiles * bm
-    blocks = (problem.n // bn) * m_tiles * split
+    n_tiles = problem.n // bn
+    blocks = n_tiles * m_tiles * split
 
     per_sm = max(1, min(gpu.shared_bytes_per_sm // (kb.shared_bytes(problem) + SMEM_RESERVED),
                         MAX_THREADS_PER_SM // kb.threads, MAX_BLOCKS_PER_SM))
     waves = -(-blocks // (gpu.sm_count * per_sm))
     per_wave = -(-blocks // waves)             # blocks resident at once, spread evenly over the waves
     active_sms = min(gpu.sm_count, per_wave)
-    sm_share = active_sms / gpu.sm_count
     warps_per_sm = -(-per_wave // gpu.sm_count) * kb.threads // 32
 
     # One block's k-loop: k_tiles tiles (the longest split's), each a weight tile (+ its scale row)
@@ -114,19 +140,23 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     k_block = k_tiles * bk
     weight_tile = bk * bn * problem.bits / 8 + (0 if problem.channelwise else bn * 2 * bk / problem.group)
     act_tile = bm * bk * 2
+    act_bytes = m * problem.k * 2
+    from_hbm = problem.weight_bytes() + act_bytes * (1 if act_bytes <= gpu.l2_bytes // 2 else n_tiles)
+    to_sms = per_wave * k_tiles * (weight_tile + act_tile)          # per wave
     in_flight = per_wave * (stages - 1) * (weight_tile + act_tile)
     hbm_rate = min(gpu.hbm_bytes_per_s, in_flight / (gpu.latency_us * 1e-6))
-    mem_s = max(per_wave * k_tiles * (weight_tile + act_tile / L2_REUSE) / hbm_rate,
-                per_wave * k_tiles * (weight_tile + act_tile) / (active_sms * gpu.sm_bytes_per_s))
+    mem_s = max(from_hbm * per_wave / blocks / hbm_rate, to_sms / gpu.l2_bytes_per_s,
+                to_sms / (active_sms * gpu.sm_bytes_per_s))
 
-    busy = sm_share * min(1.0, warps_per_sm / WARPS_TO_FILL_SM)
-    mma_s = per_wave * 2 * bm * bn * k_block / (gpu.mma_flops * busy)
+    busy = active_sms / gpu.sm_count * min(1.0, warps_per_sm / traits.warps_to_fill_sm)
+    mma_rate = gpu.wgmma_flops if traits.wgmma else gpu.mma_flops
+    mma_s = per_wave * 2 * bm * bn * k_block / (mma_rate * busy)
     if problem.channelwise:          # scales multiply the final sums: nothing per weight
-        ops_per_weight = DECODE_OPS
-    elif scale_on_acc:
-        ops_per_weight = DECODE_OPS + SCALE_ON_ACC_OPS * bm / problem.group
+        ops_per_weight = traits.decode_ops
+    elif getattr(kb, "scale_on_acc", False):
+        ops_per_weight = traits.decode_ops + SCALE_ON_ACC_OPS * bm / problem.group
     else:
-        ops_per_weight = DECODE_OPS + SCALE_OPS
+        ops_per_weight = traits.decode_ops + traits.scale_ops
     # Warps that share block columns (warps_m > 1) each decode the same weights.
     decoded = per_wave * bn * k_block * getattr(kb, "warps_m", 1)
     decode_s = decoded * ops_per_weight / (gpu.alu_ops_per_s * busy)

@@ -1,4 +1,6 @@
 """The analytic cost model: the effects it must capture and the ranking built on it."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -7,7 +9,7 @@ from schedules.arch import get_arch
 from schedules.cost import GpuSpec, best_schedule, estimate_us, rank
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
-from schedules.registry import Schedule
+from schedules.registry import FAMILIES, Schedule
 
 H200 = get_arch("sm_90a")
 SPEC = GpuSpec.for_arch(H200)
@@ -34,7 +36,7 @@ def test_decode_is_bandwidth_bound_near_the_floor():
 
 def test_prefill_is_math_bound_near_the_floor():
     m = 4096
-    floor_us = 2 * m * QKV.n * QKV.k / SPEC.mma_flops * 1e6
+    floor_us = 2 * m * QKV.n * QKV.k / SPEC.wgmma_flops * 1e6
     best = estimate_us(QKV, rank(QKV, m, H200, SPEC)[0], m, SPEC)
     assert floor_us < best < 2 * floor_us
 
@@ -81,11 +83,33 @@ def test_large_m_prefers_large_block_m():
 
 def test_rank_covers_the_valid_space_sorted():
     ranked = rank(QKV, 16, H200, SPEC)
-    assert {s.knobs for s in ranked} == set(marlin_mma.space(QKV, H200))
+    assert {(s.family, s.knobs) for s in ranked} == \
+        {(name, knobs) for name, fam in FAMILIES.items() for knobs in fam.space(QKV, H200)}
     times = [estimate_us(QKV, s, 16, SPEC) for s in ranked]
     assert times == sorted(times)
-    assert all(marlin_mma.check(QKV, s.knobs, H200) is None for s in ranked)
-    assert rank(QKV, 16, H200, SPEC, families=["marlin_mma"]) == ranked
+    assert all(s.module.check(QKV, s.knobs, H200) is None for s in ranked)
+    only_mma = rank(QKV, 16, H200, SPEC, families=["marlin_mma"])
+    assert {s.knobs for s in only_mma} == set(marlin_mma.space(QKV, H200))
+    assert only_mma == [s for s in ranked if s.family == "marlin_mma"]
+
+
+def test_families_by_batch_size():
+    # decode: bandwidth, where mma.sync with split-K fills the GPU; prefill: wgmma's rate on sm_90a
+    assert rank(QKV, 1, H200, SPEC)[0].family == "marlin_mma"
+    assert rank(QKV, 4096, H200, SPEC)[0].family == "hopper_wgmma"
+    a100 = get_arch("sm_80")
+    assert {s.family for s in rank(QKV, 4096, a100, GpuSpec.for_arch(a100))} == {"marlin_mma"}
+
+
+def test_activations_that_overflow_l2_are_reread():
+    # down_proj: 22 MB of activations at M=1024 stay in the H200's L2; 90 MB at M=4096 do not, and
+    # every column of blocks streams them from HBM again, which favours wide blocks.
+    down = Problem.make(n=4096, k=11008)
+    narrow = Schedule("marlin_mma", Knobs(block_m=128, block_n=64, block_k=64, warps_m=2, warps_n=1, num_stages=3))
+    wide = Schedule("marlin_mma", Knobs(block_m=128, block_n=256, block_k=64, warps_m=2, warps_n=4, num_stages=3))
+    small_l2 = replace(SPEC, l2_bytes=1 << 20)
+    assert estimate_us(down, narrow, 1024, small_l2) > 1.2 * estimate_us(down, narrow, 1024, SPEC)
+    assert estimate_us(down, wide, 4096, SPEC) < estimate_us(down, narrow, 4096, SPEC)
 
 
 def test_rank_depends_on_arch():
