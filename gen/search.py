@@ -248,15 +248,16 @@ class _Bench:
         self.fp16_weights = None
 
     def packed(self, family_module) -> list:
-        """Copies of the packed weights: the first is checked, all are rotated through when timing."""
+        """Copies of the packed weights: the first is checked, all are rotated through when timing.
+        Families that read the same layout share them."""
         from gen.measure import copies_for
 
-        name = family_module.NAME
-        if name not in self._packed:
+        layout = family_module.LAYOUT
+        if layout not in self._packed:
             qw, qs = family_module.pack(self.codes, self.scales)
             n = copies_for(qw.numel() * qw.element_size() + qs.numel() * qs.element_size())
-            self._packed[name] = [(qw, qs)] + [(qw.clone(), qs.clone()) for _ in range(n - 1)]
-        return self._packed[name]
+            self._packed[layout] = [(qw, qs)] + [(qw.clone(), qs.clone()) for _ in range(n - 1)]
+        return self._packed[layout]
 
     def time_fp16(self, m: int) -> float:
         import torch
