@@ -29,9 +29,8 @@ from .table import bucket_of
 from .workspace import split_k_workspace
 
 DEFAULT_LAYOUT = FAMILIES["marlin_mma"].LAYOUT
-_FAMILY_OF_LAYOUT = {}   # layout name -> the family that defines it (listed first); others read it too
-for _family in FAMILIES.values():
-    _FAMILY_OF_LAYOUT.setdefault(_family.LAYOUT, _family)
+# layout name -> the family that defines it (listed first; later families may read the same layout)
+_FAMILY_OF_LAYOUT = {fam.LAYOUT: fam for fam in reversed(FAMILIES.values())}
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
