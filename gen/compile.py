@@ -56,7 +56,7 @@ def _compile_job(problem: Problem, schedule_dict: dict, arch_name: str) -> str |
     """Worker side of compile_many: fills the disk cache; returns an error message or None."""
     import logging
 
-    logging.disable(logging.WARNING)
+    logging.disable(logging.CRITICAL)  # failed candidates would otherwise print whole kernel sources
     try:
         compile_schedule(problem, Schedule.from_dict(schedule_dict), get_arch(arch_name))
         return None
