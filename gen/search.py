@@ -78,8 +78,21 @@ def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = 
     """The top `top` candidates of each (problem, bucket) by estimated time at the bucket's edge."""
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
-    return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu)) for s in rank(p, b, arch, gpu)[:top]])
+    return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu)) for s in _top_of_each_family(rank(p, b, arch, gpu), top)])
             for p, b in pairs]
+
+
+def _top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:
+    """The `top` best by the model, but with at least top // 3 (and 1) of every family: the model
+    orders candidates within a family much better than across families, so each family's best
+    few are measured rather than trusted (measured on the H200: the model ranked hopper_wgmma first
+    at large M, where marlin_mma ran 1.5x faster)."""
+    per_family = max(1, top // 3)
+    keep: list[Schedule] = []
+    for fam in dict.fromkeys(s.family for s in ranked):
+        keep += [s for s in ranked if s.family == fam][:per_family]
+    keep += [s for s in ranked if s not in keep][:max(0, top - len(keep))]
+    return sorted(keep, key=ranked.index)
 
 
 def compile_jobs(searches: list[BucketSearch]) -> list[tuple[Problem, Schedule]]:
