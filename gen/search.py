@@ -27,7 +27,7 @@ from schedules.problem import Problem
 from schedules.registry import Schedule
 from runtime.table import bucket_range
 
-DEFAULT_TOP = 8
+DEFAULT_TOP = 12
 # fp16 outputs carry ~5e-4 of rounding error; bf16 has an 8-bit mantissa, so its rounding alone is ~2e-3.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 STALL_TIMEOUT_S = 300.0   # no word from the measuring child for this long: the kernel is presumed hung
@@ -83,11 +83,11 @@ def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = 
 
 
 def _top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:
-    """The `top` best by the model, but with at least top // 3 (and 1) of every family: the model
+    """The `top` best by the model, but with at least top // 3 of every family: the model
     orders candidates within a family much better than across families, so each family's best
     few are measured rather than trusted (measured on the H200: the model ranked hopper_wgmma first
     at large M, where marlin_mma ran 1.5x faster)."""
-    per_family = max(1, top // 3)
+    per_family = top // 3
     keep: list[Schedule] = []
     for fam in dict.fromkeys(s.family for s in ranked):
         keep += [s for s in ranked if s.family == fam][:per_family]

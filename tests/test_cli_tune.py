@@ -4,6 +4,8 @@ import argparse
 
 import pytest
 
+from gen.search import DEFAULT_TOP
+
 from gen import cache_cmd, tune
 from runtime.table import BUCKETS, GpuKey, TunedTable, table_path
 from schedules.marlin_mma import Knobs
@@ -37,7 +39,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 def test_tune_defaults():
     args = parse("tune", "--model", "llama-2-7b")
-    assert (args.tp, args.group, args.dtype, args.top, args.force, args.dry_run) == (1, 128, "float16", 8, False, False)
+    assert (args.tp, args.group, args.dtype, args.top, args.force, args.dry_run) == (1, 128, "float16", DEFAULT_TOP, False, False)
     assert tune.parse_buckets(args.buckets) == list(BUCKETS)
 
 
