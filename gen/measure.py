@@ -50,7 +50,7 @@ def hbm_read_bandwidth(gib: float = 2.0) -> float:
     """Measured HBM read bandwidth in bytes/s: a sum over `gib` GiB of fp32."""
     x = torch.ones(int(gib * (1 << 30)) // 4, device="cuda", dtype=torch.float32)
     out = torch.empty((), device="cuda", dtype=torch.float32)
-    us = time_calls([lambda: torch.sum(x, out=out)], replays=10)
+    us = time_calls([lambda: torch.sum(x, dim=0, out=out)], replays=10)
     return x.numel() * 4 / (us * 1e-6)
 
 
