@@ -29,8 +29,8 @@ from .table import bucket_of
 from .workspace import split_k_workspace
 
 DEFAULT_LAYOUT = FAMILIES["marlin_mma"].LAYOUT
-# layout name -> the family that defines it (listed first; later families may read the same layout)
-_FAMILY_OF_LAYOUT = {fam.LAYOUT: fam for fam in reversed(FAMILIES.values())}
+# A layout belongs to the family whose package defines it (hopper_wgmma reads marlin_mma's).
+_FAMILY_OF_LAYOUT = {fam.LAYOUT: fam for fam in FAMILIES.values() if fam.layout.__name__.startswith(fam.__name__ + ".")}
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
