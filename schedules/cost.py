@@ -100,14 +100,15 @@ class GpuSpec:
 
 
 _NOMINAL = {
-    # wgmma measures ~6.6e14 FLOP/s on the H200. The per-SM pull rate, ALU rate, mma.sync rate and
-    # launch cost are fitted to ~700 marlin_mma timings on the H200 (docs/perf-notes.md, v4): with
-    # them the model's pick is on average 1.20x slower than the measured best, against 1.72x with
-    # the datasheet-style guesses. A block's warps are latency-bound, so one SM pulls far less than
-    # its load pipes could.
-    "sm_90a": GpuSpec("H200 (nominal)", 132, 4.2e12, 3.94e14, 1.13, wgmma_flops=6.6e14,
+    # wgmma measures ~6.6e14 FLOP/s on the H200. The per-SM pull rate, ALU rate, mma.sync rate,
+    # latency and launch cost are fitted to ~1300 marlin_mma timings on the H200 (two hand sweeps
+    # and two `gen tune` runs, docs/perf-notes.md v4): the model's first pick is on average 1.12x
+    # slower than the measured best (1.30x with the first fit, more with datasheet-style guesses),
+    # and the best of its top 12 1.03x. A block's warps are latency-bound, so one SM pulls far less
+    # than its load pipes could.
+    "sm_90a": GpuSpec("H200 (nominal)", 132, 4.2e12, 3.62e14, 1.95, wgmma_flops=6.6e14,
                       shared_bytes_per_sm=228 * 1024, l2_bytes=60 * 2**20, l2_bytes_per_s=8e12,
-                      sm_bytes_per_s=14.1e9, latency_us=0.89, alu_ops_per_s=1.6e13),
+                      sm_bytes_per_s=23.7e9, latency_us=0.73, alu_ops_per_s=1.16e13),
     "sm_80": GpuSpec("A100 (nominal)", 108, 1.9e12, 3.1e14, 2.5, shared_bytes_per_sm=164 * 1024,
                      l2_bytes=40 * 2**20, l2_bytes_per_s=4.5e12, sm_bytes_per_s=90e9, latency_us=0.7,
                      alu_ops_per_s=1.5e13),
