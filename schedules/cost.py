@@ -14,6 +14,7 @@ effects that decide W4A16 kernels and nothing else:
   or wgmma), plus the INT4 decode in ALU instructions per weight (FamilyTraits), scaled by the SMs
   in use and by whether enough warps are resident to keep the tensor cores busy.
 - Waves: blocks per SM from shared memory and threads; a partial last wave costs a whole wave.
+- Per k-tile a fixed cost (barriers draining the warps' MMA chains), fitted on the H200.
 - Per wave a pipeline fill (one DRAM latency and num_stages tile loads before the math starts);
   per call the split-K reduction through the fp32 workspace, the output write, and the launch.
 
@@ -70,6 +71,7 @@ class GpuSpec:
     l2_bytes_per_s: float = 8e12
     sm_bytes_per_s: float = 100e9     # the most one SM's loads can pull from L2/HBM
     latency_us: float = 0.8           # DRAM round trip seen by an asynchronous copy
+    k_tile_us: float = 0.0            # per k-tile per block: the pipeline's barriers and bookkeeping
     alu_ops_per_s: float = 3e13       # integer / fp16 ALU instructions (per lane) per second
 
     @classmethod
@@ -104,11 +106,12 @@ _NOMINAL = {
     # latency and launch cost are fitted to ~1300 marlin_mma timings on the H200 (two hand sweeps
     # and two `gen tune` runs, docs/perf-notes.md v4): the model's first pick is on average 1.12x
     # slower than the measured best (1.30x with the first fit, more with datasheet-style guesses),
-    # and the best of its top 12 1.03x. A block's warps are latency-bound, so one SM pulls far less
-    # than its load pipes could.
+    # and the best of its top 12 1.02x. A block's warps are latency-bound, so one SM pulls far less
+    # than its load pipes could; k_tile_us (0.16-0.32 all fit) makes deep k-tiles win at small M,
+    # as the hand sweeps found (block_k=128 beat 64 by ~9 %).
     "sm_90a": GpuSpec("H200 (nominal)", 132, 4.2e12, 3.62e14, 1.95, wgmma_flops=6.6e14,
                       shared_bytes_per_sm=228 * 1024, l2_bytes=60 * 2**20, l2_bytes_per_s=8e12,
-                      sm_bytes_per_s=23.7e9, latency_us=0.73, alu_ops_per_s=1.16e13),
+                      sm_bytes_per_s=23.7e9, latency_us=0.73, alu_ops_per_s=1.16e13, k_tile_us=0.2),
     "sm_80": GpuSpec("A100 (nominal)", 108, 1.9e12, 3.1e14, 2.5, shared_bytes_per_sm=164 * 1024,
                      l2_bytes=40 * 2**20, l2_bytes_per_s=4.5e12, sm_bytes_per_s=90e9, latency_us=0.7,
                      alu_ops_per_s=1.5e13),
@@ -169,7 +172,9 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     # Pipeline fill: before the steady state a block waits one latency and num_stages tile loads
     # at its share of the bandwidth, with no math to overlap them.
     fill_s = gpu.latency_us * 1e-6 + stages * (weight_tile + act_tile) * per_wave / hbm_rate
-    wave_s = max(mem_s, math_s) + fill_s
+    # Every k-tile ends in block-wide barriers that drain the warps' MMA chains: a fixed cost per
+    # tile that favours deep tiles (block_k) the more the fewer warps hide it.
+    wave_s = max(mem_s, math_s + k_tiles * gpu.k_tile_us * 1e-6) + fill_s
 
     out_s = m * problem.n * 2 / gpu.hbm_bytes_per_s
     # Split-K: every split adds an fp32 partial into the workspace; the last one reads it back and
