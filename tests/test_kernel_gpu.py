@@ -1,16 +1,17 @@
-"""Every generated marlin_mma kernel against the fp32 reference, on a GPU.
+"""Every schedule family's kernels against the fp32 reference, on a GPU.
 
-For each Llama-2-7B layer, group 128 and channelwise, several knob settings (split-K among them):
-one compiled kernel (M is dynamic) must match the reference for every M, with fresh random inputs,
-the output poisoned with NaN before each call, and the split-K workspace left zeroed behind it.
+For each Llama-2-7B layer, group 128 and channelwise, several knob settings per family (split-K
+among them): one compiled kernel (M is dynamic) must match the reference for every M, with fresh
+random inputs, the output poisoned with NaN before each call, and any split-K workspace left zeroed.
+hopper_wgmma runs only on sm_90a GPUs.
 """
 import pytest
 import torch
 
 from gen.compile import compile_many, compile_schedule
-from schedules import marlin_mma
+from schedules import hopper_wgmma, marlin_mma
 from schedules.arch import current_arch
-from schedules.marlin_mma import Knobs, check
+from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn, reference_matmul, relative_error
 from schedules.registry import Schedule
@@ -26,8 +27,14 @@ KNOBS = {
     "large_m": Knobs(64, 128, 128, 2, 2, 1, 3, 1),
     "large_m_split2": Knobs(64, 256, 128, 1, 4, 1, 4, 2),
 }
-CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in KNOBS
-         if not (group == -1 and KNOBS[name].scale_on_acc)]
+WGMMA_KNOBS = {
+    "wgmma_128x128": hopper_wgmma.Knobs(128, 128, 64, 256, 3),
+    "wgmma_256x128": hopper_wgmma.Knobs(256, 128, 64, 256, 3),
+}
+SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
+             **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()}}
+CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
+         if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 
 
 def problem_of(layer, group, dtype="float16"):
@@ -43,38 +50,42 @@ def arch():
 @pytest.fixture(scope="session", autouse=True)
 def precompiled(arch):
     """Compile every case in parallel once; the tests then load kernels from the disk cache."""
-    jobs = [(problem_of(layer, group), Schedule("marlin_mma", KNOBS[name])) for layer, group, name in CASES]
+    jobs = [(problem_of(layer, group), SCHEDULES[name]) for layer, group, name in CASES
+            if SCHEDULES[name].module.space(problem_of(layer, group), arch)]
     jobs.append((problem_of("o", 128, "bfloat16"), Schedule("marlin_mma", KNOBS["split3_scale_on_acc"])))
     errors = {job: err for job, err in compile_many(jobs, arch).items() if err}
     assert not errors, errors
 
 
-def run_and_check(problem, knobs, arch, ms=MS):
-    assert check(problem, knobs, arch) is None
-    kernel = compile_schedule(problem, Schedule("marlin_mma", knobs), arch)
+def run_and_check(problem, schedule, arch, ms=MS):
+    fam, knobs = schedule.module, schedule.knobs
+    if not fam.space(problem, arch):
+        pytest.skip(f"{schedule.family} is not offered on {arch.name}")
+    assert fam.check(problem, knobs, arch) is None
+    kernel = compile_schedule(problem, schedule, arch)
     dtype = torch.float16 if problem.dtype == "float16" else torch.bfloat16
     w = torch.randn(problem.k, problem.n, device="cuda", dtype=dtype)
     codes, scales = quantize_rtn(w, -1 if problem.channelwise else problem.group, dtype=problem.dtype)
-    weight, packed_scales = marlin_mma.pack(codes, scales)
-    ws_elems, n_counters = marlin_mma.workspace_elems(problem, knobs, max(ms))
+    weight, packed_scales = fam.pack(codes, scales)
+    ws_elems, n_counters = fam.workspace_elems(problem, knobs, max(ms))
     workspace = torch.zeros(max(ws_elems, 1), device="cuda", dtype=torch.float32)
     counters = torch.zeros(max(n_counters, 1), device="cuda", dtype=torch.int32)
     for m in ms:
         a = torch.randn(m, problem.k, device="cuda", dtype=dtype)
         out = torch.full((m, problem.n), float("nan"), device="cuda", dtype=dtype)
-        kernel(*marlin_mma.kernel_args(problem, knobs, a, weight, packed_scales, out, workspace, counters))
+        kernel(*fam.kernel_args(problem, knobs, a, weight, packed_scales, out, workspace, counters))
         err = relative_error(out, reference_matmul(a, codes, scales))
-        assert err < 2e-3 if dtype == torch.float16 else err < 1e-2, (problem.name, knobs.name, m, err)
+        assert err < 2e-3 if dtype == torch.float16 else err < 1e-2, (problem.name, schedule.name, m, err)
         assert not workspace.any() and not counters.any(), "split-K must leave its workspace zeroed"
 
 
 @pytest.mark.parametrize("layer,group,name", CASES)
 def test_kernel_matches_reference(layer, group, name, arch):
-    run_and_check(problem_of(layer, group), KNOBS[name], arch)
+    run_and_check(problem_of(layer, group), SCHEDULES[name], arch)
 
 
 def test_bf16_kernel_matches_reference(arch):
-    run_and_check(problem_of("o", 128, "bfloat16"), KNOBS["split3_scale_on_acc"], arch, ms=(1, 17, 257))
+    run_and_check(problem_of("o", 128, "bfloat16"), SCHEDULES["split3_scale_on_acc"], arch, ms=(1, 17, 257))
 
 
 def test_repeated_calls_stay_correct_under_cuda_graph_replay(arch):
