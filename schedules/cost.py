@@ -50,9 +50,9 @@ TRAITS = {
     # lop3 + magic-number subtract: one instruction per weight (one of each per half2 pair); the
     # group scale one hmul2 per pair. mma.sync needs warps on all four SM partitions, two deep.
     "marlin_mma": FamilyTraits(),
-    # Shift, mask, subtract, convert and store to shared memory per weight, and a multiply by the
-    # scale; one consumer warpgroup keeps wgmma busy.
-    "hopper_wgmma": FamilyTraits(wgmma=True, decode_ops=5.0, scale_ops=1.0, warps_to_fill_sm=4),
+    # One shared load and a lop3 decode per 8 weights, then per weight an address, a 2-byte store
+    # to shared memory and a multiply by the scale; one consumer warpgroup keeps wgmma busy.
+    "hopper_wgmma": FamilyTraits(wgmma=True, decode_ops=3.0, scale_ops=1.0, warps_to_fill_sm=4),
 }
 
 

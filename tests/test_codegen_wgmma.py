@@ -45,16 +45,29 @@ def test_shares_the_marlin_layout():
     assert hopper_wgmma.LAYOUT == "marlin_mma.v1" and hopper_wgmma.layout is layout
 
 
-def test_inverse_map_finds_every_packed_value():
-    """The kernel finds W[k, n] of a tile by (row, column, shift) into the packed tile; replay the
-    very function it uses, on plain ints, against layout.pack_weight."""
+def test_word_map_places_every_packed_value():
+    """The kernel stores value (pair, elem) of the packed word at [row, col] to W[k, n] of its tile;
+    replay the very function it uses, on plain ints, against layout.pack_weight and the decode's
+    pair order (pair p = nibbles p and p + 4)."""
     import torch
 
-    from schedules.hopper_wgmma.kernel import packed_position
+    from schedules.hopper_wgmma.kernel import unpacked_position
 
     codes = torch.randint(0, 16, (32, 128), dtype=torch.uint8)
     words = layout.pack_weight(codes).to(torch.int64) & 0xFFFFFFFF
-    for kk in range(32):
-        for nn in range(128):
-            row, col, shift = packed_position(nn, kk)
-            assert (int(words[row, col]) >> shift) & 15 == codes[kk, nn], (kk, nn)
+    seen = torch.zeros_like(codes, dtype=torch.bool)
+    for row in range(words.shape[0]):
+        for col in range(words.shape[1]):
+            for pair in range(4):
+                for elem in range(2):
+                    n, k = unpacked_position(row, col, pair, elem)
+                    nibble = (int(words[row, col]) >> (4 * (pair + 4 * elem))) & 15
+                    assert nibble == codes[k, n], (row, col, pair, elem)
+                    seen[k, n] = True
+    assert seen.all()
+
+
+def test_decode_is_the_lop3_template(compiled):
+    src, ptx = compiled
+    assert "tm_dequant_f16_u4(" in src.split("__global__", 1)[1]
+    assert "lop3.b32" in ptx
