@@ -29,7 +29,18 @@ def cache_root() -> Path:
 
 
 def kernel_dir() -> Path:
-    return cache_root() / "kernels"
+    """Where compiled kernels live (created if missing); an unwritable one is a clear error, not a
+    failure deep inside TileLang (an installed package's folder is often read-only)."""
+    path = cache_root() / "kernels"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PermissionError(f"cannot create the compiled-kernel cache {path} ({exc.strerror}); "
+                              "point TILEMARLIN_CACHE_DIR at a writable folder") from None
+    if not os.access(path, os.W_OK):
+        raise PermissionError(f"the compiled-kernel cache {path} is not writable; point "
+                              "TILEMARLIN_CACHE_DIR at a writable folder")
+    return path
 
 
 def compile_schedule(problem: Problem, schedule: Schedule, arch: Arch):
