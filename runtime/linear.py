@@ -34,7 +34,7 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.group_size = problem.group   # group_size=-1 (one group over K) is stored as K
         self.layout = layout
-        weight_shape, scales_shape = packed_shapes(problem)
+        weight_shape, scales_shape = packed_shapes(problem, layout)
         self.register_buffer("qweight", torch.zeros(weight_shape, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(scales_shape, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)

@@ -65,9 +65,9 @@ def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAY
     return problem
 
 
-def packed_shapes(problem: Problem) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Shapes of (packed weight, packed scales) in the marlin_mma.v1 layout (see its layout.py)."""
-    return (problem.k // 16, 2 * problem.n), (problem.num_groups, problem.n)
+def packed_shapes(problem: Problem, layout: str = DEFAULT_LAYOUT) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of (packed weight, packed scales) in `layout`, as its layout module defines them."""
+    return layout_family(layout).layout.packed_shapes(problem.k, problem.n, problem.num_groups)
 
 
 def _check_args(x, qweight, scales, n, k, group, layout) -> Problem:
@@ -78,7 +78,7 @@ def _check_args(x, qweight, scales, n, k, group, layout) -> Problem:
     if x.dim() == 0 or x.shape[-1] != k:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end in the weight's K={k} input features")
     problem = problem_of(n, k, group, dtype, layout)
-    weight_shape, scales_shape = packed_shapes(problem)
+    weight_shape, scales_shape = packed_shapes(problem, layout)
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != weight_shape:
         raise ValueError(f"packed weight must be int32 {weight_shape} for N={n}, K={k} in {layout}, "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")

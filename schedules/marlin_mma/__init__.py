@@ -61,8 +61,9 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
     dtype = torch_dtype(problem.dtype)
     _expect("activations", a, dtype, (None, problem.k))
     m = a.shape[0]
-    _expect("packed weight", weight, torch.int32, (problem.k // 16, 2 * problem.n))
-    _expect("scales", scales, dtype, (problem.num_groups, problem.n))
+    weight_shape, scales_shape = layout.packed_shapes(problem.k, problem.n, problem.num_groups)
+    _expect("packed weight", weight, torch.int32, weight_shape)
+    _expect("scales", scales, dtype, scales_shape)
     _expect("output", out, dtype, (m, problem.n))
     tensors = {"activations": a, "packed weight": weight, "scales": scales, "output": out}
     if knobs.split_k > 1:

@@ -51,6 +51,11 @@ def check_packable(k: int, n: int) -> None:
         raise ValueError(f"N={n} must be a multiple of {SLAB_N} for the marlin_mma layout")
 
 
+def packed_shapes(k: int, n: int, groups: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of (packed weight, scales) for W[K, N] with `groups` scale rows."""
+    return (k // TILE_K, 2 * n), (groups, n)
+
+
 def pack_weight(codes: torch.Tensor) -> torch.Tensor:
     """INT4 codes [K, N] (values 0..15, any integer dtype) -> packed int32 [K / 16, 2 * N]."""
     if codes.dim() != 2:
