@@ -20,11 +20,15 @@ _DEQUANT = {
 }
 
 
-def dequant_function_names(dtype: str, bits: int = 4) -> tuple[str, str]:
-    """(unscaled, scaled) extern names of the decode for this dtype and bit width."""
+def dequant_function_names(dtype: str, bits: int = 4, operand: str = "b") -> tuple[str, str]:
+    """(unscaled, scaled) extern names of the decode for this dtype and bit width, with the values in
+    the register order of the MMA's B fragments (operand "b") or, for swapped operands, A's ("a")."""
     _check(dtype, bits)
+    if operand not in ("a", "b"):
+        raise ValueError(f"operand must be 'a' or 'b', got {operand!r}")
     name = _DEQUANT[dtype]["name"]
-    return f"tm_dequant_{name}", f"tm_dequant_scaled_{name}"
+    order = "a_" if operand == "a" else ""
+    return f"tm_dequant_{order}{name}", f"tm_dequant_scaled_{order}{name}"
 
 
 @lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gen.compile import compile_many, compile_schedule
-from schedules import hopper_wgmma, marlin_mma
+from schedules import hopper_wgmma, marlin_mma, stream_mma
 from schedules.arch import current_arch
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
@@ -31,8 +31,15 @@ WGMMA_KNOBS = {
     "wgmma_128x128": hopper_wgmma.Knobs(128, 128, 64, 256, 3),
     "wgmma_256x128": hopper_wgmma.Knobs(256, 128, 64, 256, 3),
 }
+STREAM_KNOBS = {
+    "stream_m8": stream_mma.Knobs(1, 1, 8, 8, 1),
+    "stream_m16_split4": stream_mma.Knobs(2, 2, 4, 4, 4),
+    "stream_m32_split2": stream_mma.Knobs(4, 1, 4, 4, 2),
+}
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
+             **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()}}
+BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 
@@ -52,7 +59,7 @@ def precompiled(arch):
     """Compile every case in parallel once; the tests then load kernels from the disk cache."""
     jobs = [(problem_of(layer, group), SCHEDULES[name]) for layer, group, name in CASES
             if SCHEDULES[name].module.space(problem_of(layer, group), arch)]
-    jobs.append((problem_of("o", 128, "bfloat16"), Schedule("marlin_mma", KNOBS["split3_scale_on_acc"])))
+    jobs += [(problem_of("o", 128, "bfloat16"), SCHEDULES[name]) for name in BF16_SCHEDULES]
     errors = {job: err for job, err in compile_many(jobs, arch).items() if err}
     assert not errors, errors
 
@@ -84,22 +91,26 @@ def test_kernel_matches_reference(layer, group, name, arch):
     run_and_check(problem_of(layer, group), SCHEDULES[name], arch)
 
 
-def test_bf16_kernel_matches_reference(arch):
-    run_and_check(problem_of("o", 128, "bfloat16"), SCHEDULES["split3_scale_on_acc"], arch, ms=(1, 17, 257))
+@pytest.mark.parametrize("name", BF16_SCHEDULES)
+def test_bf16_kernel_matches_reference(name, arch):
+    run_and_check(problem_of("o", 128, "bfloat16"), SCHEDULES[name], arch, ms=(1, 17, 257))
 
 
-def test_repeated_calls_stay_correct_under_cuda_graph_replay(arch):
+@pytest.mark.parametrize("name", ("split3_scale_on_acc", "stream_m16_split4"))
+def test_repeated_calls_stay_correct_under_cuda_graph_replay(name, arch):
     """The split-K counters reset themselves, so a captured kernel replays correctly with new inputs."""
-    problem, knobs = problem_of("o", 128), KNOBS["split3_scale_on_acc"]
-    kernel = compile_schedule(problem, Schedule("marlin_mma", knobs), arch)
+    problem, schedule = problem_of("o", 128), SCHEDULES[name]
+    knobs = schedule.knobs
+    kernel = compile_schedule(problem, schedule, arch)
     codes, scales = quantize_rtn(torch.randn(problem.k, problem.n, device="cuda", dtype=torch.float16), 128)
-    weight, packed_scales = marlin_mma.pack(codes, scales)
+    fam = schedule.module
+    weight, packed_scales = fam.pack(codes, scales)
     a = torch.randn(17, problem.k, device="cuda", dtype=torch.float16)
     out = torch.empty(17, problem.n, device="cuda", dtype=torch.float16)
-    ws_elems, n_counters = marlin_mma.workspace_elems(problem, knobs, 17)
+    ws_elems, n_counters = fam.workspace_elems(problem, knobs, 17)
     workspace = torch.zeros(ws_elems, device="cuda")
     counters = torch.zeros(n_counters, device="cuda", dtype=torch.int32)
-    args = marlin_mma.kernel_args(problem, knobs, a, weight, packed_scales, out, workspace, counters)
+    args = fam.kernel_args(problem, knobs, a, weight, packed_scales, out, workspace, counters)
     kernel(*args)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

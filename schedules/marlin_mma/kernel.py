@@ -25,22 +25,12 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, render_dequant
 
+from ..epilogue import SPLIT_K_HELPERS, store_tile
 from ..problem import Problem
 from .knobs import Knobs
 from .layout import SLAB_N
 
 _MMA_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
-
-# Split-K arrival: every thread fences its workspace atomics, then one thread counts the block in.
-SPLIT_K_HELPERS = r"""
-__device__ __forceinline__ int tm_split_k_arrive(int* counter, int parts) {
-  __threadfence();
-  int last = atomicAdd(counter, 1) == parts - 1;
-  __threadfence();
-  return last;
-}
-"""
-
 
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
@@ -69,6 +59,7 @@ def build(problem: Problem, knobs: Knobs):
     acc_len = m_tiles * slabs * 8 * 4        # per slab: 8 n8 tiles x 4 fp32 accumulators
     grid_n = n // bn
     max_iters = -(-units // kb.split_k) * unit
+    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise)
 
     def acc_col(lane, wn, sj, t8, e):
         """Block-tile column of accumulator element e of n8 tile t8 in slab sj (mma C fragment)."""
@@ -76,12 +67,6 @@ def build(problem: Problem, knobs: Knobs):
 
     def acc_index(mi, sj, t8, e):
         return ((mi * slabs + sj) * 8 + t8) * 4 + e
-
-    def channel_scale(S, col):
-        """The fp32 output scale of column `col`: 1 unless scales are channelwise."""
-        if grouped:
-            return T.float32(1)
-        return T.cast(S[0, col], "float32")
 
     @T.macro
     def body(A, B, S, C, ws, counters):
@@ -176,32 +161,7 @@ def build(problem: Problem, knobs: Knobs):
                                     C_s[row, col] = C_s[row, col] + sums[acc_index(mi, sj, t8, e)]
             T.sync_threads()
 
-            if not split:
-                for i, j in T.Parallel(bm, bn):
-                    if by * bm + i < m:
-                        C[by * bm + i, bx * bn + j] = T.cast(C_s[i, j] * channel_scale(S, bx * bn + j), dtype)
-            else:
-                if not grouped:
-                    for i, j in T.Parallel(bm, bn):
-                        C_s[i, j] = C_s[i, j] * channel_scale(S, bx * bn + j)
-                    T.sync_threads()
-                # Tile-wide: 16-byte vector atomics (red.global.add.v4.f32) on sm_90, rows past m skipped.
-                T.atomic_add(ws[by * bm:(by + 1) * bm, bx * bn:(bx + 1) * bn], C_s)
-                last = T.alloc_shared((1,), "int32")
-                T.call_extern("handle", "__threadfence")
-                T.sync_threads()
-                if tx == 0:
-                    last[0] = T.call_extern("int32", "tm_split_k_arrive",
-                                            T.access_ptr(counters[by * grid_n + bx], "rw"), kb.split_k)
-                T.sync_threads()
-                if last[0] == 1:
-                    for i, j in T.Parallel(bm, bn):
-                        if by * bm + i < m:
-                            C[by * bm + i, bx * bn + j] = T.cast(
-                                T.call_extern("float32", "__ldcg", T.access_ptr(ws[by * bm + i, bx * bn + j], "r")), dtype)
-                            ws[by * bm + i, bx * bn + j] = T.float32(0)
-                    if tx == 0:
-                        counters[by * grid_n + bx] = 0
+            store(C_s, C, S, ws, counters, m, by, bx, tx)
 
     if split:
         @T.prim_func

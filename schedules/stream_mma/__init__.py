@@ -1,0 +1,44 @@
+"""stream_mma: small-M kernels that stream weights into registers and swap the MMA operands
+(see kernel.py for the why). Reads marlin_mma's packed layout: no repacking."""
+from __future__ import annotations
+
+import itertools
+
+from ..arch import Arch
+from ..problem import Problem
+from .. import marlin_mma
+from .kernel import PASS_CONFIGS, build
+from .knobs import Knobs, check
+
+NAME = "stream_mma"
+LAYOUT = marlin_mma.LAYOUT
+layout = marlin_mma.layout
+pack, unpack = marlin_mma.pack, marlin_mma.unpack
+# The same split-K epilogue (schedules/epilogue.py), so the same workspace.
+workspace_elems = marlin_mma.workspace_elems
+
+AXES = {
+    "m_tiles": (1, 2, 4),
+    "slabs": (1, 2, 4),
+    "warps": (2, 4, 8),
+    "unroll": (2, 4, 8),
+    "split_k": (1, 2, 3, 4, 6, 8, 16),
+}
+
+
+def space(problem: Problem, arch: Arch) -> list[Knobs]:
+    out = []
+    for values in itertools.product(*AXES.values()):
+        knobs = Knobs(*values)
+        if check(problem, knobs, arch) is None:
+            out.append(knobs)
+    return out
+
+
+def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspace=None, counters=None) -> tuple:
+    """Same arguments, checks and split-K workspace as marlin_mma (both use schedules/epilogue.py)."""
+    return marlin_mma.kernel_args(problem, knobs, a, weight, scales, out, workspace, counters)
+
+
+__all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "space", "build", "PASS_CONFIGS", "pack", "unpack",
+           "workspace_elems", "kernel_args", "layout"]

@@ -1,0 +1,166 @@
+"""Small-M W4A16 without shared-memory operands: weights stream from global memory straight into
+registers and meet the activations in swapped tensor-core MMAs (C^T = W^T X^T).
+
+Why it looks the way it does:
+- At M <= 16 the kernel only has to move weight bytes as fast as HBM delivers them. A block-wide
+  cp.async pipeline (marlin_mma) ends every k-tile in barriers, so one SM's warps wait on each other
+  and pull a fraction of their share of the bandwidth. Here every warp streams its own batches of
+  `unroll` k-steps with 16-byte loads that bypass L1 (`ld.global.nc.L1::no_allocate`, read once) and
+  never waits for another warp until the very end; the other warps' batches fill its gaps.
+- Operands are swapped: W^T is the MMA's A (16 weight columns x 16 k), the activations X^T its B
+  (16 k x 8 rows of M). One 32-bit packed word of marlin_mma's layout is exactly a lane's A fragment
+  of one 16x16 W^T tile (the decode only reorders its four outputs), so one word feeds one m16n8k16
+  MMA per 8 rows of M: half the MMAs of the unswapped form, and M=1 pads to 8 rows, not 16.
+- A lane's activation fragment (row g, k 2t..2t+1 and 2t+8..2t+9) is two 4-byte loads from global
+  memory (L1/L2 hits: every block reads the same rows). Rows past M repeat row M-1 instead of being
+  predicated: they only feed output columns that are never stored.
+- Group scales multiply the decoded weights (one half2 multiply per pair); a batch never crosses a
+  group (check()), so each batch loads one scale row. Channelwise scales scale the fp32 sums.
+- The block's warps add their sums in a shared fp32 tile, then the common epilogue stores it, with
+  split-K through a global workspace when the output has too few tiles to occupy the GPU.
+"""
+# No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
+
+import tilelang
+import tilelang.language as T
+
+from templates import dequant_function_names, render_dequant
+
+from ..epilogue import SPLIT_K_HELPERS, store_tile
+from ..marlin_mma.layout import SLAB_N, TILE_K
+from ..problem import Problem
+from .knobs import MMA_N, Knobs
+
+_MMA_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+# Weights are read exactly once: 16-byte non-coherent loads that do not allocate in L1.
+STREAM_LOAD = r"""
+__device__ __forceinline__ void tm_load_stream_16B(const void* src, void* dst) {
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "l"(src));
+}
+"""
+
+
+def build(problem: Problem, knobs: Knobs):
+    """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
+
+    Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N], C [M, N];
+    with split_k > 1 also a zeroed fp32 workspace [M, N] and int32 tile counters.
+    """
+    n, k, group, dtype = problem.n, problem.k, problem.group, problem.dtype
+    kb = knobs
+    m = T.dynamic("m")
+    tiles = T.dynamic("tiles")
+    bm, bn = kb.block_m, kb.block_n
+    m_tiles, slabs, unroll, warps = kb.m_tiles, kb.slabs, kb.unroll, kb.warps
+    batches = kb.batches(problem)
+    workers = kb.split_k * warps
+    trips = -(-batches // workers)
+    grouped = not problem.channelwise
+    split = kb.split_k > 1
+    grid_n = n // bn
+    mma_dtype = _MMA_DTYPE[dtype]
+    decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
+    prelude = render_dequant(dtype, problem.bits) + STREAM_LOAD + (SPLIT_K_HELPERS if split else "")
+    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise)
+
+    def acc_index(sj, j, mi):
+        return ((sj * 4 + j) * m_tiles + mi) * 4
+
+    @T.macro
+    def body(A, B, S, C, ws, counters):
+        with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=kb.threads, prelude=prelude) as (by, bx, bz):
+            C_s = T.alloc_shared((bm, bn), "float32")
+            w = T.alloc_local((unroll * slabs * 4,), "int32")
+            x = T.alloc_local((unroll * m_tiles * 4,), dtype)
+            a = T.alloc_local((32,), dtype)
+            scale = T.alloc_local((slabs * 8,), dtype)
+            acc = T.alloc_local((slabs * 4 * m_tiles * 4,), "float32")
+
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            wk = tx // 32
+            g = lane // 4
+            t = lane % 4
+            for i in T.serial(slabs * 4 * m_tiles * 4):
+                acc[i] = T.float32(0)
+
+            for it in T.serial(trips):
+                # Batches go round-robin over all warps of all splits of this output tile.
+                batch = it * workers + bz * warps + wk
+                if batch < batches:
+                    kt0 = batch * unroll
+                    for u in T.unroll(unroll):
+                        for sj in T.unroll(slabs):
+                            T.call_extern("handle", "tm_load_stream_16B",
+                                          T.access_ptr(B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r"),
+                                          T.access_ptr(w[(u * slabs + sj) * 4], "w"))
+                        for mi in T.unroll(m_tiles):
+                            row = T.min(by * bm + mi * MMA_N + g, m - 1)
+                            for h in T.unroll(2):
+                                for v in T.vectorized(2):
+                                    x[((u * m_tiles + mi) * 2 + h) * 2 + v] = A[row, (kt0 + u) * TILE_K + 2 * t + 8 * h + v]
+                    if grouped:
+                        # Columns 16j + g and 16j + 8 + g of each slab: the scales of the lane's A rows.
+                        for sj in T.unroll(slabs):
+                            for v in T.unroll(8):
+                                scale[sj * 8 + v] = S[kt0 * TILE_K // group,
+                                                      (bx * slabs + sj) * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g]
+                    for u in T.unroll(unroll):
+                        for sj in T.unroll(slabs):
+                            for j in T.unroll(4):
+                                if grouped:
+                                    T.call_extern("handle", decode_scaled, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
+                                                  T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(a[j * 8], "w"))
+                                else:
+                                    T.call_extern("handle", decode, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
+                                                  T.access_ptr(a[j * 8], "w"))
+                                for mi in T.unroll(m_tiles):
+                                    T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
+                                              a.data, j * 8, x.data, (u * m_tiles + mi) * 4,
+                                              acc.data, acc_index(sj, j, mi), False)
+
+            # The block's warps add their sums into one shared tile, a warp at a time.
+            for i, j in T.Parallel(bm, bn):
+                C_s[i, j] = T.float32(0)
+            for r in T.serial(warps):
+                T.sync_threads()
+                if wk == r:
+                    for sj in T.unroll(slabs):
+                        for j in T.unroll(4):
+                            for mi in T.unroll(m_tiles):
+                                for e in T.unroll(4):
+                                    # C^T fragment: row (weight column) 16j + g (+8 for e >= 2),
+                                    # column (row of M) 2t + e % 2 of m-tile mi.
+                                    row = mi * MMA_N + 2 * t + e % 2
+                                    col = sj * SLAB_N + j * 16 + g + 8 * (e // 2)
+                                    C_s[row, col] = C_s[row, col] + acc[acc_index(sj, j, mi) + e]
+            T.sync_threads()
+            store(C_s, C, S, ws, counters, m, by, bx, tx)
+
+    if split:
+        @T.prim_func
+        def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
+                       S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype),
+                       ws: T.Tensor((m, n), "float32"), counters: T.Tensor((tiles,), "int32")):
+            body(A, B, S, C, ws, counters)
+    else:
+        @T.prim_func
+        def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
+                       S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype)):
+            body(A, B, S, C, None, None)
+    return w4a16_gemm
+
+
+PASS_CONFIGS = {
+    # Hand-written register code throughout: no warp specialization, no TMA.
+    "tl.disable_warp_specialized": True,
+    "tl.disable_tma_lower": True,
+}
+
+
+def compile_kernel(problem: Problem, knobs: Knobs, arch):
+    """Compile with nvcc for `arch` (no GPU needed); returns TileLang's JIT kernel."""
+    return tilelang.compile(build(problem, knobs), target=arch.target, pass_configs=PASS_CONFIGS)

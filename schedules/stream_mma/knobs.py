@@ -1,0 +1,93 @@
+"""Knobs and validity check of the stream_mma family (small M, any arch >= sm_80)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..arch import Arch
+from ..marlin_mma.layout import SLAB_N, TILE_K
+from ..problem import Problem
+
+MMA_N = 8   # the swapped MMA's n: rows of M per m-tile
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One point of the stream_mma schedule space.
+
+    A block has `warps` warps that share `slabs` 64-column slabs of the output and split the k-steps
+    between them; each warp streams `unroll` k-steps of 16 rows per batch straight from global memory
+    into registers (unroll * slabs 16-byte loads per lane in flight). m_tiles MMA tiles of 8 rows
+    cover block_m = 8 * m_tiles rows of M. split_k > 1 spreads the batches over that many blocks per
+    output tile, whose fp32 partials meet in a global workspace (schedules/epilogue.py).
+    """
+
+    m_tiles: int = 1
+    slabs: int = 1
+    warps: int = 8
+    unroll: int = 8
+    split_k: int = 1
+
+    # What the cost model and the runtime read from every family's knobs.
+    num_stages = 2          # one batch of loads in flight per warp, the next issued after its math
+
+    @property
+    def block_m(self) -> int:
+        return MMA_N * self.m_tiles
+
+    @property
+    def block_n(self) -> int:
+        return SLAB_N * self.slabs
+
+    @property
+    def block_k(self) -> int:
+        """k rows one block's warps stream per batch, together."""
+        return TILE_K * self.unroll * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def name(self) -> str:
+        return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_sk{self.split_k}"
+
+    def batches(self, problem: Problem) -> int:
+        return problem.k // (TILE_K * self.unroll)
+
+    def shared_bytes(self, problem: Problem) -> int:
+        """Only the fp32 tile in which the warps' sums meet: operands never touch shared memory."""
+        return self.block_m * self.block_n * 4 + 64
+
+    def registers_estimate(self) -> int:
+        acc = self.slabs * 4 * self.m_tiles * 4
+        loads = self.unroll * (self.slabs * 4 + self.m_tiles * 2)
+        return acc + loads + 4 + self.slabs * 4
+
+
+def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
+    """Why (problem, knobs) cannot compile or run on `arch`, or None when it can."""
+    kb = knobs
+    for field in ("m_tiles", "slabs", "warps", "unroll", "split_k"):
+        if getattr(kb, field) < 1:
+            return f"{field}={getattr(kb, field)} must be positive"
+    if kb.threads > 1024:
+        return f"{kb.threads} threads exceed the 1024 a block may have"
+    if problem.n % kb.block_n:
+        return f"N={problem.n} is not a multiple of block_n={kb.block_n} ({kb.slabs} slabs of {SLAB_N})"
+    batch_rows = TILE_K * kb.unroll
+    if problem.k % batch_rows:
+        return f"K={problem.k} is not a multiple of unroll * 16 = {batch_rows}"
+    if not problem.channelwise and problem.group % batch_rows:
+        return f"group={problem.group} must be a multiple of unroll * 16 = {batch_rows} (one scale row per batch)"
+    workers = kb.split_k * kb.warps
+    if kb.batches(problem) < workers:
+        return (f"{kb.batches(problem)} batches of {batch_rows} rows leave some of the "
+                f"split_k * warps = {workers} warps without work")
+    regs = kb.registers_estimate()
+    if regs > 160:
+        return f"about {regs} registers per thread for sums and loads would spill"
+    if kb.shared_bytes(problem) > arch.max_shared_bytes:
+        return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
+    if problem.dtype == "bfloat16" and arch.sm < 80:
+        return "bf16 MMA needs sm_80 or newer"
+    return None
