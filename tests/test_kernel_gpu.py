@@ -32,9 +32,10 @@ WGMMA_KNOBS = {
     "wgmma_256x128": hopper_wgmma.Knobs(256, 128, 64, 256, 3),
 }
 STREAM_KNOBS = {
-    "stream_m8": stream_mma.Knobs(1, 1, 8, 8, 1),
-    "stream_m16_split4": stream_mma.Knobs(2, 2, 4, 4, 4),
-    "stream_m32_split2": stream_mma.Knobs(4, 1, 4, 4, 2),
+    "stream_m8": stream_mma.Knobs(1, 1, 8, 8, 1, ahead=1),
+    "stream_m16_split4": stream_mma.Knobs(2, 2, 4, 4, 4, ahead=2),
+    "stream_m32_split2": stream_mma.Knobs(4, 1, 4, 4, 2, ahead=2),
+    "stream_m8_ahead3": stream_mma.Knobs(1, 1, 4, 4, 2, ahead=3),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},

@@ -6,7 +6,9 @@ Why it looks the way it does:
   cp.async pipeline (marlin_mma) ends every k-tile in barriers, so one SM's warps wait on each other
   and pull a fraction of their share of the bandwidth. Here every warp streams its own batches of
   `unroll` k-steps with 16-byte loads that bypass L1 (`ld.global.nc.L1::no_allocate`, read once) and
-  never waits for another warp until the very end; the other warps' batches fill its gaps.
+  never waits for another warp until the very end. `ahead` register buffers keep the next batches'
+  loads in flight while one is decoded: a warp then hides its own DRAM latency instead of relying
+  on enough other warps (small layers have too few to fill the SMs).
 - Operands are swapped: W^T is the MMA's A (16 weight columns x 16 k), the activations X^T its B
   (16 k x 8 rows of M). One 32-bit packed word of marlin_mma's layout is exactly a lane's A fragment
   of one 16x16 W^T tile (the decode only reorders its four outputs), so one word feeds one m16n8k16
@@ -54,7 +56,7 @@ def build(problem: Problem, knobs: Knobs):
     m = T.dynamic("m")
     tiles = T.dynamic("tiles")
     bm, bn = kb.block_m, kb.block_n
-    m_tiles, slabs, unroll, warps = kb.m_tiles, kb.slabs, kb.unroll, kb.warps
+    m_tiles, slabs, unroll, warps, ahead = kb.m_tiles, kb.slabs, kb.unroll, kb.warps, kb.ahead
     batches = kb.batches(problem)
     workers = kb.split_k * warps
     trips = -(-batches // workers)
@@ -69,14 +71,57 @@ def build(problem: Problem, knobs: Knobs):
     def acc_index(sj, j, mi):
         return ((sj * 4 + j) * m_tiles + mi) * 4
 
+    per_w, per_x, per_s = unroll * slabs * 4, unroll * m_tiles * 4, slabs * 8
+
+    @T.macro
+    def load(A, B, S, w, x, scale, buf, batch, by, bx, lane, g, t):
+        """Issue the loads of `batch` into register buffer `buf` (nothing waits for them here)."""
+        if batch < batches:
+            kt0 = batch * unroll
+            for u in T.unroll(unroll):
+                for sj in T.unroll(slabs):
+                    T.call_extern("handle", "tm_load_stream_16B",
+                                  T.access_ptr(B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r"),
+                                  T.access_ptr(w[buf * per_w + (u * slabs + sj) * 4], "w"))
+                for mi in T.unroll(m_tiles):
+                    row = T.min(by * bm + mi * MMA_N + g, m - 1)
+                    for h in T.unroll(2):
+                        for v in T.vectorized(2):
+                            x[buf * per_x + ((u * m_tiles + mi) * 2 + h) * 2 + v] = A[row, (kt0 + u) * TILE_K + 2 * t + 8 * h + v]
+            if grouped:
+                # Columns 16j + g and 16j + 8 + g of each slab: the scales of the lane's A rows.
+                for sj in T.unroll(slabs):
+                    for v in T.unroll(8):
+                        scale[buf * per_s + sj * 8 + v] = S[kt0 * TILE_K // group,
+                                                            (bx * slabs + sj) * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g]
+
+    @T.macro
+    def compute(w, x, scale, a, acc, batch):
+        """Decode and multiply the batch in register buffer 0."""
+        if batch < batches:
+            for u in T.unroll(unroll):
+                for sj in T.unroll(slabs):
+                    for j in T.unroll(4):
+                        if grouped:
+                            T.call_extern("handle", decode_scaled, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
+                                          T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(a[j * 8], "w"))
+                        else:
+                            T.call_extern("handle", decode, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
+                                          T.access_ptr(a[j * 8], "w"))
+                        for mi in T.unroll(m_tiles):
+                            T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
+                                      a.data, j * 8, x.data, (u * m_tiles + mi) * 4,
+                                      acc.data, acc_index(sj, j, mi), False)
+
     @T.macro
     def body(A, B, S, C, ws, counters):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=kb.threads, prelude=prelude) as (by, bx, bz):
             C_s = T.alloc_shared((bm, bn), "float32")
-            w = T.alloc_local((unroll * slabs * 4,), "int32")
-            x = T.alloc_local((unroll * m_tiles * 4,), dtype)
+            # `ahead` register buffers: batch it + ahead - 1 loads while batch it is decoded.
+            w = T.alloc_local((ahead * per_w,), "int32")
+            x = T.alloc_local((ahead * per_x,), dtype)
+            scale = T.alloc_local((ahead * per_s,), dtype)
             a = T.alloc_local((32,), dtype)
-            scale = T.alloc_local((slabs * 8,), dtype)
             acc = T.alloc_local((slabs * 4 * m_tiles * 4,), "float32")
 
             tx = T.get_thread_binding()
@@ -87,40 +132,21 @@ def build(problem: Problem, knobs: Knobs):
             for i in T.serial(slabs * 4 * m_tiles * 4):
                 acc[i] = T.float32(0)
 
+            # Batches go round-robin over all warps of all splits of this output tile.
+            first = bz * warps + wk
+            for p in T.unroll(ahead - 1):
+                load(A, B, S, w, x, scale, p, p * workers + first, by, bx, lane, g, t)
             for it in T.serial(trips):
-                # Batches go round-robin over all warps of all splits of this output tile.
-                batch = it * workers + bz * warps + wk
-                if batch < batches:
-                    kt0 = batch * unroll
-                    for u in T.unroll(unroll):
-                        for sj in T.unroll(slabs):
-                            T.call_extern("handle", "tm_load_stream_16B",
-                                          T.access_ptr(B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r"),
-                                          T.access_ptr(w[(u * slabs + sj) * 4], "w"))
-                        for mi in T.unroll(m_tiles):
-                            row = T.min(by * bm + mi * MMA_N + g, m - 1)
-                            for h in T.unroll(2):
-                                for v in T.vectorized(2):
-                                    x[((u * m_tiles + mi) * 2 + h) * 2 + v] = A[row, (kt0 + u) * TILE_K + 2 * t + 8 * h + v]
+                load(A, B, S, w, x, scale, ahead - 1, (it + ahead - 1) * workers + first, by, bx, lane, g, t)
+                compute(w, x, scale, a, acc, it * workers + first)
+                for p in T.unroll(ahead - 1):
+                    for i in T.unroll(per_w):
+                        w[p * per_w + i] = w[(p + 1) * per_w + i]
+                    for i in T.unroll(per_x):
+                        x[p * per_x + i] = x[(p + 1) * per_x + i]
                     if grouped:
-                        # Columns 16j + g and 16j + 8 + g of each slab: the scales of the lane's A rows.
-                        for sj in T.unroll(slabs):
-                            for v in T.unroll(8):
-                                scale[sj * 8 + v] = S[kt0 * TILE_K // group,
-                                                      (bx * slabs + sj) * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g]
-                    for u in T.unroll(unroll):
-                        for sj in T.unroll(slabs):
-                            for j in T.unroll(4):
-                                if grouped:
-                                    T.call_extern("handle", decode_scaled, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
-                                                  T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(a[j * 8], "w"))
-                                else:
-                                    T.call_extern("handle", decode, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
-                                                  T.access_ptr(a[j * 8], "w"))
-                                for mi in T.unroll(m_tiles):
-                                    T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                                              a.data, j * 8, x.data, (u * m_tiles + mi) * 4,
-                                              acc.data, acc_index(sj, j, mi), False)
+                        for i in T.unroll(per_s):
+                            scale[p * per_s + i] = scale[(p + 1) * per_s + i]
 
             # The block's warps add their sums into one shared tile, a warp at a time.
             for i, j in T.Parallel(bm, bn):
