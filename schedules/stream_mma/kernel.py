@@ -116,6 +116,9 @@ def build(problem: Problem, knobs: Knobs):
     @T.macro
     def body(A, B, S, C, ws, counters):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=kb.threads, prelude=prelude) as (by, bx, bz):
+            if kb.occupancy:
+                # Cap registers so that occupancy // warps blocks fit per SM: warps hide latency.
+                T.annotate_min_blocks_per_sm(kb.occupancy // warps)
             C_s = T.alloc_shared((bm, bn), "float32")
             # `ahead` register buffers: batch it + ahead - 1 loads while batch it is decoded.
             w = T.alloc_local((ahead * per_w,), "int32")

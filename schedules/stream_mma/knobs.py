@@ -20,6 +20,8 @@ class Knobs:
     (register buffers: the next batches load while one is decoded). m_tiles MMA tiles of 8 rows
     cover block_m = 8 * m_tiles rows of M. split_k > 1 spreads the batches over that many blocks per
     output tile, whose fp32 partials meet in a global workspace (schedules/epilogue.py).
+    occupancy > 0 asks the compiler for at least that many resident warps per SM (registers capped
+    at 65536 / (32 * occupancy)); 0 leaves registers to the compiler.
     """
 
     m_tiles: int = 1
@@ -28,6 +30,7 @@ class Knobs:
     unroll: int = 4
     split_k: int = 1
     ahead: int = 2
+    occupancy: int = 0
 
     # What the cost model and the runtime read from every family's knobs.
     num_stages = 2          # one batch of loads in flight per warp, the next issued after its math
@@ -51,7 +54,8 @@ class Knobs:
 
     @property
     def name(self) -> str:
-        return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}"
+        return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}" + (
+            f"_o{self.occupancy}" if self.occupancy else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -63,7 +67,7 @@ class Knobs:
     def registers_estimate(self) -> int:
         acc = self.slabs * 4 * self.m_tiles * 4
         loads = self.ahead * (self.unroll * (self.slabs * 4 + self.m_tiles * 2) + self.slabs * 4)
-        return acc + loads + 16
+        return acc + loads + 32   # + addresses and loop state (76 measured for mt1 sl1 u4 a1: est. 76)
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
@@ -88,6 +92,13 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     regs = kb.registers_estimate()
     if regs > 200:
         return f"about {regs} registers per thread for sums and loads would spill"
+    if kb.occupancy:
+        if kb.occupancy % kb.warps or kb.occupancy > 64:
+            return f"occupancy={kb.occupancy} must be a multiple of warps={kb.warps} and at most 64 warps per SM"
+        cap = arch.registers_per_sm // (32 * kb.occupancy)
+        # Asked to, the compiler trims some address registers (up to ~16) before it spills.
+        if regs > cap + 16:
+            return f"about {regs} registers per thread do not fit the {cap} that occupancy={kb.occupancy} leaves"
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
         return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
     if problem.dtype == "bfloat16" and arch.sm < 80:
