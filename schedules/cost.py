@@ -53,6 +53,10 @@ TRAITS = {
     # One shared load and a lop3 decode per 8 weights, then per weight an address, a 2-byte store
     # to shared memory and a multiply by the scale; one consumer warpgroup keeps wgmma busy.
     "hopper_wgmma": FamilyTraits(wgmma=True, decode_ops=3.0, scale_ops=1.0, warps_to_fill_sm=4),
+    # Fitted on ~700 H200 timings of stream_mma (perf-notes v6): with the per-SM pull and per-k-tile
+    # costs of marlin_mma and two ALU instructions per weight, its first pick is 1.07x the measured
+    # best and the best of its top 4 1.05x (a pull without barriers fitted no better).
+    "stream_mma": FamilyTraits(decode_ops=2.0),
 }
 
 

@@ -74,10 +74,10 @@ def test_scale_on_acc_pays_off_at_small_block_m():
 
 
 def test_large_m_prefers_large_block_m():
-    assert rank(QKV, 1, H200, SPEC)[0].knobs.block_m == 16
+    assert rank(QKV, 1, H200, SPEC)[0].knobs.block_m <= 16
     assert rank(QKV, 4096, H200, SPEC)[0].knobs.block_m >= 64
     # block_m=16 re-reads the weights 256 times and decodes them 256 times at M=4096
-    best_16 = next(s for s in rank(QKV, 4096, H200, SPEC) if s.knobs.block_m == 16)
+    best_16 = next(s for s in rank(QKV, 4096, H200, SPEC) if s.knobs.block_m <= 16)
     assert estimate_us(QKV, best_16, 4096, SPEC) > 1.3 * estimate_us(QKV, rank(QKV, 4096, H200, SPEC)[0], 4096, SPEC)
 
 
@@ -94,11 +94,11 @@ def test_rank_covers_the_valid_space_sorted():
 
 
 def test_families_by_batch_size():
-    # decode: bandwidth, where mma.sync with split-K fills the GPU; prefill: wgmma's rate on sm_90a
-    assert rank(QKV, 1, H200, SPEC)[0].family == "marlin_mma"
+    # decode: bandwidth, where warps streaming weights without barriers win; prefill: wgmma's rate on sm_90a
+    assert rank(QKV, 1, H200, SPEC)[0].family == "stream_mma"
     assert rank(QKV, 4096, H200, SPEC)[0].family == "hopper_wgmma"
     a100 = get_arch("sm_80")
-    assert {s.family for s in rank(QKV, 4096, a100, GpuSpec.for_arch(a100))} == {"marlin_mma"}
+    assert {s.family for s in rank(QKV, 4096, a100, GpuSpec.for_arch(a100))} == {"marlin_mma", "stream_mma"}
 
 
 def test_activations_that_overflow_l2_are_reread():

@@ -24,7 +24,8 @@ AXES = {
     "unroll": (2, 4, 8),
     "split_k": (1, 2, 3, 4, 6, 8, 16),
     "ahead": (1, 2, 3),
-    "occupancy": (0, 32, 48),
+    "occupancy": (0, 32),
+    "scale_on_acc": (False, True),
 }
 
 

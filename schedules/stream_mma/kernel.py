@@ -16,8 +16,10 @@ Why it looks the way it does:
 - A lane's activation fragment (row g, k 2t..2t+1 and 2t+8..2t+9) is two 4-byte loads from global
   memory (L1/L2 hits: every block reads the same rows). Rows past M repeat row M-1 instead of being
   predicated: they only feed output columns that are never stored.
-- Group scales multiply the decoded weights (one half2 multiply per pair); a batch never crosses a
-  group (check()), so each batch loads one scale row. Channelwise scales scale the fp32 sums.
+- Group scales multiply the decoded weights (one half2 multiply per pair), or with scale_on_acc each
+  batch's fp32 sums (fewer instructions per weight: the kernel is bound by the SM, not by HBM, see
+  docs/perf-notes.md v6); a batch never crosses a group (check()), so each batch loads one scale
+  row. Channelwise scales scale the final fp32 sums.
 - The block's warps add their sums in a shared fp32 tile, then the common epilogue stores it, with
   split-K through a global workspace when the output has too few tiles to occupy the GPU.
 """
@@ -61,6 +63,9 @@ def build(problem: Problem, knobs: Knobs):
     workers = kb.split_k * warps
     trips = -(-batches // workers)
     grouped = not problem.channelwise
+    sacc = kb.scale_on_acc
+    scale_weights = grouped and not sacc
+    acc_len = slabs * 4 * m_tiles * 4
     split = kb.split_k > 1
     grid_n = n // bn
     mma_dtype = _MMA_DTYPE[dtype]
@@ -96,13 +101,16 @@ def build(problem: Problem, knobs: Knobs):
                                                             (bx * slabs + sj) * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g]
 
     @T.macro
-    def compute(w, x, scale, a, acc, batch):
+    def compute(w, x, scale, a, acc, total, batch):
         """Decode and multiply the batch in register buffer 0."""
         if batch < batches:
+            if sacc:
+                for i in T.unroll(acc_len):
+                    acc[i] = T.float32(0)
             for u in T.unroll(unroll):
                 for sj in T.unroll(slabs):
                     for j in T.unroll(4):
-                        if grouped:
+                        if scale_weights:
                             T.call_extern("handle", decode_scaled, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
                                           T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(a[j * 8], "w"))
                         else:
@@ -112,6 +120,14 @@ def build(problem: Problem, knobs: Knobs):
                             T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
                                       a.data, j * 8, x.data, (u * m_tiles + mi) * 4,
                                       acc.data, acc_index(sj, j, mi), False)
+            if sacc:
+                # The batch lies in one group: its sums take the group's scale once, in fp32.
+                for sj in T.unroll(slabs):
+                    for j in T.unroll(4):
+                        for mi in T.unroll(m_tiles):
+                            for e in T.unroll(4):
+                                i = acc_index(sj, j, mi) + e
+                                total[i] = total[i] + acc[i] * T.cast(scale[sj * 8 + 2 * j + e // 2], "float32")
 
     @T.macro
     def body(A, B, S, C, ws, counters):
@@ -125,15 +141,18 @@ def build(problem: Problem, knobs: Knobs):
             x = T.alloc_local((ahead * per_x,), dtype)
             scale = T.alloc_local((ahead * per_s,), dtype)
             a = T.alloc_local((32,), dtype)
-            acc = T.alloc_local((slabs * 4 * m_tiles * 4,), "float32")
+            acc = T.alloc_local((acc_len,), "float32")
+            total = T.alloc_local((acc_len if sacc else 1,), "float32")
 
             tx = T.get_thread_binding()
             lane = tx % 32
             wk = tx // 32
             g = lane // 4
             t = lane % 4
-            for i in T.serial(slabs * 4 * m_tiles * 4):
+            for i in T.serial(acc_len):
                 acc[i] = T.float32(0)
+                if sacc:
+                    total[i] = T.float32(0)
 
             # Batches go round-robin over all warps of all splits of this output tile.
             first = bz * warps + wk
@@ -141,7 +160,7 @@ def build(problem: Problem, knobs: Knobs):
                 load(A, B, S, w, x, scale, p, p * workers + first, by, bx, lane, g, t)
             for it in T.serial(trips):
                 load(A, B, S, w, x, scale, ahead - 1, (it + ahead - 1) * workers + first, by, bx, lane, g, t)
-                compute(w, x, scale, a, acc, it * workers + first)
+                compute(w, x, scale, a, acc, total, it * workers + first)
                 for p in T.unroll(ahead - 1):
                     for i in T.unroll(per_w):
                         w[p * per_w + i] = w[(p + 1) * per_w + i]
@@ -151,21 +170,20 @@ def build(problem: Problem, knobs: Knobs):
                         for i in T.unroll(per_s):
                             scale[p * per_s + i] = scale[(p + 1) * per_s + i]
 
-            # The block's warps add their sums into one shared tile, a warp at a time.
+            # The block's warps add their sums into one shared tile together (shared-memory atomics:
+            # one barrier instead of one per warp, which left early warps waiting in turn).
+            sums = total if sacc else acc
             for i, j in T.Parallel(bm, bn):
                 C_s[i, j] = T.float32(0)
-            for r in T.serial(warps):
-                T.sync_threads()
-                if wk == r:
-                    for sj in T.unroll(slabs):
-                        for j in T.unroll(4):
-                            for mi in T.unroll(m_tiles):
-                                for e in T.unroll(4):
-                                    # C^T fragment: row (weight column) 16j + g (+8 for e >= 2),
-                                    # column (row of M) 2t + e % 2 of m-tile mi.
-                                    row = mi * MMA_N + 2 * t + e % 2
-                                    col = sj * SLAB_N + j * 16 + g + 8 * (e // 2)
-                                    C_s[row, col] = C_s[row, col] + acc[acc_index(sj, j, mi) + e]
+            T.sync_threads()
+            for sj in T.unroll(slabs):
+                for j in T.unroll(4):
+                    for mi in T.unroll(m_tiles):
+                        for e in T.unroll(4):
+                            # C^T fragment: row (weight column) 16j + g (+8 for e >= 2),
+                            # column (row of M) 2t + e % 2 of m-tile mi.
+                            T.atomic_add(C_s[mi * MMA_N + 2 * t + e % 2, sj * SLAB_N + j * 16 + g + 8 * (e // 2)],
+                                         sums[acc_index(sj, j, mi) + e])
             T.sync_threads()
             store(C_s, C, S, ws, counters, m, by, bx, tx)
 

@@ -21,7 +21,8 @@ class Knobs:
     cover block_m = 8 * m_tiles rows of M. split_k > 1 spreads the batches over that many blocks per
     output tile, whose fp32 partials meet in a global workspace (schedules/epilogue.py).
     occupancy > 0 asks the compiler for at least that many resident warps per SM (registers capped
-    at 65536 / (32 * occupancy)); 0 leaves registers to the compiler.
+    at 65536 / (32 * occupancy)); 0 leaves registers to the compiler. scale_on_acc applies group
+    scales to each batch's fp32 sums instead of to every decoded weight.
     """
 
     m_tiles: int = 1
@@ -31,9 +32,8 @@ class Knobs:
     split_k: int = 1
     ahead: int = 2
     occupancy: int = 0
+    scale_on_acc: bool = False
 
-    # What the cost model and the runtime read from every family's knobs.
-    num_stages = 2          # one batch of loads in flight per warp, the next issued after its math
 
     @property
     def block_m(self) -> int:
@@ -53,9 +53,14 @@ class Knobs:
         return 32 * self.warps
 
     @property
+    def num_stages(self) -> int:
+        """For the cost model: `ahead` batches in flight, like a pipeline of ahead + 1 stages."""
+        return self.ahead + 1
+
+    @property
     def name(self) -> str:
         return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}" + (
-            f"_o{self.occupancy}" if self.occupancy else "")
+            f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -65,7 +70,7 @@ class Knobs:
         return self.block_m * self.block_n * 4 + 64
 
     def registers_estimate(self) -> int:
-        acc = self.slabs * 4 * self.m_tiles * 4
+        acc = self.slabs * 4 * self.m_tiles * 4 * (2 if self.scale_on_acc else 1)
         loads = self.ahead * (self.unroll * (self.slabs * 4 + self.m_tiles * 2) + self.slabs * 4)
         return acc + loads + 32   # + addresses and loop state (76 measured for mt1 sl1 u4 a1: est. 76)
 
@@ -85,6 +90,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"K={problem.k} is not a multiple of unroll * 16 = {batch_rows}"
     if not problem.channelwise and problem.group % batch_rows:
         return f"group={problem.group} must be a multiple of unroll * 16 = {batch_rows} (one scale row per batch)"
+    if problem.channelwise and kb.scale_on_acc:
+        return "channelwise scales are always applied to the sums; scale_on_acc adds nothing"
     workers = kb.split_k * kb.warps
     if kb.batches(problem) < workers:
         return (f"{kb.batches(problem)} batches of {batch_rows} rows leave some of the "
