@@ -1,0 +1,166 @@
+"""stream_mma code generation without a GPU: nvcc compiles each schedule for an explicit arch, and the
+PTX must show the family's design: weights streamed from global memory into registers (no shared-memory
+operands, no cp.async, no ldmatrix), the lop3 decode, swapped m16n8k16 MMAs, register buffers that stay
+in registers, and the split-K epilogue only when split."""
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from gen.compile import compile_schedule
+from schedules import stream_mma
+from schedules.arch import get_arch
+from schedules.problem import Problem
+from schedules.registry import Schedule
+
+Knobs = stream_mma.Knobs
+
+CASES = {
+    # arch, problem, knobs (at most a handful: every case is one nvcc run of several seconds).
+    # split-K, two m-tiles, group scales on the decoded weights.
+    "sm80_splitk_scale_on_weights": ("sm_80", Problem(256, 1024, 128), Knobs(2, 1, 4, 4, 2, ahead=2)),
+    # two slabs, three batches in flight, group scales on each batch's fp32 sums. (unroll=4 with ahead=3
+    # would need about 240 registers and is rejected by check, hence unroll=2.)
+    "sm90a_scale_on_acc_ahead3": ("sm_90a", Problem(512, 1024, 128),
+                                  Knobs(1, 2, 4, 2, 1, ahead=3, scale_on_acc=True)),
+    # channelwise with split-K, a single register buffer.
+    "sm90a_channelwise_splitk": ("sm_90a", Problem.make(256, 512, -1), Knobs(1, 1, 4, 2, 2, ahead=1)),
+    # occupancy=32 warps per SM with 4 warps per block: __launch_bounds__(128, 8), 64 registers per thread
+    # for an estimate of 76 (check allows 16 over the cap: the compiler trims address registers).
+    "sm90a_occupancy": ("sm_90a", Problem(512, 1024, 128), Knobs(1, 1, 4, 4, 1, ahead=1, occupancy=32)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cases_are_valid_schedules(name):
+    arch, problem, knobs = CASES[name]
+    assert stream_mma.check(problem, knobs, get_arch(arch)) is None
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def compiled(request, tmp_path_factory):
+    arch, problem, knobs = CASES[request.param]
+    kernel = compile_schedule(problem, Schedule("stream_mma", knobs), get_arch(arch))
+    ptx_path = tmp_path_factory.mktemp("ptx") / "kernel.ptx"
+    kernel.export_ptx(str(ptx_path))
+    return arch, problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()
+
+
+def ptxas_spills(ptx: str, arch: str, tmp_path) -> tuple[int, int]:
+    """(spill store bytes, spill load bytes) that ptxas reports for `ptx` (the PTX cannot show them:
+    register allocation happens in ptxas)."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("ptxas not found")
+    src = tmp_path / "kernel.ptx"
+    src.write_text(ptx)
+    res = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
+                         capture_output=True, text=True, check=True)
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stdout + res.stderr)
+    assert found, res.stdout + res.stderr
+    return int(found.group(1)), int(found.group(2))
+
+
+def count(pattern, text):
+    return len(re.findall(pattern, text))
+
+
+def kernel_body(src):
+    return src.split("__global__", 1)[1]
+
+
+def test_ptx_targets_the_requested_arch(compiled):
+    arch, *_, ptx = compiled
+    assert re.search(rf"\.target\s+{arch}\b", ptx)
+
+
+def test_weights_stream_from_global_memory_into_registers(compiled):
+    *_, ptx = compiled
+    assert count(r"ld\.global\.nc\.L1::no_allocate\.v4", ptx) > 0
+
+
+def test_operands_never_go_through_shared_memory(compiled):
+    *_, ptx = compiled
+    assert count(r"cp\.async", ptx) == 0
+    assert count(r"ldmatrix", ptx) == 0
+
+
+def test_register_buffers_stay_in_registers(compiled):
+    *_, ptx = compiled
+    # Any dynamically indexed w/x/scale/a/acc buffer would become a local-memory array.
+    assert count(r"\bld\.local", ptx) == 0
+    assert count(r"\bst\.local", ptx) == 0
+
+
+def test_ptxas_spills_nothing(compiled, tmp_path):
+    arch, *_, ptx = compiled
+    assert ptxas_spills(ptx, arch, tmp_path) == (0, 0)
+
+
+@pytest.mark.xfail(reason="stream_mma.check lets occupancy knobs exceed the register cap by 16, and this "
+                          "one (estimate 80, cap 64) spills 16 bytes in ptxas", strict=False)
+def test_occupancy_slack_admits_no_spilling_schedule(tmp_path):
+    problem, knobs, arch = Problem(512, 1024, 128), Knobs(1, 1, 4, 2, 1, ahead=2, occupancy=32), "sm_90a"
+    if stream_mma.check(problem, knobs, get_arch(arch)) is not None:
+        pytest.skip("check now rejects this schedule")
+    kernel = compile_schedule(problem, Schedule("stream_mma", knobs), get_arch(arch))
+    kernel.export_ptx(str(tmp_path / "k.ptx"))
+    assert ptxas_spills((tmp_path / "k.ptx").read_text(), arch, tmp_path) == (0, 0)
+
+
+def test_swapped_tensor_core_mma(compiled):
+    *_, ptx = compiled
+    assert count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx) > 0
+
+
+def test_lop3_decode_in_a_fragment_order(compiled):
+    _, problem, knobs, src, ptx = compiled
+    assert count(r"lop3\.b32", ptx) >= 4
+    body = kernel_body(src)
+    plain, scaled = "tm_dequant_a_f16_u4(", "tm_dequant_scaled_a_f16_u4("
+    if not problem.channelwise and not knobs.scale_on_acc:
+        assert scaled in body
+    else:
+        assert plain in body and scaled not in body
+    # Never the B-order decode of marlin_mma: its pairs would land in the wrong A registers.
+    assert "tm_dequant_f16_u4(" not in body and "tm_dequant_scaled_f16_u4(" not in body
+
+
+def test_warps_meet_in_shared_memory_atomics(compiled):
+    *_, ptx = compiled
+    assert count(r"(atom|red)\.shared(\.\w+)*\.add\.f32", ptx) > 0
+
+
+def test_split_k_reduction_present_only_when_split(compiled):
+    arch, problem, knobs, src, ptx = compiled
+    body = kernel_body(src)
+    global_f32_adds = count(r"(atom|red)\.global(\.\w+)*\.add(\.v4)?\.f32", ptx)
+    counter_adds = count(r"atom\.global(\.\w+)*\.add\.(u32|s32)", ptx)
+    if knobs.split_k == 1:
+        assert "tm_split_k_arrive" not in body
+        assert global_f32_adds == 0 and counter_adds == 0
+        assert not re.search(r"__global__ void[^(]*\([^)]*\bws\b", src)
+        return
+    assert "tm_split_k_arrive(" in body and "__ldcg" in body
+    assert global_f32_adds > 0     # fp32 partials into the global workspace
+    assert counter_adds > 0        # the per-tile arrival counter
+
+
+def test_launch_bounds_follow_occupancy(compiled):
+    *_, knobs, src, _ = compiled
+    body = kernel_body(src)
+    if knobs.occupancy:
+        assert f"__launch_bounds__({knobs.threads}, {knobs.occupancy // knobs.warps})" in body
+    else:   # registers left to the compiler: no minimum (TileLang writes the default 1)
+        assert re.search(rf"__launch_bounds__\({knobs.threads}(, 1)?\)", body)
+
+
+def test_occupancy_case_asks_for_eight_blocks_of_128_threads():
+    _, _, knobs = CASES["sm90a_occupancy"]
+    assert (knobs.threads, knobs.occupancy // knobs.warps) == (128, 8)
+
+
+def test_one_kernel_serves_any_m(compiled):
+    *_, src, _ = compiled
+    assert re.search(r"__global__ void .*\bint m\b", src)
