@@ -33,7 +33,7 @@ WGMMA_KNOBS = {
 }
 STREAM_KNOBS = {
     "stream_m8": stream_mma.Knobs(1, 1, 8, 8, 1, ahead=1),
-    "stream_m16_split4": stream_mma.Knobs(2, 2, 4, 4, 4, ahead=2),
+    "stream_m16_split4": stream_mma.Knobs(2, 2, 4, 4, 4, ahead=1),
     "stream_m32_split2": stream_mma.Knobs(4, 1, 4, 4, 2, ahead=2),
     "stream_m8_ahead3": stream_mma.Knobs(1, 1, 4, 4, 2, ahead=3),
     "stream_m8_sacc": stream_mma.Knobs(1, 1, 8, 4, 1, ahead=1, scale_on_acc=True),

@@ -19,13 +19,15 @@ workspace_elems = marlin_mma.workspace_elems
 
 AXES = {
     "m_tiles": (1, 2, 4),
-    "slabs": (1, 2, 4),
+    "slabs": (1,),          # 2 slabs per warp measured slower on every Llama-2-7B layer (perf-notes v6)
     "warps": (2, 4, 8),
     "unroll": (2, 4, 8),
     "split_k": (1, 2, 3, 4, 6, 8, 16),
     "ahead": (1, 2, 3),
-    "occupancy": (0, 32),
-    "scale_on_acc": (False, True),
+    # Measured on the H200 (docs/perf-notes.md v6) and left out of the search: capping registers for
+    # occupancy gained nothing, and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
+    "occupancy": (0,),
+    "scale_on_acc": (False,),
 }
 
 

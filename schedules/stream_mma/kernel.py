@@ -170,20 +170,22 @@ def build(problem: Problem, knobs: Knobs):
                         for i in T.unroll(per_s):
                             scale[p * per_s + i] = scale[(p + 1) * per_s + i]
 
-            # The block's warps add their sums into one shared tile together (shared-memory atomics:
-            # one barrier instead of one per warp, which left early warps waiting in turn).
+            # The block's warps add their sums into one shared tile, a warp at a time.
             sums = total if sacc else acc
             for i, j in T.Parallel(bm, bn):
                 C_s[i, j] = T.float32(0)
-            T.sync_threads()
-            for sj in T.unroll(slabs):
-                for j in T.unroll(4):
-                    for mi in T.unroll(m_tiles):
-                        for e in T.unroll(4):
-                            # C^T fragment: row (weight column) 16j + g (+8 for e >= 2),
-                            # column (row of M) 2t + e % 2 of m-tile mi.
-                            T.atomic_add(C_s[mi * MMA_N + 2 * t + e % 2, sj * SLAB_N + j * 16 + g + 8 * (e // 2)],
-                                         sums[acc_index(sj, j, mi) + e])
+            for r in T.serial(warps):
+                T.sync_threads()
+                if wk == r:
+                    for sj in T.unroll(slabs):
+                        for j in T.unroll(4):
+                            for mi in T.unroll(m_tiles):
+                                for e in T.unroll(4):
+                                    # C^T fragment: row (weight column) 16j + g (+8 for e >= 2),
+                                    # column (row of M) 2t + e % 2 of m-tile mi.
+                                    row = mi * MMA_N + 2 * t + e % 2
+                                    col = sj * SLAB_N + j * 16 + g + 8 * (e // 2)
+                                    C_s[row, col] = C_s[row, col] + sums[acc_index(sj, j, mi) + e]
             T.sync_threads()
             store(C_s, C, S, ws, counters, m, by, bx, tx)
 
