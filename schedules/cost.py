@@ -52,11 +52,14 @@ TRAITS = {
     "marlin_mma": FamilyTraits(),
     # One shared load and a lop3 decode per 8 weights, then per weight an address, a 2-byte store
     # to shared memory and a multiply by the scale; one consumer warpgroup keeps wgmma busy.
-    "hopper_wgmma": FamilyTraits(wgmma=True, decode_ops=3.0, scale_ops=1.0, warps_to_fill_sm=4),
-    # Fitted on ~700 H200 timings of stream_mma (perf-notes v6): with the per-SM pull and per-k-tile
-    # costs of marlin_mma and two ALU instructions per weight, its first pick is 1.07x the measured
-    # best and the best of its top 4 1.05x (a pull without barriers fitted no better).
-    "stream_mma": FamilyTraits(decode_ops=2.0),
+    # Its decode into shared memory does not overlap the wgmma (perf-notes v5): fitted on 290 H200
+    # timings of `gen tune` (session 2) it costs as much as ~22 ALU instructions per weight.
+    "hopper_wgmma": FamilyTraits(wgmma=True, decode_ops=22.0, scale_ops=1.0, warps_to_fill_sm=4),
+    # Fitted on ~700 H200 sweep timings and 140 tune timings of stream_mma (perf-notes v6): with the
+    # per-SM pull and per-k-tile costs of marlin_mma and one ALU instruction per weight, estimates
+    # are within 17 % on average (a pull without barriers fitted no better). Across all three
+    # families the model's pick is 1.045x the best measured one on the session-2 tune.
+    "stream_mma": FamilyTraits(decode_ops=1.0),
 }
 
 

@@ -27,8 +27,8 @@ CASES = {
     # channelwise with split-K, a single register buffer.
     "sm90a_channelwise_splitk": ("sm_90a", Problem.make(256, 512, -1), Knobs(1, 1, 4, 2, 2, ahead=1)),
     # occupancy=32 warps per SM with 4 warps per block: __launch_bounds__(128, 8), 64 registers per thread
-    # for an estimate of 76 (check allows 16 over the cap: the compiler trims address registers).
-    "sm90a_occupancy": ("sm_90a", Problem(512, 1024, 128), Knobs(1, 1, 4, 4, 1, ahead=1, occupancy=32)),
+    # for an estimate of 64 (check allows no more than the cap).
+    "sm90a_occupancy": ("sm_90a", Problem(512, 1024, 128), Knobs(1, 1, 4, 2, 1, ahead=1, occupancy=32)),
 }
 
 
@@ -98,15 +98,10 @@ def test_ptxas_spills_nothing(compiled, tmp_path):
     assert ptxas_spills(ptx, arch, tmp_path) == (0, 0)
 
 
-@pytest.mark.xfail(reason="stream_mma.check lets occupancy knobs exceed the register cap by 16, and this "
-                          "one (estimate 80, cap 64) spills 16 bytes in ptxas", strict=False)
-def test_occupancy_slack_admits_no_spilling_schedule(tmp_path):
-    problem, knobs, arch = Problem(512, 1024, 128), Knobs(1, 1, 4, 2, 1, ahead=2, occupancy=32), "sm_90a"
-    if stream_mma.check(problem, knobs, get_arch(arch)) is not None:
-        pytest.skip("check now rejects this schedule")
-    kernel = compile_schedule(problem, Schedule("stream_mma", knobs), get_arch(arch))
-    kernel.export_ptx(str(tmp_path / "k.ptx"))
-    assert ptxas_spills((tmp_path / "k.ptx").read_text(), arch, tmp_path) == (0, 0)
+def test_check_rejects_an_occupancy_that_spilled():
+    # Estimate 80 for a cap of 64: with 16 registers of slack this schedule spilled 16 bytes in ptxas.
+    problem, knobs = Problem(512, 1024, 128), Knobs(1, 1, 4, 2, 1, ahead=2, occupancy=32)
+    assert "occupancy=32 leaves" in stream_mma.check(problem, knobs, get_arch("sm_90a"))
 
 
 def test_swapped_tensor_core_mma(compiled):
@@ -125,11 +120,6 @@ def test_lop3_decode_in_a_fragment_order(compiled):
         assert plain in body and scaled not in body
     # Never the B-order decode of marlin_mma: its pairs would land in the wrong A registers.
     assert "tm_dequant_f16_u4(" not in body and "tm_dequant_scaled_f16_u4(" not in body
-
-
-def test_warps_meet_in_shared_memory_atomics(compiled):
-    *_, ptx = compiled
-    assert count(r"(atom|red)\.shared(\.\w+)*\.add\.f32", ptx) > 0
 
 
 def test_split_k_reduction_present_only_when_split(compiled):

@@ -103,8 +103,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         if kb.occupancy % kb.warps or kb.occupancy > 64:
             return f"occupancy={kb.occupancy} must be a multiple of warps={kb.warps} and at most 64 warps per SM"
         cap = arch.registers_per_sm // (32 * kb.occupancy)
-        # Asked to, the compiler trims some address registers (up to ~16) before it spills.
-        if regs > cap + 16:
+        # No slack: with ahead > 1 an estimate 16 over the cap spilled (tests/test_codegen_stream.py).
+        if regs > cap:
             return f"about {regs} registers per thread do not fit the {cap} that occupancy={kb.occupancy} leaves"
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
         return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
