@@ -15,8 +15,8 @@ _ENV = jinja2.Environment(
 )
 
 _DEQUANT = {
-    "float16": dict(vec="half2", magic="0x64006400u", name="f16_u4"),
-    "bfloat16": dict(vec="__nv_bfloat162", magic="0x43004300u", name="bf16_u4"),
+    "float16": dict(vec="half2", magic="0x64006400u", name="f16_u4", magic_value=1024, raw_hi_mult=16),
+    "bfloat16": dict(vec="__nv_bfloat162", magic="0x43004300u", name="bf16_u4", magic_value=128, raw_hi_mult=1),
 }
 
 
@@ -29,6 +29,14 @@ def dequant_function_names(dtype: str, bits: int = 4, operand: str = "b") -> tup
     name = _DEQUANT[dtype]["name"]
     order = "a_" if operand == "a" else ""
     return f"tm_dequant_{order}{name}", f"tm_dequant_scaled_{order}{name}"
+
+
+def raw_decode(dtype: str, bits: int = 4) -> tuple[str, int, int]:
+    """(extern name, magic value, multiplier of pairs 1 and 3) of the raw-code decode in A order:
+    pairs 0 and 2 decode to magic + code, pairs 1 and 3 to magic + multiplier * code."""
+    _check(dtype, bits)
+    d = _DEQUANT[dtype]
+    return f"tm_decode_raw_a_{d['name']}", d["magic_value"], d["raw_hi_mult"]
 
 
 @lru_cache(maxsize=None)

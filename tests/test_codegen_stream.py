@@ -29,6 +29,9 @@ CASES = {
     # occupancy=32 warps per SM with 4 warps per block: __launch_bounds__(128, 8), 64 registers per thread
     # for an estimate of 64 (check allows no more than the cap).
     "sm90a_occupancy": ("sm_90a", Problem(512, 1024, 128), Knobs(1, 1, 4, 2, 1, ahead=1, occupancy=32)),
+    # raw codes into the MMA, zero point and scale on the sums; bf16 on sm_80 for the other template.
+    "sm80_bf16_fold_zero_point": ("sm_80", Problem(256, 1024, 128, dtype="bfloat16"),
+                                  Knobs(2, 1, 4, 4, 2, ahead=1, fold_zero_point=True)),
 }
 
 
@@ -105,21 +108,38 @@ def test_check_rejects_an_occupancy_that_spilled():
 
 
 def test_swapped_tensor_core_mma(compiled):
-    *_, ptx = compiled
-    assert count(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32", ptx) > 0
+    _, problem, *_, ptx = compiled
+    ab = "f16" if problem.dtype == "float16" else "bf16"
+    assert count(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{ab}\.{ab}\.f32", ptx) > 0
 
 
 def test_lop3_decode_in_a_fragment_order(compiled):
     _, problem, knobs, src, ptx = compiled
     assert count(r"lop3\.b32", ptx) >= 4
     body = kernel_body(src)
-    plain, scaled = "tm_dequant_a_f16_u4(", "tm_dequant_scaled_a_f16_u4("
-    if not problem.channelwise and not knobs.scale_on_acc:
+    name = "f16_u4" if problem.dtype == "float16" else "bf16_u4"
+    plain, scaled, raw = f"tm_dequant_a_{name}(", f"tm_dequant_scaled_a_{name}(", f"tm_decode_raw_a_{name}("
+    if knobs.fold_zero_point:
+        assert raw in body and plain not in body and scaled not in body
+    elif not problem.channelwise and not knobs.scale_on_acc:
         assert scaled in body
     else:
         assert plain in body and scaled not in body
     # Never the B-order decode of marlin_mma: its pairs would land in the wrong A registers.
-    assert "tm_dequant_f16_u4(" not in body and "tm_dequant_scaled_f16_u4(" not in body
+    assert f"tm_dequant_{name}(" not in body and f"tm_dequant_scaled_{name}(" not in body
+
+
+def test_half_precision_arithmetic_per_weight_only_without_fold(compiled):
+    # The decode hands raw codes to the MMA: no subtraction, fma or multiply on packed halves, and one
+    # extra MMA per k-step and m-tile (the offsets) on top of one per word and m-tile.
+    _, problem, knobs, _, ptx = compiled
+    half_ops = count(r"(sub|fma|mul)(\.rn)?\.(f16x2|bf16x2)", ptx)
+    if not knobs.fold_zero_point:
+        assert half_ops > 0          # the pattern does see the decode's arithmetic where it is
+        return
+    assert half_ops == 0
+    per_batch = knobs.unroll * knobs.m_tiles * (4 * knobs.slabs + 1)
+    assert count(r"mma\.sync\.aligned\.m16n8k16", ptx) % per_batch == 0
 
 
 def test_split_k_reduction_present_only_when_split(compiled):

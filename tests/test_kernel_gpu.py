@@ -37,11 +37,13 @@ STREAM_KNOBS = {
     "stream_m32_split2": stream_mma.Knobs(4, 1, 4, 4, 2, ahead=2),
     "stream_m8_ahead3": stream_mma.Knobs(1, 1, 4, 4, 2, ahead=3),
     "stream_m8_sacc": stream_mma.Knobs(1, 1, 8, 4, 1, ahead=1, scale_on_acc=True),
+    "stream_m8_fold": stream_mma.Knobs(1, 1, 8, 8, 1, ahead=1, fold_zero_point=True),
+    "stream_m16_fold_split4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()}}
-BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4")
+BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 

@@ -28,6 +28,9 @@ AXES = {
     # occupancy gained nothing, and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
     "occupancy": (0,),
     "scale_on_acc": (False,),
+    # Compiled and checked on CPU only (tests/test_stream_fold.py); joins the search once measured
+    # correct and fast on a GPU (perf-notes v7).
+    "fold_zero_point": (False,),
 }
 
 

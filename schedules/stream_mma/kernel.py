@@ -28,7 +28,7 @@ Why it looks the way it does:
 import tilelang
 import tilelang.language as T
 
-from templates import dequant_function_names, render_dequant
+from templates import dequant_function_names, raw_decode, render_dequant
 
 from ..epilogue import SPLIT_K_HELPERS, store_tile
 from ..marlin_mma.layout import SLAB_N, TILE_K
@@ -64,12 +64,21 @@ def build(problem: Problem, knobs: Knobs):
     trips = -(-batches // workers)
     grouped = not problem.channelwise
     sacc = kb.scale_on_acc
-    scale_weights = grouped and not sacc
+    fold = kb.fold_zero_point
+    batch_sums = grouped and (sacc or fold)     # each batch's fp32 sums take the group scale
+    scale_weights = grouped and not batch_sums
     acc_len = slabs * 4 * m_tiles * 4
     split = kb.split_k > 1
     grid_n = n // bn
     mma_dtype = _MMA_DTYPE[dtype]
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
+    decode_raw, magic_value, hi_mult = raw_decode(dtype, problem.bits)
+    # fold_zero_point: the MMA sees (magic + code) against x on pairs 0/2 (k % 16 < 8) and
+    # (magic + hi_mult * code) against x / hi_mult on pairs 1/3, so every product carries an offset
+    # that does not depend on the weight column: per row of M it is lo_off * sum(x, k % 16 < 8) +
+    # hi_off * sum(x / hi_mult, k % 16 >= 8) with the zero point 8 included, which one more MMA per
+    # k-step computes from a constant A fragment.
+    lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult
     prelude = render_dequant(dtype, problem.bits) + STREAM_LOAD + (SPLIT_K_HELPERS if split else "")
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise)
 
@@ -101,16 +110,30 @@ def build(problem: Problem, knobs: Knobs):
                                                             (bx * slabs + sj) * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g]
 
     @T.macro
-    def compute(w, x, scale, a, acc, total, batch):
+    def compute(w, x, scale, a, a_off, acc, off, total, batch):
         """Decode and multiply the batch in register buffer 0."""
         if batch < batches:
-            if sacc:
+            if batch_sums:
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
+                if fold:
+                    for i in T.unroll(m_tiles * 4):
+                        off[i] = T.float32(0)
             for u in T.unroll(unroll):
+                for mi in T.unroll(m_tiles):
+                    if fold:
+                        if hi_mult != 1:
+                            for v in T.unroll(2):
+                                xi = ((u * m_tiles + mi) * 2 + 1) * 2 + v
+                                x[xi] = x[xi] * T.cast(1.0 / hi_mult, dtype)
+                        T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
+                                  a_off.data, 0, x.data, (u * m_tiles + mi) * 4, off.data, mi * 4, False)
                 for sj in T.unroll(slabs):
                     for j in T.unroll(4):
-                        if scale_weights:
+                        if fold:
+                            T.call_extern("handle", decode_raw, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
+                                          T.access_ptr(a[j * 8], "w"))
+                        elif scale_weights:
                             T.call_extern("handle", decode_scaled, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
                                           T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(a[j * 8], "w"))
                         else:
@@ -120,14 +143,15 @@ def build(problem: Problem, knobs: Knobs):
                             T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
                                       a.data, j * 8, x.data, (u * m_tiles + mi) * 4,
                                       acc.data, acc_index(sj, j, mi), False)
-            if sacc:
-                # The batch lies in one group: its sums take the group's scale once, in fp32.
+            if batch_sums:
+                # The batch lies in one group: its sums (less the offsets) take the group's scale once.
                 for sj in T.unroll(slabs):
                     for j in T.unroll(4):
                         for mi in T.unroll(m_tiles):
                             for e in T.unroll(4):
                                 i = acc_index(sj, j, mi) + e
-                                total[i] = total[i] + acc[i] * T.cast(scale[sj * 8 + 2 * j + e // 2], "float32")
+                                part = acc[i] - off[mi * 4 + e] if fold else acc[i]
+                                total[i] = total[i] + part * T.cast(scale[sj * 8 + 2 * j + e // 2], "float32")
 
     @T.macro
     def body(A, B, S, C, ws, counters):
@@ -142,7 +166,11 @@ def build(problem: Problem, knobs: Knobs):
             scale = T.alloc_local((ahead * per_s,), dtype)
             a = T.alloc_local((32,), dtype)
             acc = T.alloc_local((acc_len,), "float32")
-            total = T.alloc_local((acc_len if sacc else 1,), "float32")
+            total = T.alloc_local((acc_len if batch_sums else 1,), "float32")
+            # fold_zero_point: the offsets' sums per m-tile (a C fragment: rows g and g + 8 alike)
+            # and the constant A fragment that computes them.
+            off = T.alloc_local((m_tiles * 4,), "float32")
+            a_off = T.alloc_local((8,), dtype)
 
             tx = T.get_thread_binding()
             lane = tx % 32
@@ -151,8 +179,13 @@ def build(problem: Problem, knobs: Knobs):
             t = lane % 4
             for i in T.serial(acc_len):
                 acc[i] = T.float32(0)
-                if sacc:
+                if batch_sums:
                     total[i] = T.float32(0)
+            for i in T.unroll(m_tiles * 4):
+                off[i] = T.float32(0)
+            for i in T.unroll(8):
+                # A registers 0-3 meet k % 16 < 8, registers 4-7 meet k % 16 >= 8.
+                a_off[i] = T.cast(lo_off if i < 4 else hi_off, dtype)
 
             # Batches go round-robin over all warps of all splits of this output tile.
             first = bz * warps + wk
@@ -160,7 +193,7 @@ def build(problem: Problem, knobs: Knobs):
                 load(A, B, S, w, x, scale, p, p * workers + first, by, bx, lane, g, t)
             for it in T.serial(trips):
                 load(A, B, S, w, x, scale, ahead - 1, (it + ahead - 1) * workers + first, by, bx, lane, g, t)
-                compute(w, x, scale, a, acc, total, it * workers + first)
+                compute(w, x, scale, a, a_off, acc, off, total, it * workers + first)
                 for p in T.unroll(ahead - 1):
                     for i in T.unroll(per_w):
                         w[p * per_w + i] = w[(p + 1) * per_w + i]
@@ -171,7 +204,11 @@ def build(problem: Problem, knobs: Knobs):
                             scale[p * per_s + i] = scale[(p + 1) * per_s + i]
 
             # The block's warps add their sums into one shared tile, a warp at a time.
-            sums = total if sacc else acc
+            if fold and not batch_sums:
+                # Channelwise: the offsets come off once, from the whole-K sums.
+                for i in T.unroll(acc_len):
+                    acc[i] = acc[i] - off[(i // 4) % m_tiles * 4 + i % 4]
+            sums = total if batch_sums else acc
             for i, j in T.Parallel(bm, bn):
                 C_s[i, j] = T.float32(0)
             for r in T.serial(warps):

@@ -22,7 +22,10 @@ class Knobs:
     output tile, whose fp32 partials meet in a global workspace (schedules/epilogue.py).
     occupancy > 0 asks the compiler for at least that many resident warps per SM (registers capped
     at 65536 / (32 * occupancy)); 0 leaves registers to the compiler. scale_on_acc applies group
-    scales to each batch's fp32 sums instead of to every decoded weight.
+    scales to each batch's fp32 sums instead of to every decoded weight. fold_zero_point goes further:
+    the MMA multiplies the raw magic-number codes (4 lop3 and a shift per word, no subtraction, no
+    scale) and one extra MMA per k-step computes the offsets that come off the fp32 sums, which
+    then take the scale (per batch, or once at the end for channelwise scales).
     """
 
     m_tiles: int = 1
@@ -33,6 +36,7 @@ class Knobs:
     ahead: int = 2
     occupancy: int = 0
     scale_on_acc: bool = False
+    fold_zero_point: bool = False
 
 
     @property
@@ -60,7 +64,8 @@ class Knobs:
     @property
     def name(self) -> str:
         return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}" + (
-            f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "")
+            f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "") + (
+            "_fz" if self.fold_zero_point else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -70,7 +75,8 @@ class Knobs:
         return self.block_m * self.block_n * 4 + 64
 
     def registers_estimate(self) -> int:
-        acc = self.slabs * 4 * self.m_tiles * 4 * (2 if self.scale_on_acc else 1)
+        acc = self.slabs * 4 * self.m_tiles * 4 * (2 if self.scale_on_acc or self.fold_zero_point else 1)
+        acc += (self.m_tiles * 4 + 4) if self.fold_zero_point else 0     # offsets' sums, constant A
         loads = self.ahead * (self.unroll * (self.slabs * 4 + self.m_tiles * 2) + self.slabs * 4)
         return acc + loads + 32   # + addresses and loop state (76 measured for mt1 sl1 u4 a1: est. 76)
 
@@ -92,6 +98,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"group={problem.group} must be a multiple of unroll * 16 = {batch_rows} (one scale row per batch)"
     if problem.channelwise and kb.scale_on_acc:
         return "channelwise scales are always applied to the sums; scale_on_acc adds nothing"
+    if kb.fold_zero_point and kb.scale_on_acc:
+        return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     workers = kb.split_k * kb.warps
     if kb.batches(problem) < workers:
         return (f"{kb.batches(problem)} batches of {batch_rows} rows leave some of the "
