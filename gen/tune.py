@@ -67,16 +67,16 @@ def targets_from_args(args) -> list[Target]:
     return list(targets.values())
 
 
-def parse_buckets(text: str | None) -> list[int]:
+def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
     if not text:
         return list(BUCKETS)
     try:
         buckets = sorted({int(b) for b in text.split(",") if b.strip()})
     except ValueError:
-        raise ValueError(f"bad --buckets {text!r}: expected comma-separated integers") from None
+        raise ValueError(f"bad {flag} {text!r}: expected comma-separated integers") from None
     bad = [b for b in buckets if b not in BUCKETS]
     if bad or not buckets:
-        raise ValueError(f"--buckets must be bucket edges, one or more of {','.join(map(str, BUCKETS))}; got {text!r}")
+        raise ValueError(f"{flag} must be bucket edges, one or more of {','.join(map(str, BUCKETS))}; got {text!r}")
     return buckets
 
 

@@ -4,15 +4,13 @@ import argparse
 
 import pytest
 
-from schedules.registry import FAMILIES
-
 from gen.search import DEFAULT_TOP
 
 from gen import cache_cmd, tune
 from runtime.table import BUCKETS, GpuKey, TunedTable, table_path
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
-from schedules.registry import Schedule
+from schedules.registry import FAMILIES, Schedule
 
 GPU = GpuKey("NVIDIA H200", "sm_90a", 132)
 SCHEDULE = Schedule("marlin_mma", Knobs())

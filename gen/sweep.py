@@ -1,0 +1,157 @@
+"""`gen sweep`: time a grid of one family's knobs on a model's layers, for kernel development.
+
+    gen sweep --family stream_mma --knobs "warps=4,8 unroll=4,8 split_k=1,2,4,8" --model llama-2-7b --ms 1,8
+    gen sweep --family stream_mma --knobs "fold_zero_point=0,1" --shapes 4096x22016 --ms 1 --json out.json
+
+Where `gen tune` lets the cost model choose the candidates and records winners, a sweep measures
+exactly the grid it is given (knobs not named keep the family's defaults) and records nothing in
+the tuned table: it answers "is this knob faster, and where". Every candidate goes through the same
+compile, reference check and timing as in the tune (gen/search.py); the output is per layer and M
+the FP16 time and the fastest candidates, then the layers summed with each layer's best.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+
+from schedules.problem import SUPPORTED_DTYPES
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("sweep", help="time a grid of one schedule family's knobs (kernel development)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", required=True, help="schedule family, e.g. stream_mma")
+    p.add_argument("--knobs", default="", help='the grid: "name=v1,v2 name=v3 ..." (unnamed knobs keep their defaults)')
+    p.add_argument("--model", help="a registered model or a path to a Hugging Face config.json")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over")
+    p.add_argument("--shapes", help="KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
+    p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
+    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
+    p.add_argument("--ms", default="1,16", help="M values (bucket edges), comma separated (default: %(default)s)")
+    p.add_argument("--show", type=int, default=5, help="fastest candidates printed per layer and M (default: %(default)s)")
+    p.add_argument("--json", metavar="FILE", help="write every candidate's time, error and knobs to FILE")
+    p.add_argument("--workers", type=int, help="parallel compile processes (default: one per CPU core)")
+    p.set_defaults(func=run)
+
+
+def parse_grid(family, text: str) -> list:
+    """Every Knobs of `family` in the grid "name=v1,v2 name=v3"; a knob named twice, an unknown knob
+    or a value of the wrong type is an error that names it."""
+    fields = {f.name: f for f in dataclasses.fields(family.Knobs)}
+    axes: dict[str, list] = {}
+    for item in text.split():
+        name, sep, values = item.partition("=")
+        if not sep or not values:
+            raise ValueError(f"bad knob {item!r}: expected name=value[,value...]")
+        if name not in fields:
+            raise ValueError(f"{family.NAME} has no knob {name!r}; its knobs: {', '.join(fields)}")
+        if name in axes:
+            raise ValueError(f"knob {name!r} is given twice")
+        axes[name] = [_parse_value(fields[name], v, name) for v in values.split(",")]
+    names = list(axes)
+    return [family.Knobs(**dict(zip(names, combo))) for combo in itertools.product(*axes.values())]
+
+
+def _parse_value(field, text: str, name: str):
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    if kind == "bool":
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"knob {name!r} is a flag: use 0/1 or true/false, not {text!r}")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"knob {name!r} takes integers, not {text!r}") from None
+
+
+def run(args) -> int:
+    from schedules.registry import family as family_named
+
+    from .tune import parse_buckets, targets_from_args
+
+    try:
+        fam = family_named(args.family)
+        grid = parse_grid(fam, args.knobs)
+        targets = targets_from_args(args)
+        ms = parse_buckets(args.ms, flag="--ms")
+    except ValueError as exc:
+        print(f"gen sweep: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gen sweep: no CUDA GPU is visible; a sweep measures, so it needs one "
+              "(`gen tune --dry-run` ranks candidates without a GPU)", file=sys.stderr)
+        return 2
+    return sweep_on_gpu(args, fam, grid, targets, ms)
+
+
+def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
+    from tqdm import tqdm
+
+    from schedules.arch import current_arch
+    from schedules.cost import GpuSpec, estimate_us
+    from schedules.registry import Schedule
+
+    from .search import BucketSearch, MeasureError, Result, measure_problem
+    from .tune import _compile, format_table
+
+    arch, gpu = current_arch(), GpuSpec.current()
+    searches, invalid = [], 0
+    for t in targets:
+        valid = [k for k in grid if fam.check(t.problem, k, arch) is None]
+        invalid += len(grid) - len(valid)
+        for m in ms:
+            searches.append(BucketSearch(t.problem, m, [Result(Schedule(fam.NAME, k), estimate_us(t.problem, Schedule(fam.NAME, k), m, gpu))
+                                                        for k in valid]))
+    print(f"sweep of {len(grid)} {fam.NAME} knob settings x {len(targets)} shapes x M in {ms} on {arch.name}"
+          + (f"; {invalid} (shape, setting) pairs fail the family's check and are skipped" if invalid else ""))
+    if not any(s.results for s in searches):
+        print("gen sweep: no valid candidate in the grid", file=sys.stderr)
+        return 2
+    _compile(searches, arch, args.workers)
+    with tqdm(total=sum(r.error is None for s in searches for r in s.results), desc="check + time", unit="cand") as bar:
+        for t in targets:
+            try:
+                measure_problem(t.problem, arch, [s for s in searches if s.problem == t.problem],
+                                progress=lambda _: bar.update(1))
+            except MeasureError as exc:
+                bar.close()
+                print(f"gen sweep: {exc}", file=sys.stderr)
+                return 1
+    print(report(targets, ms, searches, args.show, format_table))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{"problem": dataclasses.asdict(s.problem), "m": s.bucket, "fp16_us": s.fp16_us,
+                        "results": s.timings()} for s in searches], f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def report(targets, ms, searches, show: int, format_table) -> str:
+    """Per layer and M the fastest candidates, then per M the layers summed (each layer's best)."""
+    by = {(s.problem, s.bucket): s for s in searches}
+    rows, sums = [], {m: [0.0, 0.0, True] for m in ms}
+    for t in targets:
+        for m in ms:
+            s = by[(t.problem, m)]
+            timed = sorted((r for r in s.results if r.us is not None and r.error is None), key=lambda r: r.us)
+            failed = sum(r.error is not None for r in s.results)
+            fp16 = s.fp16_us
+            best = " ".join(f"{r.schedule.knobs.name}:{r.us:.1f}" for r in timed[:show]) or "(none correct)"
+            speed = f"{fp16 / timed[0].us:.2f}x" if timed and fp16 else "-"
+            rows.append([t.label, m, f"{fp16:.1f}" if fp16 else "-", speed, failed, best])
+            if timed and fp16:
+                sums[m][0] += fp16
+                sums[m][1] += timed[0].us
+            else:
+                sums[m][2] = False
+    out = [format_table(["layer", "M", "FP16 us", "best vs FP16", "failed", "fastest (knobs:us)"], rows), ""]
+    summed = [[m, f"{f:.1f}", f"{q:.1f}", f"{f / q:.2f}x"] for m, (f, q, complete) in sums.items() if complete and q]
+    if summed:
+        out.append(format_table(["M", "FP16 sum us", "best sum us", "speedup"], summed))
+    return "\n".join(out)
