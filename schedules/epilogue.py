@@ -4,6 +4,10 @@ Without split-K the tile is cast and written (rows past M skipped). With split-K
 fp32 partial into a zeroed global workspace with 16-byte vector atomics, then counts itself in on a
 per-tile counter; the last block to arrive writes the output and zeroes the workspace tile and the
 counter again, so the next call (or CUDA-graph replay) finds them ready. One launch, no host work.
+On sm_90 the splits of a tile can instead form a thread-block cluster (`cluster=True`): after one
+cluster barrier each block sums its share of the columns from every block's shared tile (distributed
+shared memory) and writes them, and a second barrier keeps the tiles alive until all have read.
+No workspace, no atomics, no global round trips.
 Channelwise scales (one row, S[0, n]) are applied here, to the fp32 sums.
 """
 # No `from __future__ import annotations`: TileLang macros evaluate their annotations.
@@ -20,10 +24,25 @@ __device__ __forceinline__ int tm_split_k_arrive(int* counter, int parts) {
 """
 
 
-def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str, channelwise: bool):
+# A float in another block's shared memory: map the local address into the cluster window of `rank`.
+CLUSTER_HELPERS = r"""
+__device__ __forceinline__ float tm_cluster_load_f32(const void* smem, int rank) {
+  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  unsigned remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+"""
+
+
+def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str, channelwise: bool,
+               cluster: bool = False):
     """A T.macro(C_s, C, S, ws, counters, m, by, bx, tx) that stores the block tile C_s [block_m,
     block_n] (fp32, complete for this block, threads synchronized) at rows by * block_m, columns
-    bx * block_n of C [m, N]; ws and counters are used only when split_k > 1."""
+    bx * block_n of C [m, N]; ws and counters are used only when split_k > 1 without `cluster`
+    (then the kernel must launch the split_k blocks of a tile as one cluster, see CLUSTER_HELPERS)."""
     bm, bn = block_m, block_n
 
     def channel_scale(S, col):
@@ -31,7 +50,16 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
 
     @T.macro
     def store(C_s, C, S, ws, counters, m, by, bx, tx):
-        if split_k == 1:
+        if split_k > 1 and cluster:
+            T.cluster_sync()                  # every split's tile is complete and visible
+            rank = T.block_rank_in_cluster()
+            for i, j in T.Parallel(bm, bn):
+                if j % split_k == rank and by * bm + i < m:
+                    total = sum(T.call_extern("float32", "tm_cluster_load_f32", T.access_ptr(C_s[i, j], "r"), r)
+                                for r in range(split_k))
+                    C[by * bm + i, bx * bn + j] = T.cast(total * channel_scale(S, bx * bn + j), dtype)
+            T.cluster_sync()                  # no block leaves while others still read its tile
+        elif split_k == 1:
             for i, j in T.Parallel(bm, bn):
                 if by * bm + i < m:
                     C[by * bm + i, bx * bn + j] = T.cast(C_s[i, j] * channel_scale(S, bx * bn + j), dtype)

@@ -32,6 +32,8 @@ CASES = {
     # raw codes into the MMA, zero point and scale on the sums; bf16 on sm_80 for the other template.
     "sm80_bf16_fold_zero_point": ("sm_80", Problem(256, 1024, 128, dtype="bfloat16"),
                                   Knobs(2, 1, 4, 4, 2, ahead=1, fold_zero_point=True)),
+    # split-K through a thread-block cluster and distributed shared memory instead of the workspace.
+    "sm90a_cluster_reduce": ("sm_90a", Problem(512, 1024, 128), Knobs(1, 1, 2, 4, 4, ahead=1, cluster_reduce=True)),
 }
 
 
@@ -147,10 +149,15 @@ def test_split_k_reduction_present_only_when_split(compiled):
     body = kernel_body(src)
     global_f32_adds = count(r"(atom|red)\.global(\.\w+)*\.add(\.v4)?\.f32", ptx)
     counter_adds = count(r"atom\.global(\.\w+)*\.add\.(u32|s32)", ptx)
-    if knobs.split_k == 1:
+    cluster_ops = count(r"barrier\.cluster\.(arrive|wait)", ptx), count(r"ld\.shared::cluster", ptx)
+    if not knobs.uses_workspace:
         assert "tm_split_k_arrive" not in body
         assert global_f32_adds == 0 and counter_adds == 0
         assert not re.search(r"__global__ void[^(]*\([^)]*\bws\b", src)
+        if knobs.cluster_reduce:  # two cluster barriers, and each split's share read from every block
+            assert cluster_ops[0] >= 4 and cluster_ops[1] > 0 and count(r"mapa\.shared::cluster", ptx) > 0
+        else:
+            assert cluster_ops == (0, 0)
         return
     assert "tm_split_k_arrive(" in body and "__ldcg" in body
     assert global_f32_adds > 0     # fp32 partials into the global workspace

@@ -10,7 +10,7 @@ import torch
 
 from gen.compile import compile_many, compile_schedule
 from schedules import hopper_wgmma, marlin_mma, stream_mma
-from schedules.arch import current_arch
+from schedules.arch import current_arch, get_arch
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn, reference_matmul, relative_error
@@ -39,6 +39,8 @@ STREAM_KNOBS = {
     "stream_m8_sacc": stream_mma.Knobs(1, 1, 8, 4, 1, ahead=1, scale_on_acc=True),
     "stream_m8_fold": stream_mma.Knobs(1, 1, 8, 8, 1, ahead=1, fold_zero_point=True),
     "stream_m16_fold_split4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True),
+    "stream_m8_cluster8": stream_mma.Knobs(1, 1, 4, 4, 8, ahead=1, cluster_reduce=True),
+    "stream_m16_fold_cluster4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
@@ -62,7 +64,7 @@ def arch():
 def precompiled(arch):
     """Compile every case in parallel once; the tests then load kernels from the disk cache."""
     jobs = [(problem_of(layer, group), SCHEDULES[name]) for layer, group, name in CASES
-            if SCHEDULES[name].module.space(problem_of(layer, group), arch)]
+            if SCHEDULES[name].module.check(problem_of(layer, group), SCHEDULES[name].knobs, arch) is None]
     jobs += [(problem_of("o", 128, "bfloat16"), SCHEDULES[name]) for name in BF16_SCHEDULES]
     errors = {job: err for job, err in compile_many(jobs, arch).items() if err}
     assert not errors, errors
@@ -72,7 +74,10 @@ def run_and_check(problem, schedule, arch, ms=MS):
     fam, knobs = schedule.module, schedule.knobs
     if not fam.space(problem, arch):
         pytest.skip(f"{schedule.family} is not offered on {arch.name}")
-    assert fam.check(problem, knobs, arch) is None
+    reason = fam.check(problem, knobs, arch)
+    if reason and not arch.hopper and fam.check(problem, knobs, get_arch("sm_90a")) is None:
+        pytest.skip(f"{schedule.name} needs sm_90a: {reason}")
+    assert reason is None, reason
     kernel = compile_schedule(problem, schedule, arch)
     dtype = torch.float16 if problem.dtype == "float16" else torch.bfloat16
     w = torch.randn(problem.k, problem.n, device="cuda", dtype=dtype)
@@ -100,11 +105,13 @@ def test_bf16_kernel_matches_reference(name, arch):
     run_and_check(problem_of("o", 128, "bfloat16"), SCHEDULES[name], arch, ms=(1, 17, 257))
 
 
-@pytest.mark.parametrize("name", ("split3_scale_on_acc", "stream_m16_split4"))
+@pytest.mark.parametrize("name", ("split3_scale_on_acc", "stream_m16_split4", "stream_m8_cluster8"))
 def test_repeated_calls_stay_correct_under_cuda_graph_replay(name, arch):
     """The split-K counters reset themselves, so a captured kernel replays correctly with new inputs."""
     problem, schedule = problem_of("o", 128), SCHEDULES[name]
     knobs = schedule.knobs
+    if schedule.module.check(problem, knobs, arch):
+        pytest.skip(schedule.module.check(problem, knobs, arch))
     kernel = compile_schedule(problem, schedule, arch)
     codes, scales = quantize_rtn(torch.randn(problem.k, problem.n, device="cuda", dtype=torch.float16), 128)
     fam = schedule.module

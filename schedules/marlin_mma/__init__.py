@@ -50,7 +50,7 @@ def unpack(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 
 def workspace_elems(problem: Problem, knobs: Knobs, m: int) -> tuple[int, int]:
     """(fp32 workspace elements, int32 tile counters) one call with `m` rows needs (0, 0 if none)."""
-    if knobs.split_k == 1:
+    if not knobs.uses_workspace:
         return 0, 0
     return m * problem.n, -(-m // knobs.block_m) * (problem.n // knobs.block_n)
 
@@ -66,7 +66,7 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
     _expect("scales", scales, dtype, scales_shape)
     _expect("output", out, dtype, (m, problem.n))
     tensors = {"activations": a, "packed weight": weight, "scales": scales, "output": out}
-    if knobs.split_k > 1:
+    if knobs.uses_workspace:
         ws_elems, n_counters = workspace_elems(problem, knobs, m)
         _expect("split-K workspace", workspace, torch.float32, None, min_elems=ws_elems)
         _expect("split-K counters", counters, torch.int32, None, min_elems=n_counters)
@@ -76,7 +76,7 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
             raise ValueError(f"{what} is on {t.device}; tilemarlin kernels need CUDA tensors")
         if t.device != a.device:
             raise ValueError(f"{what} is on {t.device} but the activations are on {a.device}")
-    if knobs.split_k == 1:
+    if not knobs.uses_workspace:
         return a, weight, scales, out
     return a, weight, scales, out, workspace[:ws_elems].view(m, problem.n), counters
 

@@ -36,6 +36,11 @@ class Knobs:
         return 32 * self.warps_m * self.warps_n * self.warps_k
 
     @property
+    def uses_workspace(self) -> bool:
+        """Whether a call needs the split-K workspace and counters (schedules/epilogue.py)."""
+        return self.split_k > 1
+
+    @property
     def warp_m(self) -> int:
         return self.block_m // self.warps_m
 

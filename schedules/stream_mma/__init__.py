@@ -28,9 +28,10 @@ AXES = {
     # occupancy gained nothing, and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
     "occupancy": (0,),
     "scale_on_acc": (False,),
-    # Compiled and checked on CPU only (tests/test_stream_fold.py); joins the search once measured
-    # correct and fast on a GPU (perf-notes v7).
+    # Compiled and checked on CPU only (tests/test_stream_fold.py, tests/test_codegen_stream.py); they
+    # join the search once measured correct and fast on a GPU (perf-notes v7, v8).
     "fold_zero_point": (False,),
+    "cluster_reduce": (False,),
 }
 
 

@@ -30,7 +30,7 @@ import tilelang.language as T
 
 from templates import dequant_function_names, raw_decode, render_dequant
 
-from ..epilogue import SPLIT_K_HELPERS, store_tile
+from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
@@ -68,7 +68,8 @@ def build(problem: Problem, knobs: Knobs):
     batch_sums = grouped and (sacc or fold)     # each batch's fp32 sums take the group scale
     scale_weights = grouped and not batch_sums
     acc_len = slabs * 4 * m_tiles * 4
-    split = kb.split_k > 1
+    split = kb.uses_workspace            # split-K through the global workspace
+    cluster = kb.cluster_reduce
     grid_n = n // bn
     mma_dtype = _MMA_DTYPE[dtype]
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
@@ -79,8 +80,9 @@ def build(problem: Problem, knobs: Knobs):
     # hi_off * sum(x / hi_mult, k % 16 >= 8) with the zero point 8 included, which one more MMA per
     # k-step computes from a constant A fragment.
     lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult
-    prelude = render_dequant(dtype, problem.bits) + STREAM_LOAD + (SPLIT_K_HELPERS if split else "")
-    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise)
+    prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD + (SPLIT_K_HELPERS if split else "")
+               + (CLUSTER_HELPERS if cluster else ""))
+    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster)
 
     def acc_index(sj, j, mi):
         return ((sj * 4 + j) * m_tiles + mi) * 4
@@ -155,7 +157,9 @@ def build(problem: Problem, knobs: Knobs):
 
     @T.macro
     def body(A, B, S, C, ws, counters):
-        with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=kb.threads, prelude=prelude) as (by, bx, bz):
+        # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
+        with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=kb.threads, prelude=prelude,
+                      cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
             if kb.occupancy:
                 # Cap registers so that occupancy // warps blocks fit per SM: warps hide latency.
                 T.annotate_min_blocks_per_sm(kb.occupancy // warps)

@@ -25,7 +25,9 @@ class Knobs:
     scales to each batch's fp32 sums instead of to every decoded weight. fold_zero_point goes further:
     the MMA multiplies the raw magic-number codes (4 lop3 and a shift per word, no subtraction, no
     scale) and one extra MMA per k-step computes the offsets that come off the fp32 sums, which
-    then take the scale (per batch, or once at the end for channelwise scales).
+    then take the scale (per batch, or once at the end for channelwise scales). cluster_reduce
+    (sm_90, split_k <= 8) launches a tile's splits as one thread-block cluster that adds its partial
+    sums through distributed shared memory instead of a global workspace (schedules/epilogue.py).
     """
 
     m_tiles: int = 1
@@ -37,6 +39,7 @@ class Knobs:
     occupancy: int = 0
     scale_on_acc: bool = False
     fold_zero_point: bool = False
+    cluster_reduce: bool = False
 
 
     @property
@@ -57,6 +60,11 @@ class Knobs:
         return 32 * self.warps
 
     @property
+    def uses_workspace(self) -> bool:
+        """Whether a call needs the split-K workspace and counters (schedules/epilogue.py)."""
+        return self.split_k > 1 and not self.cluster_reduce
+
+    @property
     def num_stages(self) -> int:
         """For the cost model: `ahead` batches in flight, like a pipeline of ahead + 1 stages."""
         return self.ahead + 1
@@ -65,7 +73,7 @@ class Knobs:
     def name(self) -> str:
         return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}" + (
             f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "") + (
-            "_fz" if self.fold_zero_point else "")
+            "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -98,6 +106,11 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"group={problem.group} must be a multiple of unroll * 16 = {batch_rows} (one scale row per batch)"
     if problem.channelwise and kb.scale_on_acc:
         return "channelwise scales are always applied to the sums; scale_on_acc adds nothing"
+    if kb.cluster_reduce:
+        if not arch.hopper:
+            return f"cluster_reduce needs thread-block clusters (sm_90); {arch.name} has none"
+        if not 2 <= kb.split_k <= 8:
+            return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.fold_zero_point and kb.scale_on_acc:
         return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     workers = kb.split_k * kb.warps
