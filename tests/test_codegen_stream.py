@@ -1,6 +1,6 @@
 """stream_mma code generation without a GPU: nvcc compiles each schedule for an explicit arch, and the
 PTX must show the family's design: weights streamed from global memory into registers (no shared-memory
-operands, no cp.async, no ldmatrix), the lop3 decode, swapped m16n8k16 MMAs, register buffers that stay
+weights, cp.async and ldmatrix only for x_ldmatrix's activations), the lop3 decode, swapped m16n8k16 MMAs, register buffers that stay
 in registers, and the split-K epilogue only when split."""
 import re
 import shutil
@@ -32,6 +32,8 @@ CASES = {
     # raw codes into the MMA, zero point and scale on the sums; bf16 on sm_80 for the other template.
     "sm80_bf16_fold_zero_point": ("sm_80", Problem(256, 1024, 128, dtype="bfloat16"),
                                   Knobs(2, 1, 4, 4, 2, ahead=1, fold_zero_point=True)),
+    # activations staged per warp by cp.async and read by ldmatrix, two batches in flight.
+    "sm90a_x_ldmatrix": ("sm_90a", Problem(512, 1024, 128), Knobs(2, 1, 4, 4, 1, ahead=2, x_ldmatrix=True)),
     # split-K through a thread-block cluster and distributed shared memory instead of the workspace.
     "sm90a_cluster_reduce": ("sm_90a", Problem(512, 1024, 128), Knobs(1, 1, 2, 4, 4, ahead=1, cluster_reduce=True)),
 }
@@ -85,8 +87,11 @@ def test_weights_stream_from_global_memory_into_registers(compiled):
     assert count(r"ld\.global\.nc\.L1::no_allocate\.v4", ptx) > 0
 
 
-def test_operands_never_go_through_shared_memory(compiled):
-    *_, ptx = compiled
+def test_weights_never_go_through_shared_memory(compiled):
+    *_, knobs, _, ptx = compiled
+    if knobs.x_ldmatrix:     # only the activations do, 16 bytes per cp.async
+        assert count(r"cp\.async\.ca", ptx) == 0
+        return
     assert count(r"cp\.async", ptx) == 0
     assert count(r"ldmatrix", ptx) == 0
 
@@ -107,6 +112,28 @@ def test_check_rejects_an_occupancy_that_spilled():
     # Estimate 80 for a cap of 64: with 16 registers of slack this schedule spilled 16 bytes in ptxas.
     problem, knobs = Problem(512, 1024, 128), Knobs(1, 1, 4, 2, 1, ahead=2, occupancy=32)
     assert "occupancy=32 leaves" in stream_mma.check(problem, knobs, get_arch("sm_90a"))
+
+
+def k_loop(src: str) -> str:
+    """The source of the kernel's main loop over batches (`for (int it = 0; ...) { ... }`)."""
+    start = src.index("for (int it = 0;")
+    depth, i = 0, src.index("{", start)
+    for i in range(i, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[i], 0)
+        if depth == 0:
+            return src[start:i + 1]
+    raise AssertionError("unbalanced braces")
+
+
+def test_no_block_barrier_inside_the_k_loop(compiled):
+    # The family's point: warps stream on their own and meet once, after the loop.
+    *_, knobs, src, ptx = compiled
+    loop = k_loop(kernel_body(src))
+    assert "__syncthreads" not in loop and "sync_thread_partial" not in loop
+    if knobs.x_ldmatrix:      # a warp's own cp.async chunks are waited for and shared within the warp only
+        assert "cp_async_wait" in loop and "__syncwarp" in loop and "ldmatrix" in loop
+        assert count(r"cp\.async\.cg\.shared\.global", ptx) > 0
+        assert count(r"ldmatrix\.sync\.aligned\.x4\.m8n8\.shared\.b16", ptx) > 0
 
 
 def test_swapped_tensor_core_mma(compiled):

@@ -40,6 +40,8 @@ STREAM_KNOBS = {
     "stream_m8_fold": stream_mma.Knobs(1, 1, 8, 8, 1, ahead=1, fold_zero_point=True),
     "stream_m16_fold_split4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True),
     "stream_m8_cluster8": stream_mma.Knobs(1, 1, 4, 4, 8, ahead=1, cluster_reduce=True),
+    "stream_m32_xl": stream_mma.Knobs(4, 1, 4, 4, 2, ahead=2, x_ldmatrix=True),
+    "stream_m16_xl_fold": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=1, x_ldmatrix=True, fold_zero_point=True),
     "stream_m16_fold_cluster4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},

@@ -29,9 +29,10 @@ AXES = {
     "occupancy": (0,),
     "scale_on_acc": (False,),
     # Compiled and checked on CPU only (tests/test_stream_fold.py, tests/test_codegen_stream.py); they
-    # join the search once measured correct and fast on a GPU (perf-notes v7, v8).
+    # join the search once measured correct and fast on a GPU (perf-notes v7, v8, v9).
     "fold_zero_point": (False,),
     "cluster_reduce": (False,),
+    "x_ldmatrix": (False,),
 }
 
 

@@ -87,11 +87,21 @@ def build(problem: Problem, knobs: Knobs):
     def acc_index(sj, j, mi):
         return ((sj * 4 + j) * m_tiles + mi) * 4
 
+    def x_index(u, mi):
+        """First of the 4 halves (b0..b3) of k-step u, m-tile mi: m-tile-major, so that one ldmatrix.x4
+        fills two consecutive k-steps."""
+        return (mi * unroll + u) * 4
+
+    x_smem = kb.x_ldmatrix
     per_w, per_x, per_s = unroll * slabs * 4, unroll * m_tiles * 4, slabs * 8
+    x_bufs = 1 if x_smem else ahead          # x_ldmatrix: activations wait in shared memory instead
+    x_cols = TILE_K * unroll + 8             # padded rows: ldmatrix's 8 row addresses hit 8 bank groups
+    x_chunks = MMA_N * m_tiles * TILE_K * unroll // 8 // 32      # 16-byte cp.async per lane per batch
 
     @T.macro
-    def load(A, B, S, w, x, scale, buf, batch, by, bx, lane, g, t):
-        """Issue the loads of `batch` into register buffer `buf` (nothing waits for them here)."""
+    def load(A, B, S, w, x, scale, X_s, buf, slot, batch, by, bx, lane, wk, g, t):
+        """Issue the loads of `batch` into register buffer `buf` (and, with x_ldmatrix, the activations
+        into shared slot `slot` of this warp); nothing waits for them here."""
         if batch < batches:
             kt0 = batch * unroll
             for u in T.unroll(unroll):
@@ -99,22 +109,42 @@ def build(problem: Problem, knobs: Knobs):
                     T.call_extern("handle", "tm_load_stream_16B",
                                   T.access_ptr(B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r"),
                                   T.access_ptr(w[buf * per_w + (u * slabs + sj) * 4], "w"))
-                for mi in T.unroll(m_tiles):
-                    row = T.min(by * bm + mi * MMA_N + g, m - 1)
-                    for h in T.unroll(2):
-                        for v in T.vectorized(2):
-                            x[buf * per_x + ((u * m_tiles + mi) * 2 + h) * 2 + v] = A[row, (kt0 + u) * TILE_K + 2 * t + 8 * h + v]
+                if not x_smem:
+                    for mi in T.unroll(m_tiles):
+                        row = T.min(by * bm + mi * MMA_N + g, m - 1)
+                        for h in T.unroll(2):
+                            for v in T.vectorized(2):
+                                x[buf * per_x + x_index(u, mi) + h * 2 + v] = A[row, (kt0 + u) * TILE_K + 2 * t + 8 * h + v]
+            if x_smem:
+                # The batch's rows of A as 16-byte chunks, coalesced: 2 * unroll chunks per row.
+                for c in T.unroll(x_chunks):
+                    r = (c * 32 + lane) // (2 * unroll)
+                    col = (c * 32 + lane) % (2 * unroll) * 8
+                    T.ptx_cp_async(T.access_ptr(X_s[wk, slot, r, col], "w", 8),
+                                   T.access_ptr(A[T.min(by * bm + r, m - 1), kt0 * TILE_K + col], "r", 8), 8)
             if grouped:
                 # Columns 16j + g and 16j + 8 + g of each slab: the scales of the lane's A rows.
                 for sj in T.unroll(slabs):
                     for v in T.unroll(8):
                         scale[buf * per_s + sj * 8 + v] = S[kt0 * TILE_K // group,
                                                             (bx * slabs + sj) * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g]
+        if x_smem:
+            T.ptx_commit_group()       # one group per batch, empty past the end, so waits count batches
 
     @T.macro
-    def compute(w, x, scale, a, a_off, acc, off, total, batch):
-        """Decode and multiply the batch in register buffer 0."""
+    def compute(w, x, scale, a, a_off, acc, off, total, X_s, slot, batch, lane, wk):
+        """Decode and multiply the batch in register buffer 0 (activations: shared slot `slot`)."""
+        if x_smem:
+            T.ptx_wait_group(ahead - 1)                # this batch's chunks have landed ...
+            T.call_extern("handle", "__syncwarp")      # ... for every lane of the warp
         if batch < batches:
+            if x_smem:
+                # Matrices: rows of m-tile mi x k 0-7, 8-15 of step u, then of step u + 1: b0b1, b2b3 twice.
+                for mi in T.unroll(m_tiles):
+                    for u in T.unroll(unroll // 2):
+                        T.ptx_ldmatrix(False, 4,
+                                       T.access_ptr(X_s[wk, slot, mi * MMA_N + lane % 8, u * 32 + (lane // 8) * 8], "r"),
+                                       T.access_ptr(x[x_index(2 * u, mi)], "w"))
             if batch_sums:
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
@@ -126,10 +156,10 @@ def build(problem: Problem, knobs: Knobs):
                     if fold:
                         if hi_mult != 1:
                             for v in T.unroll(2):
-                                xi = ((u * m_tiles + mi) * 2 + 1) * 2 + v
+                                xi = x_index(u, mi) + 2 + v
                                 x[xi] = x[xi] * T.cast(1.0 / hi_mult, dtype)
                         T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                                  a_off.data, 0, x.data, (u * m_tiles + mi) * 4, off.data, mi * 4, False)
+                                  a_off.data, 0, x.data, x_index(u, mi), off.data, mi * 4, False)
                 for sj in T.unroll(slabs):
                     for j in T.unroll(4):
                         if fold:
@@ -143,7 +173,7 @@ def build(problem: Problem, knobs: Knobs):
                                           T.access_ptr(a[j * 8], "w"))
                         for mi in T.unroll(m_tiles):
                             T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                                      a.data, j * 8, x.data, (u * m_tiles + mi) * 4,
+                                      a.data, j * 8, x.data, x_index(u, mi),
                                       acc.data, acc_index(sj, j, mi), False)
             if batch_sums:
                 # The batch lies in one group: its sums (less the offsets) take the group's scale once.
@@ -154,6 +184,8 @@ def build(problem: Problem, knobs: Knobs):
                                 i = acc_index(sj, j, mi) + e
                                 part = acc[i] - off[mi * 4 + e] if fold else acc[i]
                                 total[i] = total[i] + part * T.cast(scale[sj * 8 + 2 * j + e // 2], "float32")
+        if x_smem:
+            T.call_extern("handle", "__syncwarp")      # the slot is read before a later batch refills it
 
     @T.macro
     def body(A, B, S, C, ws, counters):
@@ -166,7 +198,8 @@ def build(problem: Problem, knobs: Knobs):
             C_s = T.alloc_shared((bm, bn), "float32")
             # `ahead` register buffers: batch it + ahead - 1 loads while batch it is decoded.
             w = T.alloc_local((ahead * per_w,), "int32")
-            x = T.alloc_local((ahead * per_x,), dtype)
+            x = T.alloc_local((x_bufs * per_x,), dtype)
+            X_s = T.alloc_shared((warps, ahead if x_smem else 1, bm, x_cols), dtype)
             scale = T.alloc_local((ahead * per_s,), dtype)
             a = T.alloc_local((32,), dtype)
             acc = T.alloc_local((acc_len,), "float32")
@@ -194,20 +227,25 @@ def build(problem: Problem, knobs: Knobs):
             # Batches go round-robin over all warps of all splits of this output tile.
             first = bz * warps + wk
             for p in T.unroll(ahead - 1):
-                load(A, B, S, w, x, scale, p, p * workers + first, by, bx, lane, g, t)
+                load(A, B, S, w, x, scale, X_s, p, p, p * workers + first, by, bx, lane, wk, g, t)
             for it in T.serial(trips):
-                load(A, B, S, w, x, scale, ahead - 1, (it + ahead - 1) * workers + first, by, bx, lane, g, t)
-                compute(w, x, scale, a, a_off, acc, off, total, it * workers + first)
+                load(A, B, S, w, x, scale, X_s, ahead - 1, (it + ahead - 1) % ahead, (it + ahead - 1) * workers + first,
+                     by, bx, lane, wk, g, t)
+                compute(w, x, scale, a, a_off, acc, off, total, X_s, it % ahead, it * workers + first, lane, wk)
                 for p in T.unroll(ahead - 1):
                     for i in T.unroll(per_w):
                         w[p * per_w + i] = w[(p + 1) * per_w + i]
-                    for i in T.unroll(per_x):
-                        x[p * per_x + i] = x[(p + 1) * per_x + i]
+                    if not x_smem:
+                        for i in T.unroll(per_x):
+                            x[p * per_x + i] = x[(p + 1) * per_x + i]
                     if grouped:
                         for i in T.unroll(per_s):
                             scale[p * per_s + i] = scale[(p + 1) * per_s + i]
 
-            # The block's warps add their sums into one shared tile, a warp at a time.
+            # The block's warps add their sums into one shared tile, a warp at a time (the first barrier
+            # also keeps a warp from zeroing the tile while another still reads activation slots that
+            # may share its memory).
+            T.sync_threads()
             if fold and not batch_sums:
                 # Channelwise: the offsets come off once, from the whole-K sums.
                 for i in T.unroll(acc_len):
@@ -248,6 +286,9 @@ PASS_CONFIGS = {
     # Hand-written register code throughout: no warp specialization, no TMA.
     "tl.disable_warp_specialized": True,
     "tl.disable_tma_lower": True,
+    # Every barrier is written out: TileLang cannot see that x_ldmatrix's shared slots are private
+    # to a warp and would put two block-wide barriers into every batch (the __syncwarp suffices).
+    "tl.disable_thread_storage_sync": True,
 }
 
 
