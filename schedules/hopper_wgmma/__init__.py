@@ -1,9 +1,8 @@
 """hopper_wgmma: TMA + wgmma + warp specialization for large M on sm_90a (see kernel.py)."""
 from __future__ import annotations
 
-import itertools
-
 from ..arch import Arch
+from ..knob_space import valid_points
 from ..problem import Problem
 from .. import marlin_mma
 from .kernel import PASS_CONFIGS, build
@@ -25,12 +24,8 @@ AXES = {
 
 
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
-    out = []
-    for values in itertools.product(*AXES.values()):
-        knobs = Knobs(*values)
-        if check(problem, knobs, arch) is None:
-            out.append(knobs)
-    return out
+    """Every valid point of the named axes for `problem` on `arch`."""
+    return valid_points(AXES, lambda values: Knobs(*values), check, problem, arch)
 
 
 def workspace_elems(problem: Problem, knobs: Knobs, m: int) -> tuple[int, int]:

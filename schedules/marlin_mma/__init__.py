@@ -1,11 +1,10 @@
 """marlin_mma: Marlin's design on mma.sync (sm_80 and newer), see kernel.py for the why."""
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from ..arch import Arch
+from ..knob_space import valid_points
 from ..problem import Problem
 from ..quant import torch_dtype
 from . import layout
@@ -28,13 +27,12 @@ AXES = {
 
 
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
-    """Every valid point of the named axes for `problem` on `arch`."""
-    out = []
-    for bm, bn, bk, (wm, wn, wk), stages, sk, sacc in itertools.product(*AXES.values()):
-        knobs = Knobs(bm, bn, bk, wm, wn, wk, stages, sk, sacc)
-        if check(problem, knobs, arch) is None:
-            out.append(knobs)
-    return out
+    """Every valid point of the named axes for `problem` on `arch` (the "warps" axis sets three knobs)."""
+    def make(values):
+        bm, bn, bk, (wm, wn, wk), *rest = values
+        return Knobs(bm, bn, bk, wm, wn, wk, *rest)
+
+    return valid_points(AXES, make, check, problem, arch)
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, render_dequant
 
-from ..epilogue import SPLIT_K_HELPERS, store_tile
+from ..epilogue import SPLIT_K_HELPERS, store_tile, w4a16_prim_func
 from ..problem import Problem
 from .knobs import Knobs
 from .layout import SLAB_N
@@ -163,18 +163,7 @@ def build(problem: Problem, knobs: Knobs):
 
             store(C_s, C, S, ws, counters, m, by, bx, tx)
 
-    if split:
-        @T.prim_func
-        def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
-                       S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype),
-                       ws: T.Tensor((m, n), "float32"), counters: T.Tensor((tiles,), "int32")):
-            body(A, B, S, C, ws, counters)
-    else:
-        @T.prim_func
-        def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
-                       S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype)):
-            body(A, B, S, C, None, None)
-    return w4a16_gemm
+    return w4a16_prim_func(body, m, tiles, n, k, group, dtype, workspace=split)
 
 
 PASS_CONFIGS = {

@@ -2,9 +2,8 @@
 (see kernel.py for the why). Reads marlin_mma's packed layout: no repacking."""
 from __future__ import annotations
 
-import itertools
-
 from ..arch import Arch
+from ..knob_space import valid_points
 from ..problem import Problem
 from .. import marlin_mma
 from .kernel import PASS_CONFIGS, build
@@ -37,12 +36,8 @@ AXES = {
 
 
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
-    out = []
-    for values in itertools.product(*AXES.values()):
-        knobs = Knobs(*values)
-        if check(problem, knobs, arch) is None:
-            out.append(knobs)
-    return out
+    """Every valid point of the named axes for `problem` on `arch`."""
+    return valid_points(AXES, lambda values: Knobs(*values), check, problem, arch)
 
 
 def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspace=None, counters=None) -> tuple:
