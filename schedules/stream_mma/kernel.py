@@ -65,7 +65,9 @@ def build(problem: Problem, knobs: Knobs):
     grouped = not problem.channelwise
     sacc = kb.scale_on_acc
     fold = kb.fold_zero_point
-    batch_sums = grouped and (sacc or fold)     # each batch's fp32 sums take the group scale
+    # Each batch's fp32 sums are folded into a running total: with the group scale (scale_on_acc), or
+    # less the offsets (fold_zero_point; also channelwise, so that no sum grows to K * 1032 * |x|).
+    batch_sums = (grouped and sacc) or fold
     scale_weights = grouped and not batch_sums
     acc_len = slabs * 4 * m_tiles * 4
     split = kb.uses_workspace            # split-K through the global workspace
@@ -183,7 +185,10 @@ def build(problem: Problem, knobs: Knobs):
                             for e in T.unroll(4):
                                 i = acc_index(sj, j, mi) + e
                                 part = acc[i] - off[mi * 4 + e] if fold else acc[i]
-                                total[i] = total[i] + part * T.cast(scale[sj * 8 + 2 * j + e // 2], "float32")
+                                if grouped:
+                                    total[i] = total[i] + part * T.cast(scale[sj * 8 + 2 * j + e // 2], "float32")
+                                else:
+                                    total[i] = total[i] + part
         if x_smem:
             T.call_extern("handle", "__syncwarp")      # the slot is read before a later batch refills it
 
@@ -246,10 +251,6 @@ def build(problem: Problem, knobs: Knobs):
             # also keeps a warp from zeroing the tile while another still reads activation slots that
             # may share its memory).
             T.sync_threads()
-            if fold and not batch_sums:
-                # Channelwise: the offsets come off once, from the whole-K sums.
-                for i in T.unroll(acc_len):
-                    acc[i] = acc[i] - off[(i // 4) % m_tiles * 4 + i % 4]
             sums = total if batch_sums else acc
             for i, j in T.Parallel(bm, bn):
                 C_s[i, j] = T.float32(0)

@@ -25,7 +25,7 @@ class Knobs:
     scales to each batch's fp32 sums instead of to every decoded weight. fold_zero_point goes further:
     the MMA multiplies the raw magic-number codes (4 lop3 and a shift per word, no subtraction, no
     scale) and one extra MMA per k-step computes the offsets that come off the fp32 sums, which
-    then take the scale (per batch, or once at the end for channelwise scales). cluster_reduce
+    then take the scale (per batch; channelwise scales once at the end). cluster_reduce
     (sm_90, split_k <= 8) launches a tile's splits as one thread-block cluster that adds its partial
     sums through distributed shared memory instead of a global workspace (schedules/epilogue.py).
     x_ldmatrix stages each batch's activations per warp in shared memory with coalesced 16-byte
