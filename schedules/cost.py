@@ -166,7 +166,11 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     busy = active_sms / gpu.sm_count * min(1.0, warps_per_sm / traits.warps_to_fill_sm)
     mma_rate = gpu.wgmma_flops if traits.wgmma else gpu.mma_flops
     mma_s = per_wave * 2 * bm * bn * k_block / (mma_rate * busy)
-    if problem.channelwise:          # scales multiply the final sums: nothing per weight
+    if getattr(kb, "fold_zero_point", False):
+        # Raw codes into the MMA: 5 of the decode's 9 instructions per word, and per batch of
+        # 16 * unroll rows a subtract, a scaled add and a reset per fp32 sum (a guess until fitted).
+        ops_per_weight = traits.decode_ops * 5 / 9 + 3 * bm / (16 * kb.unroll)
+    elif problem.channelwise:        # scales multiply the final sums: nothing per weight
         ops_per_weight = traits.decode_ops
     elif getattr(kb, "scale_on_acc", False):
         ops_per_weight = traits.decode_ops + SCALE_ON_ACC_OPS * bm / problem.group
@@ -185,8 +189,13 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
 
     out_s = m * problem.n * 2 / gpu.hbm_bytes_per_s
     # Split-K: every split adds an fp32 partial into the workspace; the last one reads it back and
-    # zeroes it for the next call.
-    reduce_s = (split + 2) * m_pad * problem.n * 4 / gpu.hbm_bytes_per_s if split > 1 else 0.0
+    # zeroes it for the next call. Inside a cluster the partials only cross distributed shared memory.
+    if split > 1 and getattr(kb, "uses_workspace", True):
+        reduce_s = (split + 2) * m_pad * problem.n * 4 / gpu.hbm_bytes_per_s
+    elif split > 1:
+        reduce_s = split * m_pad * problem.n * 4 / gpu.l2_bytes_per_s
+    else:
+        reduce_s = 0.0
     return (waves * wave_s + out_s + reduce_s) * 1e6 + gpu.launch_us
 
 
