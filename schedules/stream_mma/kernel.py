@@ -14,14 +14,20 @@ Why it looks the way it does:
   of one 16x16 W^T tile (the decode only reorders its four outputs), so one word feeds one m16n8k16
   MMA per 8 rows of M: half the MMAs of the unswapped form, and M=1 pads to 8 rows, not 16.
 - A lane's activation fragment (row g, k 2t..2t+1 and 2t+8..2t+9) is two 4-byte loads from global
-  memory (L1/L2 hits: every block reads the same rows). Rows past M repeat row M-1 instead of being
-  predicated: they only feed output columns that are never stored.
-- Group scales multiply the decoded weights (one half2 multiply per pair), or with scale_on_acc each
-  batch's fp32 sums (fewer instructions per weight: the kernel is bound by the SM, not by HBM, see
-  docs/perf-notes.md v6); a batch never crosses a group (check()), so each batch loads one scale
-  row. Channelwise scales scale the final fp32 sums.
+  memory (L1/L2 hits: every block reads the same rows), or with x_ldmatrix one ldmatrix.x4 per two
+  k-steps from the warp's own shared slots, filled by coalesced 16-byte cp.async (fewer load-pipe
+  wavefronts at M >= 16). Rows past M repeat row M-1 instead of being predicated: they only feed
+  output columns that are never stored.
+- Group scales multiply the decoded weights (one half2 multiply per pair); with scale_on_acc they
+  scale each batch's fp32 sums instead, and with fold_zero_point the MMA gets raw magic-number codes
+  while the offsets (magic number and zero point) come off each batch's sums before the scale: the
+  kernel is bound by the SM's instructions, not by HBM (docs/perf-notes.md v6, v7). A batch never
+  crosses a group (check()), so each batch loads one scale row. Channelwise scales scale the final
+  fp32 sums.
 - The block's warps add their sums in a shared fp32 tile, then the common epilogue stores it, with
-  split-K through a global workspace when the output has too few tiles to occupy the GPU.
+  split-K through a global workspace when the output has too few tiles to occupy the GPU, or
+  (cluster_reduce, sm_90) through the distributed shared memory of a cluster of the splits.
+- Every barrier is explicit (TileLang's automatic insertion is off): none inside the k-loop.
 """
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
