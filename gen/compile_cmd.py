@@ -22,15 +22,17 @@ def register(subparsers) -> None:
 
 def parse_knobs(family, text: str):
     """key=value pairs -> the family's Knobs (unknown keys and bad values are errors)."""
-    import dataclasses
+    from schedules.knob_space import knob_value
 
-    fields = {f.name: f for f in dataclasses.fields(family.Knobs)}
     values = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise argparse.ArgumentTypeError(f"bad knob {item!r}; knobs are {', '.join(fields)}")
-        values[key] = value.lower() in ("1", "true", "yes") if fields[key].type in (bool, "bool") else int(value)
+        try:
+            if not sep:
+                raise ValueError("expected key=value")
+            values[key] = knob_value(family.Knobs, key, value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"bad knob {item!r}: {exc}") from None
     return family.Knobs(**values)
 
 

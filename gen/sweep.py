@@ -39,33 +39,21 @@ def register(subparsers) -> None:
 def parse_grid(family, text: str) -> list:
     """Every Knobs of `family` in the grid "name=v1,v2 name=v3"; a knob named twice, an unknown knob
     or a value of the wrong type is an error that names it."""
-    fields = {f.name: f for f in dataclasses.fields(family.Knobs)}
+    from schedules.knob_space import knob_value
+
+    known = [f.name for f in dataclasses.fields(family.Knobs)]
     axes: dict[str, list] = {}
     for item in text.split():
         name, sep, values = item.partition("=")
         if not sep or not values:
             raise ValueError(f"bad knob {item!r}: expected name=value[,value...]")
-        if name not in fields:
-            raise ValueError(f"{family.NAME} has no knob {name!r}; its knobs: {', '.join(fields)}")
+        if name not in known:
+            raise ValueError(f"{family.NAME} has no knob {name!r}; its knobs: {', '.join(known)}")
         if name in axes:
             raise ValueError(f"knob {name!r} is given twice")
-        axes[name] = [_parse_value(fields[name], v, name) for v in values.split(",")]
+        axes[name] = [knob_value(family.Knobs, name, v) for v in values.split(",")]
     names = list(axes)
     return [family.Knobs(**dict(zip(names, combo))) for combo in itertools.product(*axes.values())]
-
-
-def _parse_value(field, text: str, name: str):
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
-    if kind == "bool":
-        if text.lower() in ("1", "true", "yes"):
-            return True
-        if text.lower() in ("0", "false", "no"):
-            return False
-        raise ValueError(f"knob {name!r} is a flag: use 0/1 or true/false, not {text!r}")
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"knob {name!r} takes integers, not {text!r}") from None
 
 
 def run(args) -> int:
@@ -98,22 +86,22 @@ def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
     from schedules.registry import Schedule
 
     from .search import BucketSearch, MeasureError, Result, measure_problem
-    from .tune import _compile, format_table
+    from .tune import compile_with_progress, format_table
 
     arch, gpu = current_arch(), GpuSpec.current()
     searches, invalid = [], 0
     for t in targets:
         valid = [k for k in grid if fam.check(t.problem, k, arch) is None]
         invalid += len(grid) - len(valid)
+        schedules = [Schedule(fam.NAME, k) for k in valid]
         for m in ms:
-            searches.append(BucketSearch(t.problem, m, [Result(Schedule(fam.NAME, k), estimate_us(t.problem, Schedule(fam.NAME, k), m, gpu))
-                                                        for k in valid]))
+            searches.append(BucketSearch(t.problem, m, [Result(s, estimate_us(t.problem, s, m, gpu)) for s in schedules]))
     print(f"sweep of {len(grid)} {fam.NAME} knob settings x {len(targets)} shapes x M in {ms} on {arch.name}"
           + (f"; {invalid} (shape, setting) pairs fail the family's check and are skipped" if invalid else ""))
     if not any(s.results for s in searches):
         print("gen sweep: no valid candidate in the grid", file=sys.stderr)
         return 2
-    _compile(searches, arch, args.workers)
+    compile_with_progress(searches, arch, args.workers)
     with tqdm(total=sum(r.error is None for s in searches for r in s.results), desc="check + time", unit="cand") as bar:
         for t in targets:
             try:

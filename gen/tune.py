@@ -106,7 +106,8 @@ def pending_pairs(targets: list[Target], buckets: list[int], table, force: bool)
     return [(t.problem, b) for t in targets for b in buckets if force or table.entry(t.problem, b) is None]
 
 
-def _compile(searches, arch, workers) -> None:
+def compile_with_progress(searches, arch, workers) -> None:
+    """Compile the searches' candidates in parallel behind a progress bar (shared with gen sweep)."""
     from tqdm import tqdm
 
     from .search import compile_candidates, compile_jobs
@@ -145,7 +146,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
 
     searches = plan(pending, arch, GpuSpec.current(), top=args.top)
     if searches:
-        _compile(searches, arch, args.workers)
+        compile_with_progress(searches, arch, args.workers)
 
     def record(search):
         best = search.winner()
@@ -206,7 +207,7 @@ def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
     print(f"DRY RUN for {arch.name}: candidates are compiled but nothing is measured; they are ranked by the "
           f"cost model only (estimates for {spec.name}), and no tuned table is written.")
     searches = plan([(t.problem, b) for t in targets for b in buckets], arch, spec, top=args.top)
-    _compile(searches, arch, args.workers)
+    compile_with_progress(searches, arch, args.workers)
 
     labels = {t.problem: t.label for t in targets}
     rows = []

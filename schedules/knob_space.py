@@ -1,6 +1,8 @@
-"""The one way a family turns its named knob axes into the valid points of its search space."""
+"""The one way a family turns its named knob axes into the valid points of its search space, and
+the one way command-line text becomes a knob value."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Callable
 
@@ -9,3 +11,22 @@ def valid_points(axes: dict[str, tuple], make: Callable[[tuple], object], check,
     """make(values) for every combination of the axes' values (in AXES order) that check() accepts."""
     points = (make(values) for values in itertools.product(*axes.values()))
     return [knobs for knobs in points if check(problem, knobs, arch) is None]
+
+
+def knob_value(knobs_cls, name: str, text: str):
+    """A knob's value from command-line text: 0/1/true/false/yes/no for flags, integers otherwise.
+    An unknown knob or a value of the wrong type is a ValueError that names it."""
+    fields = {f.name: f for f in dataclasses.fields(knobs_cls)}
+    if name not in fields:
+        raise ValueError(f"no knob {name!r}; the knobs are {', '.join(fields)}")
+    kind = fields[name].type
+    if kind in (bool, "bool"):
+        if text.lower() in ("1", "true", "yes"):
+            return True
+        if text.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"knob {name!r} is a flag: use 0/1 or true/false, not {text!r}")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"knob {name!r} takes integers, not {text!r}") from None

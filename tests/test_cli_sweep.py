@@ -89,3 +89,12 @@ def test_sweep_times_a_small_grid_end_to_end(capsys, tmp_path, monkeypatch):
         for res in r["results"]:
             assert res["error"] is None and res["us"] > 0 and res["rel_err"] < 2e-3
     assert "speedup" in out
+
+
+def test_gen_compile_parses_knobs_the_same_way():
+    from gen.compile_cmd import parse_knobs
+
+    assert parse_knobs(stream_mma, "warps=8,fold_zero_point=yes") == stream_mma.Knobs(warps=8, fold_zero_point=True)
+    for bad in ("warps=eight", "fold_zero_point=maybe", "wraps=4", "warps"):
+        with pytest.raises(argparse.ArgumentTypeError, match="bad knob"):
+            parse_knobs(stream_mma, bad)
