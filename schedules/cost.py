@@ -60,6 +60,9 @@ TRAITS = {
     # are within 17 % on average (a pull without barriers fitted no better). Across all three
     # families the model's pick is 1.045x the best measured one on the session-2 tune.
     "stream_mma": FamilyTraits(decode_ops=1.0),
+    # The stream decode (lop3 + magic number, ~9 instructions per packed word of 8 weights) into
+    # wgmma's register operand; one warpgroup per block, two blocks per SM. Not yet fitted.
+    "stream_wgmma": FamilyTraits(wgmma=True, decode_ops=1.2, scale_ops=0.5, warps_to_fill_sm=8),
 }
 
 
@@ -186,6 +189,7 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     # Every k-tile ends in block-wide barriers that drain the warps' MMA chains: a fixed cost per
     # tile that favours deep tiles (block_k) the more the fewer warps hide it.
     wave_s = max(mem_s, math_s + k_tiles * gpu.k_tile_us * 1e-6) + fill_s
+    wave_s *= knob_factor(kb, m)
 
     out_s = m * problem.n * 2 / gpu.hbm_bytes_per_s
     # Split-K: every split adds an fp32 partial into the workspace; the last one reads it back and
@@ -197,6 +201,27 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     else:
         reduce_s = 0.0
     return (waves * wave_s + out_s + reduce_s) * 1e6 + gpu.launch_us
+
+
+# Measured effects of stream_mma's optional techniques that the terms above do not capture (the
+# small-M kernels are bound by the SM's instructions and latencies, not by bytes): the median time
+# ratio with / without the knob over ~25-55 otherwise equal configurations per M and layer class,
+# H200 sweeps of session 3 (docs/perf-notes.md v7-v9). (knob, M up to) -> factor; the first
+# matching row applies.
+KNOB_FACTORS = {
+    "fold_zero_point": ((16, 0.95), (None, 1.35)),
+    "cluster_reduce": ((None, 0.97),),
+    "x_ldmatrix": ((16, 1.0), (None, 0.93)),
+}
+
+
+def knob_factor(knobs, m: int) -> float:
+    """The product of KNOB_FACTORS for the optional techniques `knobs` switches on at M = m."""
+    factor = 1.0
+    for name, rows in KNOB_FACTORS.items():
+        if getattr(knobs, name, False):
+            factor *= next(f for up_to, f in rows if up_to is None or m <= up_to)
+    return factor
 
 
 @functools.lru_cache(maxsize=256)

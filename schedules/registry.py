@@ -4,9 +4,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from types import ModuleType
 
-from . import hopper_wgmma, marlin_mma, stream_mma
+from . import hopper_wgmma, marlin_mma, stream_mma, stream_wgmma
 
-FAMILIES: dict[str, ModuleType] = {fam.NAME: fam for fam in (marlin_mma, stream_mma, hopper_wgmma)}
+FAMILIES: dict[str, ModuleType] = {fam.NAME: fam for fam in (marlin_mma, stream_mma, hopper_wgmma, stream_wgmma)}
 
 
 def family(name: str) -> ModuleType:

@@ -3,13 +3,13 @@
 For each Llama-2-7B layer, group 128 and channelwise, several knob settings per family (split-K
 among them): one compiled kernel (M is dynamic) must match the reference for every M, with fresh
 random inputs, the output poisoned with NaN before each call, and any split-K workspace left zeroed.
-hopper_wgmma runs only on sm_90a GPUs.
+hopper_wgmma and stream_wgmma run only on sm_90a GPUs.
 """
 import pytest
 import torch
 
 from gen.compile import compile_many, compile_schedule
-from schedules import hopper_wgmma, marlin_mma, stream_mma
+from schedules import hopper_wgmma, marlin_mma, stream_mma, stream_wgmma
 from schedules.arch import current_arch, get_arch
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
@@ -44,10 +44,19 @@ STREAM_KNOBS = {
     "stream_m16_xl_fold": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=1, x_ldmatrix=True, fold_zero_point=True),
     "stream_m16_fold_cluster4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True),
 }
+SW = stream_wgmma.Knobs
+STREAM_WGMMA_KNOBS = {
+    "swg_m128_g2": SW(128, 2, 1, 64, 3),
+    "swg_m64_g4_overlap": SW(64, 2, 2, 64, 4, overlap=True),
+    "swg_m256_g1_wg2": SW(256, 1, 2, 64, 3),
+    "swg_m64_split2": SW(64, 2, 1, 64, 3, split_k=2),
+    "swg_m16_ahead2": SW(16, 4, 1, 64, 4, ahead=2),
+}
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
-             **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()}}
-BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4")
+             **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
+             **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
+BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "swg_m128_g2")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 
@@ -107,7 +116,7 @@ def test_bf16_kernel_matches_reference(name, arch):
     run_and_check(problem_of("o", 128, "bfloat16"), SCHEDULES[name], arch, ms=(1, 17, 257))
 
 
-@pytest.mark.parametrize("name", ("split3_scale_on_acc", "stream_m16_split4", "stream_m8_cluster8"))
+@pytest.mark.parametrize("name", ("split3_scale_on_acc", "stream_m16_split4", "stream_m8_cluster8", "swg_m64_split2"))
 def test_repeated_calls_stay_correct_under_cuda_graph_replay(name, arch):
     """The split-K counters reset themselves, so a captured kernel replays correctly with new inputs."""
     problem, schedule = problem_of("o", 128), SCHEDULES[name]

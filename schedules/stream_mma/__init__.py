@@ -19,19 +19,19 @@ workspace_elems = marlin_mma.workspace_elems
 AXES = {
     "m_tiles": (1, 2, 4),
     "slabs": (1,),          # 2 slabs per warp measured slower on every Llama-2-7B layer (perf-notes v6)
-    "warps": (2, 4, 8),
-    "unroll": (2, 4, 8),
+    "warps": (4, 8),        # 2 warps never won a sweep or a tune
+    "unroll": (4, 8),       # nor did unroll 2
     "split_k": (1, 2, 3, 4, 6, 8, 16),
-    "ahead": (1, 2, 3),
+    "ahead": (1, 2),        # 3 batches in flight never won (perf-notes v6); 1 won most in session 3
     # Measured on the H200 (docs/perf-notes.md v6) and left out of the search: capping registers for
     # occupancy gained nothing, and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
     "occupancy": (0,),
     "scale_on_acc": (False,),
-    # Compiled and checked on CPU only (tests/test_stream_fold.py, tests/test_codegen_stream.py); they
-    # join the search once measured correct and fast on a GPU (perf-notes v7, v8, v9).
-    "fold_zero_point": (False,),
-    "cluster_reduce": (False,),
-    "x_ldmatrix": (False,),
+    # Measured correct and each faster somewhere (perf-notes v7-v9): raw codes into the MMA at
+    # M <= 16, the cluster's split-K reduction on the small layers, ldmatrix activations at M >= 32.
+    "fold_zero_point": (False, True),
+    "cluster_reduce": (False, True),
+    "x_ldmatrix": (False, True),
 }
 
 

@@ -1,0 +1,254 @@
+"""Hopper W4A16 with the weights as wgmma's register operand: C^T = W^T X^T, weights decoded from
+global memory straight into A fragments, activations from shared memory (sm_90a).
+
+Why it looks the way it does:
+- mma.sync tops out near half of the H200's wgmma rate, which is why marlin_mma stays near 0.5x of
+  FP16 at large M. wgmma takes its A operand from registers (the `.rs` form), with per warp of the
+  warpgroup the same per-thread layout as mma.m16n8k16's A for that warp's 16 rows, and one 32-bit
+  word of marlin_mma's packed layout decodes into exactly such a fragment (stream_mma's decode).
+  So the weights never touch shared memory: no 2-byte stores of decoded values (hopper_wgmma's
+  cost, perf-notes v5) and no repacking. Only the activations (the wgmma's B, K-major) go through
+  shared memory, in wgmma's unswizzled core-matrix layout: [stage][k / 8][row][8 halves], so an
+  8-row x 16-byte core matrix is 128 contiguous bytes.
+- One wgmma's 64 rows are 16 weight columns from each of the 4 warps, which need not be adjacent:
+  warp w of a warpgroup takes `groups` consecutive words of each lane's 16-byte word vector, i.e.
+  16-column groups f = w * groups + i (i < groups) of the warpgroup's slabs. Every lane then loads
+  4 * groups contiguous bytes per k-step, and a warp's loads are contiguous.
+- Activations: `stages` shared tiles filled with 16-byte cp.async by all threads (rows past M repeat
+  row M - 1: they only feed output columns that are never stored). Weights: `ahead` stages of packed
+  words in registers, loaded before the stage's decode is needed.
+- Without overlap a warpgroup decodes a stage, issues its wgmmas and waits for them; the other
+  blocks on the SM fill the tensor cores meanwhile. With overlap it decodes stage t + 1 into a
+  second fragment buffer while stage t's wgmmas run (wgmma.wait_group 1), at the price of one
+  activation stage more in use.
+- Group scales multiply the decoded weights (the k-tile lies in one group: check()); channelwise
+  scales multiply the final sums. Without split-K every thread stores its fragment straight to C;
+  with split-K the block's tile meets the other splits' through the common epilogue.
+- Every barrier is explicit: one per k-tile, after the stage's cp.async group has landed.
+"""
+# No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
+
+import tilelang
+import tilelang.language as T
+
+from templates import dequant_function_names, render_dequant
+
+from ..epilogue import SPLIT_K_HELPERS, store_tile, w4a16_prim_func
+from ..marlin_mma.layout import SLAB_N, TILE_K
+from ..problem import Problem
+from .knobs import CORE_ROWS, WARPGROUP, Knobs
+
+_MMA_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+# A lane's packed words of one k-step: 1, 2 or 4 consecutive 32-bit words. Every M tile of the
+# grid reads the same weights, so they may stay in the caches (no L1::no_allocate here).
+WEIGHT_LOADS = r"""
+__device__ __forceinline__ void tm_ldg_words4(const void* src, void* dst) {
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "l"(src));
+}
+__device__ __forceinline__ void tm_ldg_words2(const void* src, void* dst) {
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(d[0]), "=r"(d[1]) : "l"(src));
+}
+__device__ __forceinline__ void tm_ldg_words1(const void* src, void* dst) {
+  unsigned* d = reinterpret_cast<unsigned*>(dst);
+  asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(d[0]) : "l"(src));
+}
+"""
+
+
+def build(problem: Problem, knobs: Knobs):
+    """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
+
+    Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N], C [M, N];
+    with split_k > 1 also a zeroed fp32 workspace [M, N] and int32 tile counters.
+    """
+    n, group, dtype = problem.n, problem.group, problem.dtype
+    kb = knobs
+    m = T.dynamic("m")
+    tiles = T.dynamic("tiles")
+    bm, bn, bk, g = kb.block_m, kb.block_n, kb.block_k, kb.groups
+    steps, stages, ahead, prefetch, overlap = kb.k_steps, kb.stages, kb.ahead, kb.prefetch, kb.overlap
+    threads = kb.threads
+    trips = kb.k_tiles(problem) // kb.split_k
+    grouped = not problem.channelwise
+    split = kb.uses_workspace
+    grid_n = n // bn
+    ab = _MMA_DTYPE[dtype]
+    decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
+    prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "")
+    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise) if split else None
+    load_words = f"tm_ldg_words{g}"
+    per_w = steps * g               # packed words per lane and stage
+    per_s = 2 * g                   # group scales per lane and stage: rows g and g + 8 of each group
+    a_len = steps * g * 8           # decoded halves per lane and stage
+    acc_len = g * bm // 2           # fp32 sums: `groups` wgmma m64n{bm} accumulators
+    kc8 = bk // 8                   # 16-byte chunks per activation row and stage
+    chunks = bm * kc8
+    rounds = -(-chunks // threads)
+    wgmma_shape = f"m64n{bm}k16"
+    # Descriptor of the K-major, unswizzled activation tile, in 16-byte units: core matrices adjacent
+    # along K are bm rows apart (leading byte offset), along M 8 rows (stride byte offset).
+    lbo, sbo = bm, CORE_ROWS
+    stage_units = kc8 * bm
+
+    def weight_col(bx, wg, wq, lane, i, h):
+        """Output column of a lane's fragment row h (g or g + 8) of group i."""
+        f = wq * g + i
+        return bx * bn + wg * SLAB_N * g + (f // 4) * SLAB_N + (f % 4) * 16 + lane // 4 + 8 * h
+
+    @T.macro
+    def load_x(A, X_s, tile, k0, by, tx):
+        """Issue the cp.async of k-tile `tile`'s activations into its stage, as one commit group (empty
+        past the last tile, so that wait counts stay uniform)."""
+        if tile < trips:
+            for r in T.unroll(rounds):
+                c = r * threads + tx
+                # 8 consecutive rows per chunk column: each 8-lane phase fills one 128-byte core matrix.
+                row = c % CORE_ROWS + c // (CORE_ROWS * kc8) * CORE_ROWS
+                kc = c // CORE_ROWS % kc8
+                if c < chunks:
+                    T.ptx_cp_async(T.access_ptr(X_s[tile % stages, kc, row, 0], "w", 8),
+                                   T.access_ptr(A[T.min(by * bm + row, m - 1), (k0 + tile) * bk + kc * 8], "r", 8), 8)
+        T.ptx_commit_group()
+
+    @T.macro
+    def load_w(B, S, w, sc, buf, tile, k0, bx, wg, wq, lane):
+        """Load k-tile `tile`'s packed words (and group scales) into register buffer `buf`."""
+        if tile < trips:
+            kt = k0 + tile
+            word = (bx * bn // SLAB_N + wg * g + wq * g // 4) * 128 + lane * 4 + wq * g % 4
+            for u in T.unroll(steps):
+                T.call_extern("handle", load_words, T.access_ptr(B[kt * steps + u, word], "r"),
+                              T.access_ptr(w[buf * per_w + u * g], "w"))
+            if grouped:
+                for i in T.unroll(g):
+                    for h in T.unroll(2):
+                        sc[buf * per_s + 2 * i + h] = S[kt * bk // group, weight_col(bx, wg, wq, lane, i, h)]
+
+    @T.macro
+    def decode_stage(w, sc, a, abuf):
+        """Decode register buffer 0 into A fragment buffer `abuf`, then move the later buffers down."""
+        for u in T.unroll(steps):
+            for i in T.unroll(g):
+                if grouped:
+                    T.call_extern("handle", decode_scaled, T.access_ptr(w[u * g + i], "r"),
+                                  T.access_ptr(sc[2 * i], "r"), T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
+                else:
+                    T.call_extern("handle", decode, T.access_ptr(w[u * g + i], "r"),
+                                  T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
+        for p in T.unroll(ahead):
+            for i in T.unroll(per_w):
+                w[p * per_w + i] = w[(p + 1) * per_w + i]
+            if grouped:
+                for i in T.unroll(per_s):
+                    sc[p * per_s + i] = sc[(p + 1) * per_s + i]
+
+    @T.macro
+    def mma_stage(a, abuf, acc, desc, tile):
+        """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group."""
+        T.warpgroup_fence_operand(acc, num_regs=acc_len)
+        T.warpgroup_arrive()
+        for u in T.unroll(steps):
+            for i in T.unroll(g):
+                T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
+                               a.data, abuf * a_len + (u * g + i) * 8,
+                               desc.data, tile % stages * stage_units + 2 * u * bm,
+                               acc.data, i * (bm // 2), 1, 1, 1)
+        T.warpgroup_commit_batch()
+
+    @T.macro
+    def stage_ready():
+        """This thread's cp.async group of the stage has landed; make it visible to wgmma (the async
+        proxy) and wait for every thread's."""
+        T.ptx_wait_group(prefetch - 1)
+        T.fence_proxy_async()
+        T.sync_threads()
+
+    @T.macro
+    def body(A, B, S, C, ws, counters):
+        with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude) as (by, bx, bz):
+            X_s = T.alloc_shared((stages, kc8, bm, 8), dtype)
+            w = T.alloc_local(((ahead + 1) * per_w,), "int32")
+            sc = T.alloc_local(((ahead + 1) * per_s,), dtype)
+            a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
+            acc = T.alloc_local((acc_len,), "float32")
+            desc = T.alloc_wgmma_desc()
+
+            tx = T.get_thread_binding()
+            wg = tx // WARPGROUP
+            wq = tx // 32 % 4
+            lane = tx % 32
+            k0 = bz * trips
+            T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), 0, lbo, sbo)
+            for i in T.unroll(acc_len):
+                acc[i] = T.float32(0)
+
+            for p in T.unroll(prefetch):
+                load_x(A, X_s, p, k0, by, tx)
+            for p in T.unroll(ahead):
+                load_w(B, S, w, sc, p, p, k0, bx, wg, wq, lane)
+            if overlap:
+                load_w(B, S, w, sc, ahead, ahead, k0, bx, wg, wq, lane)
+                decode_stage(w, sc, a, 0)
+                # Two k-tiles per trip, so that the fragment buffers have constant indices.
+                for t2 in T.serial(trips // 2):
+                    for par in T.unroll(2):
+                        t = t2 * 2 + par
+                        stage_ready()
+                        load_x(A, X_s, t + prefetch, k0, by, tx)
+                        mma_stage(a, par, acc, desc, t)
+                        load_w(B, S, w, sc, ahead, t + 1 + ahead, k0, bx, wg, wq, lane)
+                        T.warpgroup_wait(1)        # stage t - 1's wgmmas are done: its buffer is free
+                        if t + 1 < trips:
+                            decode_stage(w, sc, a, 1 - par)
+            else:
+                for t in T.serial(trips):
+                    stage_ready()
+                    load_x(A, X_s, t + prefetch, k0, by, tx)
+                    load_w(B, S, w, sc, ahead, t + ahead, k0, bx, wg, wq, lane)
+                    decode_stage(w, sc, a, 0)
+                    mma_stage(a, 0, acc, desc, t)
+                    T.warpgroup_wait(0)
+            T.warpgroup_wait(0)
+            T.warpgroup_fence_operand(acc, num_regs=acc_len)
+
+            # wgmma accumulator: per group i and 8 rows of M (c), rows g / g + 8 of the warp's 16
+            # weight columns, columns (rows of M) 2t and 2t + 1.
+            if split:
+                C_s = T.alloc_shared((bm, bn), "float32")
+                for i in T.unroll(g):
+                    for c in T.unroll(bm // 8):
+                        for e in T.unroll(4):
+                            C_s[8 * c + 2 * (lane % 4) + e % 2, weight_col(0, wg, wq, lane, i, e // 2)] = \
+                                acc[i * (bm // 2) + c * 4 + e]
+                T.sync_threads()
+                store(C_s, C, S, ws, counters, m, by, bx, tx)
+            else:
+                for i in T.unroll(g):
+                    for c in T.unroll(bm // 8):
+                        for e in T.unroll(4):
+                            row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
+                            col = weight_col(bx, wg, wq, lane, i, e // 2)
+                            if row < m:
+                                if grouped:
+                                    C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e], dtype)
+                                else:
+                                    C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, col], "float32"), dtype)
+
+    return w4a16_prim_func(body, m, tiles, n, problem.k, group, dtype, workspace=split)
+
+
+PASS_CONFIGS = {
+    # Hand-written pipeline: no warp specialization, no TMA lowering, every barrier explicit.
+    "tl.disable_warp_specialized": True,
+    "tl.disable_tma_lower": True,
+    "tl.disable_thread_storage_sync": True,
+}
+
+
+def compile_kernel(problem: Problem, knobs: Knobs, arch):
+    """Compile with nvcc for `arch` (no GPU needed); returns TileLang's JIT kernel."""
+    return tilelang.compile(build(problem, knobs), target=arch.target, pass_configs=PASS_CONFIGS)

@@ -1,0 +1,120 @@
+"""Knobs and validity check of the stream_wgmma family (sm_90a only)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..arch import Arch
+from ..marlin_mma.layout import SLAB_N, TILE_K
+from ..problem import Problem
+
+WARPGROUP = 128
+CORE_ROWS = 8        # a wgmma core matrix: 8 rows of 16 bytes
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One point of the stream_wgmma schedule space.
+
+    A block is `warpgroups` consumer warpgroups side by side along N. Per k-step of 16 every warp of a
+    warpgroup decodes `groups` packed words (16 weight columns each) straight into wgmma A fragments,
+    so one warpgroup covers 64 * groups weight columns with `groups` wgmma m64n{block_m}k16 per
+    k-step; block_m rows of M are the wgmma's N and come from shared memory. block_k rows of K per
+    pipeline stage: the activations of `stages` stages are in flight by cp.async, the weights of
+    `ahead` stages in registers. overlap decodes stage t + 1 while the wgmmas of stage t run (two
+    A fragment buffers; one stage less of activations in flight). split_k > 1 spreads the k-tiles
+    over that many blocks per output tile (fp32 workspace, schedules/epilogue.py).
+    """
+
+    block_m: int = 128
+    groups: int = 2
+    warpgroups: int = 1
+    block_k: int = 64
+    stages: int = 3
+    ahead: int = 1
+    overlap: bool = False
+    split_k: int = 1
+
+    @property
+    def block_n(self) -> int:
+        return SLAB_N * self.groups * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * self.warpgroups
+
+    @property
+    def num_stages(self) -> int:
+        return self.stages
+
+    @property
+    def k_steps(self) -> int:
+        """k-steps of 16 per stage."""
+        return self.block_k // TILE_K
+
+    @property
+    def prefetch(self) -> int:
+        """Activation stages loading while one is multiplied: with overlap a stage stays busy one
+        iteration longer (its wgmmas finish while the next stage's are issued)."""
+        return self.stages - (2 if self.overlap else 1)
+
+    @property
+    def uses_workspace(self) -> bool:
+        return self.split_k > 1
+
+    @property
+    def name(self) -> str:
+        return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
+                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else ""))
+
+    def k_tiles(self, problem: Problem) -> int:
+        return problem.k // self.block_k
+
+    def shared_bytes(self, problem: Problem) -> int:
+        x = self.stages * self.block_m * self.block_k * 2
+        c = self.block_m * self.block_n * 4 if self.split_k > 1 else 0
+        return x + c + 64
+
+    def registers_estimate(self) -> int:
+        acc = self.groups * self.block_m // 2
+        a = self.k_steps * self.groups * 4 * (2 if self.overlap else 1)
+        raw = (self.ahead + 1) * self.k_steps * self.groups + (self.ahead + 1) * self.groups
+        return acc + a + raw + 40
+
+
+def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
+    """Why (problem, knobs) cannot compile or run on `arch`, or None when it can."""
+    kb = knobs
+    if not arch.hopper:
+        return f"wgmma needs sm_90a; {arch.name} has none"
+    for field in ("block_m", "groups", "warpgroups", "block_k", "stages", "ahead", "split_k"):
+        if getattr(kb, field) < 1:
+            return f"{field}={getattr(kb, field)} must be positive"
+    if kb.block_m % 16 or kb.block_m > 256:
+        return f"block_m={kb.block_m} is the wgmma's N: a multiple of 16, at most 256"
+    if kb.groups not in (1, 2, 4):
+        return f"groups={kb.groups}: a packed word vector holds 4 groups, so 1, 2 or 4"
+    if kb.warpgroups not in (1, 2):
+        return f"warpgroups={kb.warpgroups}: 1 or 2"
+    if kb.block_k % (2 * TILE_K):
+        return f"block_k={kb.block_k} must be a multiple of 32"
+    if problem.n % kb.block_n:
+        return f"N={problem.n} is not a multiple of block_n={kb.block_n}"
+    if problem.k % kb.block_k:
+        return f"K={problem.k} is not a multiple of block_k={kb.block_k}"
+    if not problem.channelwise and problem.group % kb.block_k:
+        return f"group={problem.group} must be a multiple of block_k={kb.block_k} (one scale row per stage)"
+    if kb.prefetch < 1:
+        return f"stages={kb.stages} leaves no activation stage in flight" + (" with overlap" if kb.overlap else "")
+    if kb.k_tiles(problem) % kb.split_k:
+        return f"{kb.k_tiles(problem)} k-tiles do not split evenly into split_k={kb.split_k}"
+    if kb.k_tiles(problem) // kb.split_k < kb.stages:
+        return f"each split has fewer k-tiles than stages={kb.stages}"
+    chunks = kb.block_m * kb.block_k // 8
+    if chunks % kb.threads and kb.threads % chunks:
+        return f"{chunks} 16-byte activation chunks per stage do not spread over {kb.threads} threads"
+    regs = kb.registers_estimate()
+    if regs > 256:     # ptxas fitted estimates up to 255 without spilling
+        return f"about {regs} registers per thread would spill"
+    if kb.shared_bytes(problem) > arch.max_shared_bytes:
+        return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
+    return None

@@ -1,0 +1,114 @@
+"""stream_wgmma code generation without a GPU: nvcc compiles each schedule for sm_90a, and the PTX must
+show the family's design: wgmma with its A operand in registers (the decoded weights) and B from a
+shared-memory descriptor (the activations), activations by cp.async, the lop3 decode, the weights
+never in shared memory, every register buffer in registers, one barrier per k-tile."""
+import re
+
+import pytest
+
+from gen.compile import compile_schedule
+from schedules import stream_wgmma
+from schedules.arch import get_arch
+from schedules.problem import Problem
+from schedules.registry import Schedule
+from tests.test_codegen_stream import count, ptxas_spills
+
+Knobs = stream_wgmma.Knobs
+SM90 = get_arch("sm_90a")
+
+CASES = {
+    # fp16 group scales, two groups per warp, M tile 128 (wgmma n128).
+    "group128_m128": (Problem(512, 1024, 128), Knobs(128, 2, 1, 64, 3)),
+    # decode of stage t + 1 under stage t's wgmmas, two warpgroups side by side.
+    "overlap_two_warpgroups": (Problem(1024, 1024, 128), Knobs(64, 2, 2, 64, 4, overlap=True)),
+    # bf16, channelwise, split-K through the common epilogue.
+    "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cases_are_valid_schedules(name):
+    problem, knobs = CASES[name]
+    assert stream_wgmma.check(problem, knobs, SM90) is None
+
+
+def test_not_offered_before_hopper():
+    problem = Problem(4096, 4096, 128)
+    assert stream_wgmma.space(problem, get_arch("sm_80")) == []
+    assert "sm_90a" in stream_wgmma.check(problem, Knobs(), get_arch("sm_80"))
+    assert stream_wgmma.space(problem, SM90)
+
+
+@pytest.mark.parametrize("knobs,fragment", [
+    (Knobs(block_m=24), "multiple of 16"),
+    (Knobs(groups=3), "1, 2 or 4"),
+    (Knobs(block_k=48), "multiple of 32"),
+    (Knobs(stages=2, overlap=True), "no activation stage in flight"),
+    (Knobs(block_m=256, groups=4), "registers"),
+])
+def test_check_names_the_problem(knobs, fragment):
+    assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def compiled(request, tmp_path_factory):
+    problem, knobs = CASES[request.param]
+    kernel = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90)
+    ptx_path = tmp_path_factory.mktemp("ptx") / "kernel.ptx"
+    kernel.export_ptx(str(ptx_path))
+    return problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()
+
+
+def test_wgmma_takes_the_weights_from_registers(compiled):
+    problem, knobs, src, ptx = compiled
+    ab = "f16" if problem.dtype == "float16" else "bf16"
+    # wgmma.mma_async...m64n{M}k16.f32.{ab}.{ab} {d...}, {a0, a1, a2, a3}, descB, ...: A is a register list.
+    rs = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{knobs.block_m}k16\.f32\.{ab}\.{ab}\s+\{{[^}}]*\}},\s*\{{[^}}]*\}}", ptx)
+    assert rs, "no register-A wgmma of the expected shape"
+    assert count(r"wgmma\.mma_async", ptx) == len(rs), "every wgmma has its A in registers"
+    assert count(r"wgmma\.commit_group", ptx) > 0 and count(r"wgmma\.wait_group", ptx) > 0
+    if knobs.overlap:
+        assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) > 0
+
+
+def test_activations_by_cp_async_weights_by_global_loads(compiled):
+    _, knobs, _, ptx = compiled
+    assert count(r"cp\.async\.cg\.shared\.global(\.L2::128B)?\s+\[[^\]]+\],\s*\[[^\]]+\],\s*16", ptx) > 0
+    assert count(rf"ld\.global\.nc\.{ {1: 'u32', 2: 'v2.u32', 4: 'v4.u32'}[knobs.groups] }", ptx) > 0
+    assert count(r"lop3\.b32", ptx) > 0
+    assert count(r"ldmatrix", ptx) == 0           # the weights never go through shared memory
+
+
+def test_register_buffers_stay_in_registers(compiled):
+    *_, ptx = compiled
+    assert count(r"\bld\.local", ptx) == 0 and count(r"\bst\.local", ptx) == 0
+
+
+def test_ptxas_spills_nothing(compiled, tmp_path):
+    *_, ptx = compiled
+    assert ptxas_spills(ptx, "sm_90a", tmp_path) == (0, 0)
+
+
+def k_loop(src: str) -> str:
+    """The kernel's main loop over k-tiles: its one loop that nvcc is not asked to unroll."""
+    body = src[src.index("__global__ void __launch_bounds__"):]
+    for found in re.finditer(r"for \(int \w+ = 0;", body):
+        if not body[:found.start()].rstrip().endswith("#pragma unroll"):
+            depth, start = 0, body.index("{", found.start())
+            for i in range(start, len(body)):
+                depth += {"{": 1, "}": -1}.get(body[i], 0)
+                if depth == 0:
+                    return body[found.start():i + 1]
+    raise AssertionError("no k-loop found")
+
+
+def test_one_barrier_per_k_tile(compiled):
+    _, knobs, src, _ = compiled
+    loop = k_loop(src)
+    assert "wgmma_rs" in loop
+    # One barrier per k-tile (with overlap inside an unrolled pair of k-tiles), after the stage has
+    # landed and been fenced for the async proxy that wgmma reads shared memory through.
+    assert count(r"__syncthreads\(\)", loop) == 1
+    assert count(r"fence_proxy_async", loop) >= 1
+    if knobs.overlap:
+        assert "wait<1>" in loop
