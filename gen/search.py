@@ -74,11 +74,14 @@ def achieved_gbps(problem: Problem, m: int, us: float) -> float:
     return moved / (us * 1e-6) / 1e9
 
 
-def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = DEFAULT_TOP) -> list[BucketSearch]:
-    """The top `top` candidates of each (problem, bucket) by estimated time at the bucket's edge."""
+def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = DEFAULT_TOP,
+         families=None) -> list[BucketSearch]:
+    """The top `top` candidates of each (problem, bucket) by estimated time at the bucket's edge,
+    from `families` (all by default)."""
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
-    return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu)) for s in _top_of_each_family(rank(p, b, arch, gpu), top)])
+    return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu))
+                                for s in _top_of_each_family(rank(p, b, arch, gpu, families), top)])
             for p, b in pairs]
 
 

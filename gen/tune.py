@@ -42,6 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure")
     p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table")
+    p.add_argument("--families", help="schedule families to search, comma separated (default: every family the arch offers)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
     p.add_argument("--arch", help="target arch for --dry-run (default sm_90a); with a GPU it must match the GPU")
@@ -67,6 +68,18 @@ def targets_from_args(args) -> list[Target]:
     return list(targets.values())
 
 
+def parse_families(text: str | None) -> list[str] | None:
+    """The --families list (None: all); an unknown name is an error that lists the known ones."""
+    from schedules.registry import family
+
+    if not text:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        family(name)
+    return names
+
+
 def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
     if not text:
         return list(BUCKETS)
@@ -84,6 +97,7 @@ def run(args) -> int:
     try:
         targets = targets_from_args(args)
         buckets = parse_buckets(args.buckets)
+        args.families = parse_families(args.families)
         if args.top < 1:
             raise ValueError(f"--top must be at least 1, got {args.top}")
     except ValueError as exc:
@@ -144,7 +158,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     print(f"tuning on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs): {len(targets)} shapes x {len(buckets)} buckets, "
           f"{len(pending)} to tune, {len(targets) * len(buckets) - len(pending)} already in {path}")
 
-    searches = plan(pending, arch, GpuSpec.current(), top=args.top)
+    searches = plan(pending, arch, GpuSpec.current(), top=args.top, families=args.families)
     if searches:
         compile_with_progress(searches, arch, args.workers)
 
@@ -206,7 +220,8 @@ def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
         return 2
     print(f"DRY RUN for {arch.name}: candidates are compiled but nothing is measured; they are ranked by the "
           f"cost model only (estimates for {spec.name}), and no tuned table is written.")
-    searches = plan([(t.problem, b) for t in targets for b in buckets], arch, spec, top=args.top)
+    searches = plan([(t.problem, b) for t in targets for b in buckets], arch, spec, top=args.top,
+                    families=args.families)
     compile_with_progress(searches, arch, args.workers)
 
     labels = {t.problem: t.label for t in targets}

@@ -145,3 +145,17 @@ def test_cache_clear(capsys, cache_dir):
     assert rc == 0 and path.exists() and not kernels.exists()
     rc, out, _ = call(capsys, "cache", "clear")
     assert rc == 0 and not path.exists()
+
+
+def test_families_limits_the_search(capsys, cache_dir):
+    rc, out, err = call(capsys, "tune", "--shapes", "1024x256", "--buckets", "16", "--top", "3",
+                        "--families", "stream_mma", "--dry-run", "--arch", "sm_90a", "--workers", "1")
+    assert rc == 0, err
+    assert "stream_mma:" in out
+    assert not any(f"{name}:" in out for name in FAMILIES if name != "stream_mma")
+
+
+def test_unknown_family_is_an_error_that_lists_the_known(capsys):
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--families", "stream_mma,nope",
+                      "--dry-run", "--arch", "sm_90a")
+    assert rc == 2 and "unknown schedule family 'nope'" in err and "marlin_mma" in err

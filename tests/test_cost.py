@@ -6,7 +6,7 @@ import torch
 
 from schedules import marlin_mma
 from schedules.arch import get_arch
-from schedules.cost import GpuSpec, best_schedule, estimate_us, rank
+from schedules.cost import TRAITS, GpuSpec, best_schedule, estimate_us, rank
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
 from schedules.registry import FAMILIES, Schedule
@@ -37,7 +37,7 @@ def test_decode_is_bandwidth_bound_near_the_floor():
 def test_prefill_is_math_bound_near_the_floor():
     m = 4096
     pick = rank(QKV, m, H200, SPEC)[0]
-    rate = SPEC.wgmma_flops if pick.family == "hopper_wgmma" else SPEC.mma_flops
+    rate = SPEC.wgmma_flops if TRAITS[pick.family].wgmma else SPEC.mma_flops
     floor_us = 2 * m * QKV.n * QKV.k / rate * 1e6
     best = estimate_us(QKV, pick, m, SPEC)
     assert floor_us < best < 2.5 * floor_us

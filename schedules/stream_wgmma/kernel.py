@@ -219,6 +219,9 @@ def build(problem: Problem, knobs: Knobs):
             # weight columns, columns (rows of M) 2t and 2t + 1.
             if split:
                 C_s = T.alloc_shared((bm, bn), "float32")
+                # TileLang may place C_s over the activation stages, which the other warpgroup's
+                # last wgmmas can still be reading.
+                T.sync_threads()
                 for i in T.unroll(g):
                     for c in T.unroll(bm // 8):
                         for e in T.unroll(4):
