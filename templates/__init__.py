@@ -31,6 +31,12 @@ def dequant_function_names(dtype: str, bits: int = 4, operand: str = "b") -> tup
     return f"tm_dequant_{order}{name}", f"tm_dequant_scaled_{order}{name}"
 
 
+def mma_operand_dtype(dtype: str) -> str:
+    """The PTX operand type name (mma.sync / wgmma) of an activation dtype."""
+    _check(dtype, 4)
+    return {"float16": "fp16", "bfloat16": "bf16"}[dtype]
+
+
 def raw_decode(dtype: str, bits: int = 4) -> tuple[str, int, int]:
     """(extern name, magic value, multiplier of pairs 1 and 3) of the raw-code decode in A order:
     pairs 0 and 2 decode to magic + code, pairs 1 and 3 to magic + multiplier * code."""

@@ -19,18 +19,15 @@ Why it looks the way it does:
 """
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
-import tilelang
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from templates import dequant_function_names, render_dequant
+from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
 from ..epilogue import SPLIT_K_HELPERS, store_tile, w4a16_prim_func
 from ..problem import Problem
 from .knobs import Knobs
 from .layout import SLAB_N
-
-_MMA_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
@@ -53,7 +50,7 @@ def build(problem: Problem, knobs: Knobs):
     grouped = not problem.channelwise
     scale_weights = grouped and not kb.scale_on_acc
     split = kb.split_k > 1
-    mma_dtype = _MMA_DTYPE[dtype]
+    mma_dtype = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits)
     prelude = render_dequant(dtype, problem.bits) + (SPLIT_K_HELPERS if split else "")
     acc_len = m_tiles * slabs * 8 * 4        # per slab: 8 n8 tiles x 4 fp32 accumulators
@@ -171,7 +168,3 @@ PASS_CONFIGS = {
     "tl.disable_warp_specialized": True,
 }
 
-
-def compile_kernel(problem: Problem, knobs: Knobs, arch):
-    """Compile with nvcc for `arch` (no GPU needed); returns TileLang's JIT kernel."""
-    return tilelang.compile(build(problem, knobs), target=arch.target, pass_configs=PASS_CONFIGS)

@@ -31,17 +31,14 @@ Why it looks the way it does:
 """
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
-import tilelang
 import tilelang.language as T
 
-from templates import dequant_function_names, raw_decode, render_dequant
+from templates import dequant_function_names, mma_operand_dtype, raw_decode, render_dequant
 
 from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
-
-_MMA_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 # Weights are read exactly once: 16-byte non-coherent loads that do not allocate in L1.
 STREAM_LOAD = r"""
@@ -79,7 +76,7 @@ def build(problem: Problem, knobs: Knobs):
     split = kb.uses_workspace            # split-K through the global workspace
     cluster = kb.cluster_reduce
     grid_n = n // bn
-    mma_dtype = _MMA_DTYPE[dtype]
+    mma_dtype = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
     decode_raw, magic_value, hi_mult = raw_decode(dtype, problem.bits)
     # fold_zero_point: the MMA sees (magic + code) against x on pairs 0/2 (k % 16 < 8) and
@@ -287,7 +284,3 @@ PASS_CONFIGS = {
     "tl.disable_thread_storage_sync": True,
 }
 
-
-def compile_kernel(problem: Problem, knobs: Knobs, arch):
-    """Compile with nvcc for `arch` (no GPU needed); returns TileLang's JIT kernel."""
-    return tilelang.compile(build(problem, knobs), target=arch.target, pass_configs=PASS_CONFIGS)

@@ -28,17 +28,14 @@ Why it looks the way it does:
 """
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
-import tilelang
 import tilelang.language as T
 
-from templates import dequant_function_names, render_dequant
+from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
 from ..epilogue import SPLIT_K_HELPERS, store_tile, w4a16_prim_func
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 from .knobs import CORE_ROWS, WARPGROUP, Knobs
-
-_MMA_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 # A lane's packed words of one k-step: 1, 2 or 4 consecutive 32-bit words. Every M tile of the
 # grid reads the same weights, so they may stay in the caches (no L1::no_allocate here).
@@ -76,7 +73,7 @@ def build(problem: Problem, knobs: Knobs):
     grouped = not problem.channelwise
     split = kb.uses_workspace
     grid_n = n // bn
-    ab = _MMA_DTYPE[dtype]
+    ab = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "")
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise) if split else None
@@ -251,7 +248,3 @@ PASS_CONFIGS = {
     "tl.disable_thread_storage_sync": True,
 }
 
-
-def compile_kernel(problem: Problem, knobs: Knobs, arch):
-    """Compile with nvcc for `arch` (no GPU needed); returns TileLang's JIT kernel."""
-    return tilelang.compile(build(problem, knobs), target=arch.target, pass_configs=PASS_CONFIGS)
