@@ -19,7 +19,7 @@ Knobs = stream_mma.Knobs
 CASES = {
     # arch, problem, knobs (at most a handful: every case is one nvcc run of several seconds).
     # split-K, two m-tiles, group scales on the decoded weights.
-    "sm80_splitk_scale_on_weights": ("sm_80", Problem(256, 1024, 128), Knobs(2, 1, 4, 4, 2, ahead=2)),
+    "sm80_splitk_scale_on_weights": ("sm_80", Problem(256, 2048, 128), Knobs(2, 1, 4, 4, 2, ahead=2)),
     # two slabs, three batches in flight, group scales on each batch's fp32 sums. (unroll=4 with ahead=3
     # would need about 240 registers and is rejected by check, hence unroll=2.)
     "sm90a_scale_on_acc_ahead3": ("sm_90a", Problem(512, 1024, 128),
@@ -34,6 +34,9 @@ CASES = {
                                   Knobs(2, 1, 4, 4, 2, ahead=1, fold_zero_point=True)),
     # activations staged per warp by cp.async and read by ldmatrix, two batches in flight.
     "sm90a_x_ldmatrix": ("sm_90a", Problem(512, 1024, 128), Knobs(2, 1, 4, 4, 1, ahead=2, x_ldmatrix=True)),
+    # every load of the k-loop a cp.async into the warp's slots: weights and scales too, three batches ahead.
+    "sm90a_async_weights": ("sm_90a", Problem(512, 2048, 128), Knobs(1, 1, 4, 4, 1, ahead=3, fold_zero_point=True,
+                                                                   x_ldmatrix=True, async_weights=True)),
     # split-K through a thread-block cluster and distributed shared memory instead of the workspace.
     "sm90a_cluster_reduce": ("sm_90a", Problem(512, 1024, 128), Knobs(1, 1, 2, 4, 4, ahead=1, cluster_reduce=True)),
 }
@@ -83,12 +86,30 @@ def test_ptx_targets_the_requested_arch(compiled):
 
 
 def test_weights_stream_from_global_memory_into_registers(compiled):
-    *_, ptx = compiled
+    *_, knobs, _, ptx = compiled
+    if knobs.async_weights:   # through the warp's shared slots instead (next test)
+        return
     assert count(r"ld\.global\.nc\.L1::no_allocate\.v4", ptx) > 0
+
+
+def test_async_weights_leave_no_global_load_in_the_k_loop(compiled):
+    # ptxas waits for all of a loop's global loads on one scoreboard (perf-notes v11): with async_weights
+    # the k-loop's only global reads are cp.async, waited for per batch with cp.async.wait_group.
+    *_, knobs, src, _ = compiled
+    loop = k_loop(kernel_body(src))
+    if not knobs.async_weights:
+        assert "tm_load_stream_16B" in loop
+        return
+    assert "tm_load_stream_16B" not in loop
+    assert not re.search(r"= S\[", loop) and not re.search(r"= A\[", loop)    # no scale or activation reads
+    assert count(r"cp_async_gs", loop) >= 3 and "cp_async_wait" in loop
 
 
 def test_weights_never_go_through_shared_memory(compiled):
     *_, knobs, _, ptx = compiled
+    if knobs.async_weights:   # they do, by design
+        assert count(r"cp\.async\.cg\.shared\.global", ptx) > 0
+        return
     if knobs.x_ldmatrix:     # only the activations do, 16 bytes per cp.async
         assert count(r"cp\.async\.ca", ptx) == 0
         return
@@ -115,8 +136,8 @@ def test_check_rejects_an_occupancy_that_spilled():
 
 
 def k_loop(src: str) -> str:
-    """The source of the kernel's main loop over batches (`for (int it = 0; ...) { ... }`)."""
-    start = src.index("for (int it = 0;")
+    """The source of the kernel's main loop over batches (`for (int it0 = 0; ...) { ... }`, unrolled by `ahead` inside)."""
+    start = src.index("for (int it0 = 0;")
     depth, i = 0, src.index("{", start)
     for i in range(i, len(src)):
         depth += {"{": 1, "}": -1}.get(src[i], 0)

@@ -43,6 +43,9 @@ STREAM_KNOBS = {
     "stream_m32_xl": stream_mma.Knobs(4, 1, 4, 4, 2, ahead=2, x_ldmatrix=True),
     "stream_m16_xl_fold": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=1, x_ldmatrix=True, fold_zero_point=True),
     "stream_m16_fold_cluster4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True),
+    "stream_m8_aw_fold": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=3, fold_zero_point=True, x_ldmatrix=True,
+                                          async_weights=True),
+    "stream_m16_aw_split4": stream_mma.Knobs(2, 1, 8, 4, 4, ahead=2, x_ldmatrix=True, async_weights=True),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {
@@ -56,7 +59,8 @@ SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
-BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "swg_m128_g2")
+BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
+                  "swg_m128_g2")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 

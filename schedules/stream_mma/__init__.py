@@ -32,6 +32,9 @@ AXES = {
     "fold_zero_point": (False, True),
     "cluster_reduce": (False, True),
     "x_ldmatrix": (False, True),
+    # Compiled and checked on CPU only (tests/test_codegen_stream.py; SASS: no global load left in the
+    # k-loop, perf-notes v11); joins the search once measured on a GPU.
+    "async_weights": (False,),
 }
 
 

@@ -98,22 +98,29 @@ def build(problem: Problem, knobs: Knobs):
         return (mi * unroll + u) * 4
 
     x_smem = kb.x_ldmatrix
+    w_smem = kb.async_weights                # implies x_smem (check): every load of the k-loop is a cp.async
     per_w, per_x, per_s = unroll * slabs * 4, unroll * m_tiles * 4, slabs * 8
+    w_bufs = 1 if w_smem else ahead          # async_weights: the shared slots hold the batches in flight
     x_bufs = 1 if x_smem else ahead          # x_ldmatrix: activations wait in shared memory instead
     x_cols = TILE_K * unroll + 8             # padded rows: ldmatrix's 8 row addresses hit 8 bank groups
     x_chunks = MMA_N * m_tiles * TILE_K * unroll // 8 // 32      # 16-byte cp.async per lane per batch
 
     @T.macro
-    def load(A, B, S, w, x, scale, X_s, buf, slot, batch, by, bx, lane, wk, g, t):
+    def load(A, B, S, w, x, scale, X_s, W_s, S_s, buf, slot, batch, by, bx, lane, wk, g, t):
         """Issue the loads of `batch` into register buffer `buf` (and, with x_ldmatrix, the activations
         into shared slot `slot` of this warp); nothing waits for them here."""
         if batch < batches:
             kt0 = batch * unroll
             for u in T.unroll(unroll):
                 for sj in T.unroll(slabs):
-                    T.call_extern("handle", "tm_load_stream_16B",
-                                  T.access_ptr(B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r"),
-                                  T.access_ptr(w[buf * per_w + (u * slabs + sj) * 4], "w"))
+                    if w_smem:
+                        # The lane's own 16 bytes into its own place of the warp's slot.
+                        T.ptx_cp_async(T.access_ptr(W_s[wk, slot, (u * slabs + sj) * 128 + lane * 4], "w", 4),
+                                       T.access_ptr(B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r", 4), 4)
+                    else:
+                        T.call_extern("handle", "tm_load_stream_16B",
+                                      T.access_ptr(B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r"),
+                                      T.access_ptr(w[buf * per_w + (u * slabs + sj) * 4], "w"))
                 if not x_smem:
                     for mi in T.unroll(m_tiles):
                         row = T.min(by * bm + mi * MMA_N + g, m - 1)
@@ -127,7 +134,12 @@ def build(problem: Problem, knobs: Knobs):
                     col = (c * 32 + lane) % (2 * unroll) * 8
                     T.ptx_cp_async(T.access_ptr(X_s[wk, slot, r, col], "w", 8),
                                    T.access_ptr(A[T.min(by * bm + r, m - 1), kt0 * TILE_K + col], "r", 8), 8)
-            if grouped:
+            if grouped and w_smem:
+                # The block's scale row of the batch's group: 8 halves per lane, slabs * 8 lanes.
+                if lane < slabs * 8:
+                    T.ptx_cp_async(T.access_ptr(S_s[wk, slot, lane * 8], "w", 8),
+                                   T.access_ptr(S[kt0 * TILE_K // group, bx * slabs * SLAB_N + lane * 8], "r", 8), 8)
+            elif grouped:
                 # Columns 16j + g and 16j + 8 + g of each slab: the scales of the lane's A rows.
                 for sj in T.unroll(slabs):
                     for v in T.unroll(8):
@@ -137,19 +149,30 @@ def build(problem: Problem, knobs: Knobs):
             T.ptx_commit_group()       # one group per batch, empty past the end, so waits count batches
 
     @T.macro
-    def compute(w, x, scale, a, a_off, acc, off, total, X_s, slot, batch, lane, wk):
-        """Decode and multiply the batch in register buffer 0 (activations: shared slot `slot`)."""
+    def compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, buf, slot, batch, lane, wk):
+        """Decode and multiply the batch in register buffer `buf` (activations, and with async_weights
+        the weights and scales too: shared slot `slot`)."""
+        wb, sb = (0, 0) if w_smem else (buf * per_w, buf * per_s)
+        xb = 0 if x_smem else buf * per_x        # x_ldmatrix: one x buffer, filled here
         if x_smem:
             T.ptx_wait_group(ahead - 1)                # this batch's chunks have landed ...
             T.call_extern("handle", "__syncwarp")      # ... for every lane of the warp
         if batch < batches:
+            if w_smem:
+                for i in T.unroll(per_w // 4):
+                    for v in T.vectorized(4):
+                        w[i * 4 + v] = W_s[wk, slot, i * 128 + lane * 4 + v]
+                if grouped:
+                    for sj in T.unroll(slabs):
+                        for v in T.unroll(8):
+                            scale[sj * 8 + v] = S_s[wk, slot, sj * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + lane // 4]
             if x_smem:
                 # Matrices: rows of m-tile mi x k 0-7, 8-15 of step u, then of step u + 1: b0b1, b2b3 twice.
                 for mi in T.unroll(m_tiles):
                     for u in T.unroll(unroll // 2):
                         T.ptx_ldmatrix(False, 4,
                                        T.access_ptr(X_s[wk, slot, mi * MMA_N + lane % 8, u * 32 + (lane // 8) * 8], "r"),
-                                       T.access_ptr(x[x_index(2 * u, mi)], "w"))
+                                       T.access_ptr(x[xb + x_index(2 * u, mi)], "w"))
             if batch_sums:
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
@@ -161,24 +184,24 @@ def build(problem: Problem, knobs: Knobs):
                     if fold:
                         if hi_mult != 1:
                             for v in T.unroll(2):
-                                xi = x_index(u, mi) + 2 + v
+                                xi = xb + x_index(u, mi) + 2 + v
                                 x[xi] = x[xi] * T.cast(1.0 / hi_mult, dtype)
                         T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                                  a_off.data, 0, x.data, x_index(u, mi), off.data, mi * 4, False)
+                                  a_off.data, 0, x.data, xb + x_index(u, mi), off.data, mi * 4, False)
                 for sj in T.unroll(slabs):
                     for j in T.unroll(4):
                         if fold:
-                            T.call_extern("handle", decode_raw, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
+                            T.call_extern("handle", decode_raw, T.access_ptr(w[wb + (u * slabs + sj) * 4 + j], "r"),
                                           T.access_ptr(a[j * 8], "w"))
                         elif scale_weights:
-                            T.call_extern("handle", decode_scaled, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
-                                          T.access_ptr(scale[sj * 8 + 2 * j], "r"), T.access_ptr(a[j * 8], "w"))
+                            T.call_extern("handle", decode_scaled, T.access_ptr(w[wb + (u * slabs + sj) * 4 + j], "r"),
+                                          T.access_ptr(scale[sb + sj * 8 + 2 * j], "r"), T.access_ptr(a[j * 8], "w"))
                         else:
-                            T.call_extern("handle", decode, T.access_ptr(w[(u * slabs + sj) * 4 + j], "r"),
+                            T.call_extern("handle", decode, T.access_ptr(w[wb + (u * slabs + sj) * 4 + j], "r"),
                                           T.access_ptr(a[j * 8], "w"))
                         for mi in T.unroll(m_tiles):
                             T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                                      a.data, j * 8, x.data, x_index(u, mi),
+                                      a.data, j * 8, x.data, xb + x_index(u, mi),
                                       acc.data, acc_index(sj, j, mi), False)
             if batch_sums:
                 # The batch lies in one group: its sums (less the offsets) take the group's scale once.
@@ -189,7 +212,7 @@ def build(problem: Problem, knobs: Knobs):
                                 i = acc_index(sj, j, mi) + e
                                 part = acc[i] - off[mi * 4 + e] if fold else acc[i]
                                 if grouped:
-                                    total[i] = total[i] + part * T.cast(scale[sj * 8 + 2 * j + e // 2], "float32")
+                                    total[i] = total[i] + part * T.cast(scale[sb + sj * 8 + 2 * j + e // 2], "float32")
                                 else:
                                     total[i] = total[i] + part
         if x_smem:
@@ -205,10 +228,12 @@ def build(problem: Problem, knobs: Knobs):
                 T.annotate_min_blocks_per_sm(kb.occupancy // warps)
             C_s = T.alloc_shared((bm, bn), "float32")
             # `ahead` register buffers: batch it + ahead - 1 loads while batch it is decoded.
-            w = T.alloc_local((ahead * per_w,), "int32")
+            w = T.alloc_local((w_bufs * per_w,), "int32")
+            W_s = T.alloc_shared((warps, ahead, per_w * 32) if w_smem else (1, 1, 4), "int32")
+            S_s = T.alloc_shared((warps, ahead, slabs * SLAB_N) if w_smem else (1, 1, 8), dtype)
             x = T.alloc_local((x_bufs * per_x,), dtype)
             X_s = T.alloc_shared((warps, ahead if x_smem else 1, bm, x_cols), dtype)
-            scale = T.alloc_local((ahead * per_s,), dtype)
+            scale = T.alloc_local((w_bufs * per_s,), dtype)
             a = T.alloc_local((32,), dtype)
             acc = T.alloc_local((acc_len,), "float32")
             total = T.alloc_local((acc_len if batch_sums else 1,), "float32")
@@ -235,20 +260,17 @@ def build(problem: Problem, knobs: Knobs):
             # Batches go round-robin over all warps of all splits of this output tile.
             first = bz * warps + wk
             for p in T.unroll(ahead - 1):
-                load(A, B, S, w, x, scale, X_s, p, p, p * workers + first, by, bx, lane, wk, g, t)
-            for it in T.serial(trips):
-                load(A, B, S, w, x, scale, X_s, ahead - 1, (it + ahead - 1) % ahead, (it + ahead - 1) * workers + first,
-                     by, bx, lane, wk, g, t)
-                compute(w, x, scale, a, a_off, acc, off, total, X_s, it % ahead, it * workers + first, lane, wk)
-                for p in T.unroll(ahead - 1):
-                    for i in T.unroll(per_w):
-                        w[p * per_w + i] = w[(p + 1) * per_w + i]
-                    if not x_smem:
-                        for i in T.unroll(per_x):
-                            x[p * per_x + i] = x[(p + 1) * per_x + i]
-                    if grouped:
-                        for i in T.unroll(per_s):
-                            scale[p * per_s + i] = scale[(p + 1) * per_s + i]
+                load(A, B, S, w, x, scale, X_s, W_s, S_s, p, p, p * workers + first, by, bx, lane, wk, g, t)
+            # The loop is unrolled by `ahead`, so that every register buffer has constant indices and
+            # none is ever copied: copying a buffer whose loads are in flight would wait for them
+            # (the reason `ahead` > 1 never paid before, perf-notes v11). Batches past the end are no-ops.
+            for it0 in T.serial(-(-trips // ahead)):
+                for r in T.unroll(ahead):
+                    it = it0 * ahead + r
+                    load(A, B, S, w, x, scale, X_s, W_s, S_s, (r + ahead - 1) % ahead, (it + ahead - 1) % ahead,
+                         (it + ahead - 1) * workers + first, by, bx, lane, wk, g, t)
+                    compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, r, it % ahead, it * workers + first,
+                            lane, wk)
 
             # The block's warps add their sums into one shared tile, a warp at a time (the first barrier
             # also keeps a warp from zeroing the tile while another still reads activation slots that

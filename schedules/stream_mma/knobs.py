@@ -30,7 +30,11 @@ class Knobs:
     sums through distributed shared memory instead of a global workspace (schedules/epilogue.py).
     x_ldmatrix stages each batch's activations per warp in shared memory with coalesced 16-byte
     cp.async and reads the B fragments with ldmatrix.x4, instead of two 4-byte loads of 8 rows per
-    k-step and m-tile (which flood the load pipe at M >= 16).
+    k-step and m-tile (which flood the load pipe at M >= 16). async_weights (with x_ldmatrix) moves
+    the weights and scales through the warp's shared slots too, so that the k-loop has no load into
+    registers from global memory: ptxas tracks all of a loop's global loads on one scoreboard, so a
+    register buffer `ahead` batches early is waited for together with the newest loads (perf-notes
+    v11); cp.async groups are counted in order and waited for one batch at a time.
     """
 
     m_tiles: int = 1
@@ -44,7 +48,7 @@ class Knobs:
     fold_zero_point: bool = False
     cluster_reduce: bool = False
     x_ldmatrix: bool = False
-
+    async_weights: bool = False
 
     @property
     def block_m(self) -> int:
@@ -78,22 +82,24 @@ class Knobs:
         return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}" + (
             f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "") + (
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
-            "_xl" if self.x_ldmatrix else "")
+            "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
 
     def shared_bytes(self, problem: Problem) -> int:
-        """The fp32 tile in which the warps' sums meet, and with x_ldmatrix each warp's activation
-        slots (the weights never touch shared memory)."""
+        """The fp32 tile in which the warps' sums meet, with x_ldmatrix each warp's activation slots,
+        with async_weights its weight and scale slots."""
         x = self.warps * self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2 if self.x_ldmatrix else 0
-        return self.block_m * self.block_n * 4 + x + 64
+        w = self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
+        return self.block_m * self.block_n * 4 + x + w + 64
 
     def registers_estimate(self) -> int:
         acc = self.slabs * 4 * self.m_tiles * 4 * (2 if self.scale_on_acc or self.fold_zero_point else 1)
         acc += (self.m_tiles * 4 + 4) if self.fold_zero_point else 0     # offsets' sums, constant A
         x_regs = self.m_tiles * 2 * self.unroll
-        loads = self.ahead * (self.unroll * self.slabs * 4 + self.slabs * 4 + (0 if self.x_ldmatrix else x_regs))
+        w_bufs = 1 if self.async_weights else self.ahead
+        loads = w_bufs * (self.unroll * self.slabs * 4 + self.slabs * 4) + self.ahead * (0 if self.x_ldmatrix else x_regs)
         loads += x_regs if self.x_ldmatrix else 0
         return acc + loads + 32   # + addresses and loop state (76 measured for mt1 sl1 u4 a1: est. 76)
 
@@ -122,6 +128,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
             return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.x_ldmatrix and kb.unroll % 2:
         return f"x_ldmatrix reads two k-steps per ldmatrix.x4: unroll={kb.unroll} must be even"
+    if kb.async_weights and not kb.x_ldmatrix:
+        return "async_weights needs x_ldmatrix (the activations' cp.async slots and waits)"
     if kb.fold_zero_point and kb.scale_on_acc:
         return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     workers = kb.split_k * kb.warps

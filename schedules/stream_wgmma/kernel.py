@@ -28,6 +28,8 @@ Why it looks the way it does:
 """
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
+import math
+
 import tilelang.language as T
 
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
@@ -78,6 +80,8 @@ def build(problem: Problem, knobs: Knobs):
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "")
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise) if split else None
     load_words = f"tm_ldg_words{g}"
+    bufs = ahead + 1                # register buffers of packed words (and scales)
+    unrolled = bufs * 2 // math.gcd(bufs, 2) if overlap else bufs    # k-tiles per unrolled trip
     per_w = steps * g               # packed words per lane and stage
     per_s = 2 * g                   # group scales per lane and stage: rows g and g + 8 of each group
     a_len = steps * g * 8           # decoded halves per lane and stage
@@ -126,22 +130,17 @@ def build(problem: Problem, knobs: Knobs):
                         sc[buf * per_s + 2 * i + h] = S[kt * bk // group, weight_col(bx, wg, wq, lane, i, h)]
 
     @T.macro
-    def decode_stage(w, sc, a, abuf):
-        """Decode register buffer 0 into A fragment buffer `abuf`, then move the later buffers down."""
+    def decode_stage(w, sc, a, buf, abuf):
+        """Decode register buffer `buf` into A fragment buffer `abuf`."""
         for u in T.unroll(steps):
             for i in T.unroll(g):
                 if grouped:
-                    T.call_extern("handle", decode_scaled, T.access_ptr(w[u * g + i], "r"),
-                                  T.access_ptr(sc[2 * i], "r"), T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
-                else:
-                    T.call_extern("handle", decode, T.access_ptr(w[u * g + i], "r"),
+                    T.call_extern("handle", decode_scaled, T.access_ptr(w[buf * per_w + u * g + i], "r"),
+                                  T.access_ptr(sc[buf * per_s + 2 * i], "r"),
                                   T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
-        for p in T.unroll(ahead):
-            for i in T.unroll(per_w):
-                w[p * per_w + i] = w[(p + 1) * per_w + i]
-            if grouped:
-                for i in T.unroll(per_s):
-                    sc[p * per_s + i] = sc[(p + 1) * per_s + i]
+                else:
+                    T.call_extern("handle", decode, T.access_ptr(w[buf * per_w + u * g + i], "r"),
+                                  T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
 
     @T.macro
     def mma_stage(a, abuf, acc, desc, tile):
@@ -168,8 +167,8 @@ def build(problem: Problem, knobs: Knobs):
     def body(A, B, S, C, ws, counters):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude) as (by, bx, bz):
             X_s = T.alloc_shared((stages, kc8, bm, 8), dtype)
-            w = T.alloc_local(((ahead + 1) * per_w,), "int32")
-            sc = T.alloc_local(((ahead + 1) * per_s,), dtype)
+            w = T.alloc_local((bufs * per_w,), "int32")
+            sc = T.alloc_local((bufs * per_s,), dtype)
             a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
             acc = T.alloc_local((acc_len,), "float32")
             desc = T.alloc_wgmma_desc()
@@ -185,30 +184,31 @@ def build(problem: Problem, knobs: Knobs):
 
             for p in T.unroll(prefetch):
                 load_x(A, X_s, p, k0, by, tx)
-            for p in T.unroll(ahead):
+            # k-tile t's words wait in register buffer t % bufs. The loop is unrolled so that every
+            # buffer index is a constant and no buffer is ever copied (a copy of a buffer whose loads
+            # are in flight would wait for them, perf-notes v11); k-tiles past the end are skipped.
+            for p in T.unroll(ahead + (1 if overlap else 0)):
                 load_w(B, S, w, sc, p, p, k0, bx, wg, wq, lane)
             if overlap:
-                load_w(B, S, w, sc, ahead, ahead, k0, bx, wg, wq, lane)
-                decode_stage(w, sc, a, 0)
-                # Two k-tiles per trip, so that the fragment buffers have constant indices.
-                for t2 in T.serial(trips // 2):
-                    for par in T.unroll(2):
-                        t = t2 * 2 + par
+                decode_stage(w, sc, a, 0, 0)
+            for t0 in T.serial(-(-trips // unrolled)):
+                for r in T.unroll(unrolled):
+                    t = t0 * unrolled + r
+                    if t < trips:
                         stage_ready()
                         load_x(A, X_s, t + prefetch, k0, by, tx)
-                        mma_stage(a, par, acc, desc, t)
-                        load_w(B, S, w, sc, ahead, t + 1 + ahead, k0, bx, wg, wq, lane)
-                        T.warpgroup_wait(1)        # stage t - 1's wgmmas are done: its buffer is free
-                        if t + 1 < trips:
-                            decode_stage(w, sc, a, 1 - par)
-            else:
-                for t in T.serial(trips):
-                    stage_ready()
-                    load_x(A, X_s, t + prefetch, k0, by, tx)
-                    load_w(B, S, w, sc, ahead, t + ahead, k0, bx, wg, wq, lane)
-                    decode_stage(w, sc, a, 0)
-                    mma_stage(a, 0, acc, desc, t)
-                    T.warpgroup_wait(0)
+                        if overlap:
+                            mma_stage(a, r % 2, acc, desc, t)
+                            # Into the buffer of k-tile t, decoded in the previous iteration.
+                            load_w(B, S, w, sc, r % bufs, t + 1 + ahead, k0, bx, wg, wq, lane)
+                            T.warpgroup_wait(1)        # k-tile t - 1's wgmmas are done: its A buffer is free
+                            if t + 1 < trips:
+                                decode_stage(w, sc, a, (r + 1) % bufs, (r + 1) % 2)
+                        else:
+                            load_w(B, S, w, sc, (r + ahead) % bufs, t + ahead, k0, bx, wg, wq, lane)
+                            decode_stage(w, sc, a, r % bufs, 0)
+                            mma_stage(a, 0, acc, desc, t)
+                            T.warpgroup_wait(0)
             T.warpgroup_wait(0)
             T.warpgroup_fence_operand(acc, num_regs=acc_len)
 
