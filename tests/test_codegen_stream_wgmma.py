@@ -21,6 +21,8 @@ CASES = {
     "group128_m128": (Problem(512, 1024, 128), Knobs(128, 2, 1, 64, 3)),
     # decode of stage t + 1 under stage t's wgmmas, two warpgroups side by side.
     "overlap_two_warpgroups": (Problem(1024, 1024, 128), Knobs(64, 2, 2, 64, 4, overlap=True)),
+    # weights and scales through the stages by cp.async, decoded under the previous stage's wgmmas.
+    "smem_weights_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -72,9 +74,16 @@ def test_wgmma_takes_the_weights_from_registers(compiled):
 
 
 def test_activations_by_cp_async_weights_by_global_loads(compiled):
-    _, knobs, _, ptx = compiled
+    _, knobs, src, ptx = compiled
     assert count(r"cp\.async\.cg\.shared\.global(\.L2::128B)?\s+\[[^\]]+\],\s*\[[^\]]+\],\s*16", ptx) > 0
-    assert count(rf"ld\.global\.nc\.{ {1: 'u32', 2: 'v2.u32', 4: 'v4.u32'}[knobs.groups] }", ptx) > 0
+    words = rf"ld\.global\.nc\.{ {1: 'u32', 2: 'v2.u32', 4: 'v4.u32'}[knobs.groups] }"
+    if knobs.smem_weights:
+        # Through the stages instead: nothing in the k-loop loads from global memory into registers.
+        loop = k_loop(src)
+        assert "tm_ldg_words" not in loop and not re.search(r"= S\[", loop)
+        assert count(words, ptx) == 0
+    else:
+        assert count(words, ptx) > 0
     assert count(r"lop3\.b32", ptx) > 0
     assert count(r"ldmatrix", ptx) == 0           # the weights never go through shared memory
 

@@ -54,6 +54,8 @@ STREAM_WGMMA_KNOBS = {
     "swg_m256_g1_wg2": SW(256, 1, 2, 64, 3),
     "swg_m64_split2": SW(64, 2, 1, 64, 3, split_k=2),
     "swg_m16_ahead2": SW(16, 4, 1, 64, 4, ahead=2),
+    "swg_m128_smem_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True),
+    "swg_m64_smem_split2": SW(64, 2, 1, 64, 3, split_k=2, smem_weights=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},

@@ -22,9 +22,12 @@ AXES = {
     "warpgroups": (1, 2),
     "block_k": (64, 128),
     "stages": (3, 4),
-    "ahead": (1,),
+    "ahead": (1, 2),        # 2 needs the registers of block_m <= 64 (measured +5-10 % there, session 3)
     "overlap": (False, True),
     "split_k": (1, 2, 4),
+    # Compiled and checked on CPU only (SASS: no global load left in the k-loop, perf-notes v11);
+    # joins the search once measured on a GPU.
+    "smem_weights": (False,),
 }
 
 

@@ -80,7 +80,8 @@ def build(problem: Problem, knobs: Knobs):
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "")
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise) if split else None
     load_words = f"tm_ldg_words{g}"
-    bufs = ahead + 1                # register buffers of packed words (and scales)
+    w_smem = kb.smem_weights
+    bufs = 1 if w_smem else ahead + 1    # register buffers of packed words (and scales)
     unrolled = bufs * 2 // math.gcd(bufs, 2) if overlap else bufs    # k-tiles per unrolled trip
     per_w = steps * g               # packed words per lane and stage
     per_s = 2 * g                   # group scales per lane and stage: rows g and g + 8 of each group
@@ -88,6 +89,8 @@ def build(problem: Problem, knobs: Knobs):
     acc_len = g * bm // 2           # fp32 sums: `groups` wgmma m64n{bm} accumulators
     kc8 = bk // 8                   # 16-byte chunks per activation row and stage
     chunks = bm * kc8
+    w_chunks = steps * bn // 2      # 16-byte chunks of packed words per stage (2 * bn words per k-step)
+    w_rounds = -(-w_chunks // threads)
     rounds = -(-chunks // threads)
     wgmma_shape = f"m64n{bm}k16"
     # Descriptor of the K-major, unswizzled activation tile, in 16-byte units: core matrices adjacent
@@ -101,9 +104,10 @@ def build(problem: Problem, knobs: Knobs):
         return bx * bn + wg * SLAB_N * g + (f // 4) * SLAB_N + (f % 4) * 16 + lane // 4 + 8 * h
 
     @T.macro
-    def load_x(A, X_s, tile, k0, by, tx):
-        """Issue the cp.async of k-tile `tile`'s activations into its stage, as one commit group (empty
-        past the last tile, so that wait counts stay uniform)."""
+    def load_x(A, B, S, X_s, W_s, S_s, tile, k0, by, bx, tx):
+        """Issue the cp.async of k-tile `tile`'s activations (with smem_weights also its packed words and
+        scale row) into its stage, as one commit group (empty past the last tile, so that wait counts
+        stay uniform)."""
         if tile < trips:
             for r in T.unroll(rounds):
                 c = r * threads + tx
@@ -113,7 +117,33 @@ def build(problem: Problem, knobs: Knobs):
                 if c < chunks:
                     T.ptx_cp_async(T.access_ptr(X_s[tile % stages, kc, row, 0], "w", 8),
                                    T.access_ptr(A[T.min(by * bm + row, m - 1), (k0 + tile) * bk + kc * 8], "r", 8), 8)
+            if w_smem:
+                kt = k0 + tile
+                # The block's 2 * bn words of each k-step, contiguous in global memory.
+                for r in T.unroll(w_rounds):
+                    c = r * threads + tx
+                    if c < w_chunks:
+                        u = c // (bn // 2)
+                        col = c % (bn // 2) * 4
+                        T.ptx_cp_async(T.access_ptr(W_s[tile % stages, u, col], "w", 4),
+                                       T.access_ptr(B[kt * steps + u, bx * 2 * bn + col], "r", 4), 4)
+                if grouped:
+                    if tx < bn // 8:
+                        T.ptx_cp_async(T.access_ptr(S_s[tile % stages, tx * 8], "w", 8),
+                                       T.access_ptr(S[kt * bk // group, bx * bn + tx * 8], "r", 8), 8)
         T.ptx_commit_group()
+
+    @T.macro
+    def read_w(W_s, S_s, w, sc, tile, wg, wq, lane):
+        """smem_weights: the lane's words and scales of k-tile `tile` from its stage into buffer 0."""
+        word = (wg * g + wq * g // 4) * 128 + lane * 4 + wq * g % 4
+        for u in T.unroll(steps):
+            for v in T.vectorized(g):
+                w[u * g + v] = W_s[tile % stages, u, word + v]
+        if grouped:
+            for i in T.unroll(g):
+                for h in T.unroll(2):
+                    sc[2 * i + h] = S_s[tile % stages, weight_col(0, wg, wq, lane, i, h)]
 
     @T.macro
     def load_w(B, S, w, sc, buf, tile, k0, bx, wg, wq, lane):
@@ -167,6 +197,8 @@ def build(problem: Problem, knobs: Knobs):
     def body(A, B, S, C, ws, counters):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude) as (by, bx, bz):
             X_s = T.alloc_shared((stages, kc8, bm, 8), dtype)
+            W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
+            S_s = T.alloc_shared((stages, bn) if w_smem else (1, 8), dtype)
             w = T.alloc_local((bufs * per_w,), "int32")
             sc = T.alloc_local((bufs * per_s,), dtype)
             a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
@@ -183,32 +215,50 @@ def build(problem: Problem, knobs: Knobs):
                 acc[i] = T.float32(0)
 
             for p in T.unroll(prefetch):
-                load_x(A, X_s, p, k0, by, tx)
-            # k-tile t's words wait in register buffer t % bufs. The loop is unrolled so that every
-            # buffer index is a constant and no buffer is ever copied (a copy of a buffer whose loads
-            # are in flight would wait for them, perf-notes v11); k-tiles past the end are skipped.
-            for p in T.unroll(ahead + (1 if overlap else 0)):
-                load_w(B, S, w, sc, p, p, k0, bx, wg, wq, lane)
-            if overlap:
-                decode_stage(w, sc, a, 0, 0)
-            for t0 in T.serial(-(-trips // unrolled)):
-                for r in T.unroll(unrolled):
-                    t = t0 * unrolled + r
-                    if t < trips:
-                        stage_ready()
-                        load_x(A, X_s, t + prefetch, k0, by, tx)
-                        if overlap:
+                load_x(A, B, S, X_s, W_s, S_s, p, k0, by, bx, tx)
+            if w_smem:
+                # Weights and scales arrive with the activations: a stage is decoded once it has landed,
+                # with overlap while the previous stage's wgmmas still run (unrolled by two, so that the
+                # fragment buffers have constant indices).
+                for t0 in T.serial(-(-trips // unrolled)):
+                    for r in T.unroll(unrolled):
+                        t = t0 * unrolled + r
+                        if t < trips:
+                            stage_ready()
+                            read_w(W_s, S_s, w, sc, t, wg, wq, lane)
+                            decode_stage(w, sc, a, 0, r % 2)
                             mma_stage(a, r % 2, acc, desc, t)
-                            # Into the buffer of k-tile t, decoded in the previous iteration.
-                            load_w(B, S, w, sc, r % bufs, t + 1 + ahead, k0, bx, wg, wq, lane)
-                            T.warpgroup_wait(1)        # k-tile t - 1's wgmmas are done: its A buffer is free
-                            if t + 1 < trips:
-                                decode_stage(w, sc, a, (r + 1) % bufs, (r + 1) % 2)
-                        else:
-                            load_w(B, S, w, sc, (r + ahead) % bufs, t + ahead, k0, bx, wg, wq, lane)
-                            decode_stage(w, sc, a, r % bufs, 0)
-                            mma_stage(a, 0, acc, desc, t)
-                            T.warpgroup_wait(0)
+                            # After the wgmmas: a cp.async before them would need a second proxy fence.
+                            load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
+                            # overlap: k-tile t - 1's wgmmas are done, its A buffer is free for t + 1.
+                            T.warpgroup_wait(1 if overlap else 0)
+            else:
+                # k-tile t's words wait in register buffer t % bufs. The loop is unrolled so that every
+                # buffer index is a constant and no buffer is ever copied (a copy of a buffer whose
+                # loads are in flight would wait for them); k-tiles past the end are skipped.
+                for p in T.unroll(ahead + (1 if overlap else 0)):
+                    load_w(B, S, w, sc, p, p, k0, bx, wg, wq, lane)
+                if overlap:
+                    decode_stage(w, sc, a, 0, 0)
+                for t0 in T.serial(-(-trips // unrolled)):
+                    for r in T.unroll(unrolled):
+                        t = t0 * unrolled + r
+                        if t < trips:
+                            stage_ready()
+                            if overlap:
+                                mma_stage(a, r % 2, acc, desc, t)
+                                load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
+                                # Into the buffer of k-tile t, decoded in the previous iteration.
+                                load_w(B, S, w, sc, r % bufs, t + 1 + ahead, k0, bx, wg, wq, lane)
+                                T.warpgroup_wait(1)    # k-tile t - 1's wgmmas are done: its A buffer is free
+                                if t + 1 < trips:
+                                    decode_stage(w, sc, a, (r + 1) % bufs, (r + 1) % 2)
+                            else:
+                                load_w(B, S, w, sc, (r + ahead) % bufs, t + ahead, k0, bx, wg, wq, lane)
+                                decode_stage(w, sc, a, r % bufs, 0)
+                                mma_stage(a, 0, acc, desc, t)
+                                load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
+                                T.warpgroup_wait(0)
             T.warpgroup_wait(0)
             T.warpgroup_fence_operand(acc, num_regs=acc_len)
 

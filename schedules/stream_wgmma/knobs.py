@@ -22,7 +22,12 @@ class Knobs:
     pipeline stage: the activations of `stages` stages are in flight by cp.async, the weights of
     `ahead` stages in registers. overlap decodes stage t + 1 while the wgmmas of stage t run (two
     A fragment buffers; one stage less of activations in flight). split_k > 1 spreads the k-tiles
-    over that many blocks per output tile (fp32 workspace, schedules/epilogue.py).
+    over that many blocks per output tile (fp32 workspace, schedules/epilogue.py). smem_weights
+    moves the packed words and scale rows through the activation stages by cp.async (then `ahead`
+    must be 1: the stages are the buffers), so that the k-loop loads nothing from global memory into
+    registers: ptxas waits for all of a loop's global loads on one scoreboard, which made the
+    register prefetch wait for the newest loads, and the proxy fence before every wgmma waits for
+    outstanding loads too (perf-notes v11).
     """
 
     block_m: int = 128
@@ -33,6 +38,7 @@ class Knobs:
     ahead: int = 1
     overlap: bool = False
     split_k: int = 1
+    smem_weights: bool = False
 
     @property
     def block_n(self) -> int:
@@ -64,20 +70,22 @@ class Knobs:
     @property
     def name(self) -> str:
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else ""))
+                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else ""))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
 
     def shared_bytes(self, problem: Problem) -> int:
         x = self.stages * self.block_m * self.block_k * 2
+        w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
         c = self.block_m * self.block_n * 4 if self.split_k > 1 else 0
-        return x + c + 64
+        return x + w + c + 64
 
     def registers_estimate(self) -> int:
         acc = self.groups * self.block_m // 2
         a = self.k_steps * self.groups * 4 * (2 if self.overlap else 1)
-        raw = (self.ahead + 1) * self.k_steps * self.groups + (self.ahead + 1) * self.groups
+        bufs = 1 if self.smem_weights else self.ahead + 1
+        raw = bufs * self.k_steps * self.groups + bufs * self.groups
         return acc + a + raw + 40
 
 
@@ -103,6 +111,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"K={problem.k} is not a multiple of block_k={kb.block_k}"
     if not problem.channelwise and problem.group % kb.block_k:
         return f"group={problem.group} must be a multiple of block_k={kb.block_k} (one scale row per stage)"
+    if kb.smem_weights and kb.ahead != 1:
+        return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
         return f"stages={kb.stages} leaves no activation stage in flight" + (" with overlap" if kb.overlap else "")
     if kb.k_tiles(problem) % kb.split_k:
