@@ -17,6 +17,9 @@ def register(subparsers) -> None:
     p.add_argument("--family", default="marlin_mma")
     p.add_argument("--knobs", default="", help="comma-separated key=value overrides, e.g. split_k=2,block_n=128")
     p.add_argument("--out", type=Path, default=None, help="folder for kernel.cu and kernel.ptx")
+    p.add_argument("--sass", action="store_true",
+                   help="also read the machine code: the main loop's instructions and how soon its global loads "
+                        "are waited for (needs ptxas, cuobjdump and nvdisasm on PATH; see gen/sass.py)")
     p.set_defaults(func=run)
 
 
@@ -63,4 +66,17 @@ def run(args) -> int:
         (args.out / "kernel.cu").write_text(kernel.get_kernel_source())
         kernel.export_ptx(str(args.out / "kernel.ptx"))
         print(f"wrote {args.out / 'kernel.cu'} and {args.out / 'kernel.ptx'}")
+    if args.sass:
+        import tempfile
+
+        from .sass import disassemble, report
+
+        with tempfile.TemporaryDirectory() as tmp:
+            kernel.export_ptx(f"{tmp}/kernel.ptx")
+            ptx = Path(f"{tmp}/kernel.ptx").read_text()
+        try:
+            print(report(disassemble(ptx, arch.name)))
+        except RuntimeError as exc:
+            print(f"gen compile: {exc}")
+            return 2
     return 0
