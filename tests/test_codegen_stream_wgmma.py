@@ -23,6 +23,8 @@ CASES = {
     "overlap_two_warpgroups": (Problem(1024, 1024, 128), Knobs(64, 2, 2, 64, 4, overlap=True)),
     # weights and scales through the stages by cp.async, decoded under the previous stage's wgmmas.
     "smem_weights_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True)),
+    # the stages filled by TMA against mbarriers: no cp.async and no proxy fence in the k-loop.
+    "tma_split4": (Problem(1024, 11008, 128), Knobs(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -47,6 +49,7 @@ def test_not_offered_before_hopper():
     (Knobs(block_k=48), "multiple of 32"),
     (Knobs(stages=2, overlap=True), "no activation stage in flight"),
     (Knobs(block_m=256, groups=4), "registers"),
+    (Knobs(tma=True), "smem_weights"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -75,6 +78,13 @@ def test_wgmma_takes_the_weights_from_registers(compiled):
 
 def test_activations_by_cp_async_weights_by_global_loads(compiled):
     _, knobs, src, ptx = compiled
+    if knobs.tma:
+        # Three tile copies per k-tile (activations with the 128-byte swizzle, words, scales), waited
+        # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
+        assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
+        assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == 0
+        assert count(r"ld\.global\.nc", ptx) == 0
+        return
     assert count(r"cp\.async\.cg\.shared\.global(\.L2::128B)?\s+\[[^\]]+\],\s*\[[^\]]+\],\s*16", ptx) > 0
     words = rf"ld\.global\.nc\.{ {1: 'u32', 2: 'v2.u32', 4: 'v4.u32'}[knobs.groups] }"
     if knobs.smem_weights:
@@ -115,6 +125,9 @@ def test_one_barrier_per_k_tile(compiled):
     _, knobs, src, _ = compiled
     loop = k_loop(src)
     assert "wgmma_rs" in loop
+    if knobs.tma:               # the barrier frees the oldest stage for the next copy; TMA needs no fence
+        assert count(r"__syncthreads\(\)", loop) == 1 and "fence_proxy_async" not in loop
+        return
     # One barrier per k-tile (with overlap inside an unrolled pair of k-tiles), after the stage has
     # landed and been fenced for the async proxy that wgmma reads shared memory through.
     assert count(r"__syncthreads\(\)", loop) == 1

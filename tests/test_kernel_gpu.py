@@ -56,13 +56,16 @@ STREAM_WGMMA_KNOBS = {
     "swg_m16_ahead2": SW(16, 4, 1, 64, 4, ahead=2),
     "swg_m128_smem_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True),
     "swg_m64_smem_split2": SW(64, 2, 1, 64, 3, split_k=2, smem_weights=True),
+    "swg_m128_tma_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True),
+    "swg_m64_tma_split4": SW(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True),
+    "swg_m256_tma": SW(256, 1, 2, 64, 3, smem_weights=True, tma=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
-                  "swg_m128_g2")
+                  "swg_m128_g2", "swg_m256_tma")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 

@@ -52,6 +52,8 @@ needs_tools = pytest.mark.skipif(bool(sass.missing_tools()), reason="ptxas, cuob
                         x_ldmatrix=True, async_weights=True)),
     ("stream_wgmma", dict(block_m=128, groups=2, warpgroups=2, block_k=64, stages=4, overlap=True,
                           smem_weights=True)),
+    ("stream_wgmma", dict(block_m=128, groups=2, warpgroups=2, block_k=64, stages=4, overlap=True,
+                          smem_weights=True, tma=True)),
 ])
 def test_async_weight_paths_leave_no_global_load_in_the_main_loop(family, knobs, tmp_path):
     from gen.compile import compile_schedule

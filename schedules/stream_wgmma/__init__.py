@@ -28,6 +28,7 @@ AXES = {
     # Compiled and checked on CPU only (SASS: no global load left in the k-loop, perf-notes v11);
     # joins the search once measured on a GPU.
     "smem_weights": (False,),
+    "tma": (False,),
 }
 
 

@@ -31,6 +31,7 @@ Why it looks the way it does:
 import math
 
 import tilelang.language as T
+from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
@@ -95,8 +96,15 @@ def build(problem: Problem, knobs: Knobs):
     wgmma_shape = f"m64n{bm}k16"
     # Descriptor of the K-major, unswizzled activation tile, in 16-byte units: core matrices adjacent
     # along K are bm rows apart (leading byte offset), along M 8 rows (stride byte offset).
-    lbo, sbo = bm, CORE_ROWS
-    stage_units = kc8 * bm
+    tma = kb.tma
+    if tma:
+        # TMA writes each [block_m, 64] tile with the 128-byte swizzle: wgmma's canonical K-major SW128
+        # layout, 8-row atoms of 1024 bytes (stride byte offset), a k-step 32 bytes into the atom.
+        layout_type, lbo, sbo = 1, 1, 1024 // 16
+        stage_units, step_units = bm * bk * 2 // 16, 2
+    else:
+        layout_type, lbo, sbo = 0, bm, CORE_ROWS
+        stage_units, step_units = kc8 * bm, 2 * bm
 
     def weight_col(bx, wg, wq, lane, i, h):
         """Output column of a lane's fragment row h (g or g + 8) of group i."""
@@ -129,7 +137,7 @@ def build(problem: Problem, knobs: Knobs):
                                        T.access_ptr(B[kt * steps + u, bx * 2 * bn + col], "r", 4), 4)
                 if grouped:
                     if tx < bn // 8:
-                        T.ptx_cp_async(T.access_ptr(S_s[tile % stages, tx * 8], "w", 8),
+                        T.ptx_cp_async(T.access_ptr(S_s[tile % stages, 0, tx * 8], "w", 8),
                                        T.access_ptr(S[kt * bk // group, bx * bn + tx * 8], "r", 8), 8)
         T.ptx_commit_group()
 
@@ -143,7 +151,7 @@ def build(problem: Problem, knobs: Knobs):
         if grouped:
             for i in T.unroll(g):
                 for h in T.unroll(2):
-                    sc[2 * i + h] = S_s[tile % stages, weight_col(0, wg, wq, lane, i, h)]
+                    sc[2 * i + h] = S_s[tile % stages, 0, weight_col(0, wg, wq, lane, i, h)]
 
     @T.macro
     def load_w(B, S, w, sc, buf, tile, k0, bx, wg, wq, lane):
@@ -181,9 +189,25 @@ def build(problem: Problem, knobs: Knobs):
             for i in T.unroll(g):
                 T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
                                a.data, abuf * a_len + (u * g + i) * 8,
-                               desc.data, tile % stages * stage_units + 2 * u * bm,
+                               desc.data, tile % stages * stage_units + u * step_units,
                                acc.data, i * (bm // 2), 1, 1, 1)
         T.warpgroup_commit_batch()
+
+    @T.macro
+    def load_tma(A, B, S, X_s, W_s, S_s, full, tile, k0, by, bx):
+        """tma: one elected thread issues k-tile `tile`'s three tile copies (activations, packed words,
+        scale row) against the stage's barrier; every thread arrives on it, after that thread's own
+        expect-tx, so the phase completes once all bytes have landed."""
+        if tile < trips:
+            kt = k0 + tile
+            T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
+                       barrier=full[tile % stages])
+            T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
+                       barrier=full[tile % stages])
+            if grouped:
+                T.tma_copy(S[kt * bk // group:kt * bk // group + 1, bx * bn:(bx + 1) * bn], S_s[tile % stages, :, :],
+                           barrier=full[tile % stages])
+            T.barrier_arrive(full[tile % stages])
 
     @T.macro
     def stage_ready():
@@ -196,9 +220,12 @@ def build(problem: Problem, knobs: Knobs):
     @T.macro
     def body(A, B, S, C, ws, counters):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude) as (by, bx, bz):
-            X_s = T.alloc_shared((stages, kc8, bm, 8), dtype)
+            X_s = T.alloc_shared((stages, bm, bk) if tma else (stages, kc8, bm, 8), dtype)
+            if tma:
+                T.annotate_layout({X_s: make_swizzled_layout(X_s)})
+                full = T.alloc_barrier([threads] * stages)
             W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
-            S_s = T.alloc_shared((stages, bn) if w_smem else (1, 8), dtype)
+            S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
             w = T.alloc_local((bufs * per_w,), "int32")
             sc = T.alloc_local((bufs * per_s,), dtype)
             a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
@@ -210,13 +237,30 @@ def build(problem: Problem, knobs: Knobs):
             wq = tx // 32 % 4
             lane = tx % 32
             k0 = bz * trips
-            T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), 0, lbo, sbo)
+            T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
             for i in T.unroll(acc_len):
                 acc[i] = T.float32(0)
 
-            for p in T.unroll(prefetch):
-                load_x(A, B, S, X_s, W_s, S_s, p, k0, by, bx, tx)
-            if w_smem:
+            if not tma:
+                for p in T.unroll(prefetch):
+                    load_x(A, B, S, X_s, W_s, S_s, p, k0, by, bx, tx)
+            if tma:
+                # The stages fill by TMA; a thread waits for the stage's barrier phase. One block barrier
+                # per k-tile, after the wgmma wait, frees the oldest stage for the next copy.
+                for p in T.unroll(stages - 1):
+                    load_tma(A, B, S, X_s, W_s, S_s, full, p, k0, by, bx)
+                for t0 in T.serial(-(-trips // unrolled)):
+                    for r in T.unroll(unrolled):
+                        t = t0 * unrolled + r
+                        if t < trips:
+                            T.mbarrier_wait_parity(full[t % stages], t // stages % 2)
+                            read_w(W_s, S_s, w, sc, t, wg, wq, lane)
+                            decode_stage(w, sc, a, 0, r % 2)
+                            mma_stage(a, r % 2, acc, desc, t)
+                            T.warpgroup_wait(1 if overlap else 0)
+                            T.sync_threads()
+                            load_tma(A, B, S, X_s, W_s, S_s, full, t + stages - 1, k0, by, bx)
+            elif w_smem:
                 # Weights and scales arrive with the activations: a stage is decoded once it has landed,
                 # with overlap while the previous stage's wgmmas still run (unrolled by two, so that the
                 # fragment buffers have constant indices).

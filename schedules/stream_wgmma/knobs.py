@@ -27,7 +27,9 @@ class Knobs:
     must be 1: the stages are the buffers), so that the k-loop loads nothing from global memory into
     registers: ptxas waits for all of a loop's global loads on one scoreboard, which made the
     register prefetch wait for the newest loads, and the proxy fence before every wgmma waits for
-    outstanding loads too (perf-notes v11).
+    outstanding loads too (perf-notes v11). tma (with smem_weights, block_k 64) fills the stages by
+    TMA against one mbarrier per stage (activations in the 128-byte swizzle, wgmma's canonical
+    K-major layout): no cp.async, no address arithmetic and no proxy fence in the k-loop.
     """
 
     block_m: int = 128
@@ -39,6 +41,7 @@ class Knobs:
     overlap: bool = False
     split_k: int = 1
     smem_weights: bool = False
+    tma: bool = False
 
     @property
     def block_n(self) -> int:
@@ -60,8 +63,9 @@ class Knobs:
     @property
     def prefetch(self) -> int:
         """Activation stages loading while one is multiplied: with overlap a stage stays busy one
-        iteration longer (its wgmmas finish while the next stage's are issued)."""
-        return self.stages - (2 if self.overlap else 1)
+        iteration longer (its wgmmas finish while the next stage's are issued); with tma a stage is
+        freed by the block barrier after the wgmma wait."""
+        return self.stages - (2 if self.overlap and not self.tma else 1)
 
     @property
     def uses_workspace(self) -> bool:
@@ -70,7 +74,7 @@ class Knobs:
     @property
     def name(self) -> str:
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else ""))
+                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else ""))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
@@ -111,6 +115,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"K={problem.k} is not a multiple of block_k={kb.block_k}"
     if not problem.channelwise and problem.group % kb.block_k:
         return f"group={problem.group} must be a multiple of block_k={kb.block_k} (one scale row per stage)"
+    if kb.tma and not (kb.smem_weights and kb.block_k == 64):
+        return "tma fills the stages with weights too (smem_weights) in 64-wide swizzled tiles (block_k=64)"
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
