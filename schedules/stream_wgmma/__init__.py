@@ -13,8 +13,9 @@ NAME = "stream_wgmma"
 LAYOUT = marlin_mma.LAYOUT
 layout = marlin_mma.layout
 pack, unpack = marlin_mma.pack, marlin_mma.unpack
-# The same split-K epilogue (schedules/epilogue.py), so the same workspace.
-workspace_elems = marlin_mma.workspace_elems
+# The same kernel signature and split-K epilogue (schedules/epilogue.py), so the same arguments, checks
+# and workspace.
+workspace_elems, kernel_args = marlin_mma.workspace_elems, marlin_mma.kernel_args
 
 AXES = {
     "block_m": (64, 128, 256),
@@ -35,11 +36,6 @@ AXES = {
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
     """Every valid point of the named axes for `problem` on `arch`."""
     return valid_points(AXES, lambda values: Knobs(*values), check, problem, arch)
-
-
-def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspace=None, counters=None) -> tuple:
-    """Same arguments, checks and split-K workspace as marlin_mma (both use schedules/epilogue.py)."""
-    return marlin_mma.kernel_args(problem, knobs, a, weight, scales, out, workspace, counters)
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "space", "build", "PASS_CONFIGS", "pack", "unpack",
