@@ -69,9 +69,14 @@ def parse(sass: str) -> list[Instruction]:
 
 
 def main_loop(code: list[Instruction]) -> list[Instruction]:
-    """The instructions of the longest backward branch's body: the kernel's main loop."""
+    """The instructions of the longest backward branch's body: the kernel's main loop. Branches placed
+    after the kernel's first EXIT (ptxas moves the retry paths of mbarrier waits there) do not count."""
+    exits = [ins.address for ins in code if ins.opcode == "EXIT"]
+    end = exits[0] if exits else float("inf")
     best = None
     for ins in code:
+        if ins.address > end:
+            break
         target = re.search(r"BRA (0x[0-9a-f]+)", ins.text)
         if target and int(target.group(1), 16) < ins.address:
             span = (int(target.group(1), 16), ins.address)

@@ -25,6 +25,9 @@ CASES = {
     "smem_weights_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True)),
     # the stages filled by TMA against mbarriers: no cp.async and no proxy fence in the k-loop.
     "tma_split4": (Problem(1024, 11008, 128), Knobs(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True)),
+    # ... and the stages freed through per-stage mbarriers instead of a block barrier.
+    "tma_release_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
+                                                          release_barriers=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -50,6 +53,7 @@ def test_not_offered_before_hopper():
     (Knobs(stages=2, overlap=True), "no activation stage in flight"),
     (Knobs(block_m=256, groups=4), "registers"),
     (Knobs(tma=True), "smem_weights"),
+    (Knobs(release_barriers=True, smem_weights=True), "needs tma"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -126,7 +130,10 @@ def test_one_barrier_per_k_tile(compiled):
     loop = k_loop(src)
     assert "wgmma_rs" in loop
     if knobs.tma:               # the barrier frees the oldest stage for the next copy; TMA needs no fence
-        assert count(r"__syncthreads\(\)", loop) == 1 and "fence_proxy_async" not in loop
+        barriers = 0 if knobs.release_barriers else 1      # or every thread releases it on an mbarrier
+        assert count(r"__syncthreads\(\)", loop) == barriers and "fence_proxy_async" not in loop
+        if knobs.release_barriers:
+            assert count(r"empty\[[^\]]+\]\.arrive\(\)", loop) == 1 and count(r"empty\[[^\]]+\]\.wait\(", loop) == 1
         return
     # One barrier per k-tile (with overlap inside an unrolled pair of k-tiles), after the stage has
     # landed and been fenced for the async proxy that wgmma reads shared memory through.

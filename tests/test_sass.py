@@ -38,6 +38,17 @@ def test_load_waits_follow_the_scoreboard():
     assert "waited for within 40 instructions: 1" in sass.report(LISTING)
 
 
+def test_retry_branches_after_exit_are_not_the_main_loop():
+    # ptxas puts the retry path of an mbarrier wait after EXIT, branching far back into the loop.
+    tail = """
+        /*07e0*/                   EXIT ;                                                            /* 0x000000000000794d */
+                                                                                                   /* 0x000fea0003800000 */
+        /*07f0*/                   BRA 0x700 ;                                                       /* 0xfffffffc00c07947 */
+                                                                                                   /* 0x000fea000383ffff */
+"""
+    assert [ins.address for ins in sass.main_loop(sass.parse(LISTING + tail))][0] == 0x780
+
+
 def test_no_loop_is_an_error():
     with pytest.raises(ValueError, match="no loop"):
         sass.main_loop(sass.parse(LISTING.replace("@P0 BRA 0x780", "@P0 BRA 0x7e0")))

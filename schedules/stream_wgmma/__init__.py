@@ -30,6 +30,7 @@ AXES = {
     # joins the search once measured on a GPU.
     "smem_weights": (False,),
     "tma": (False,),
+    "release_barriers": (False,),
 }
 
 

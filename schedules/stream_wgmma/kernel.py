@@ -97,6 +97,7 @@ def build(problem: Problem, knobs: Knobs):
     # Descriptor of the K-major, unswizzled activation tile, in 16-byte units: core matrices adjacent
     # along K are bm rows apart (leading byte offset), along M 8 rows (stride byte offset).
     tma = kb.tma
+    release = kb.release_barriers       # stages freed by per-stage barriers, not a block barrier
     if tma:
         # TMA writes each [block_m, 64] tile with the 128-byte swizzle: wgmma's canonical K-major SW128
         # layout, 8-row atoms of 1024 bytes (stride byte offset), a k-step 32 bytes into the atom.
@@ -194,20 +195,35 @@ def build(problem: Problem, knobs: Knobs):
         T.warpgroup_commit_batch()
 
     @T.macro
-    def load_tma(A, B, S, X_s, W_s, S_s, full, tile, k0, by, bx):
-        """tma: one elected thread issues k-tile `tile`'s three tile copies (activations, packed words,
-        scale row) against the stage's barrier; every thread arrives on it, after that thread's own
-        expect-tx, so the phase completes once all bytes have landed."""
+    def copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, leaders):
+        T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
+                   barrier=full[tile % stages], leader_scope_threads=leaders)
+        T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
+                   barrier=full[tile % stages], leader_scope_threads=leaders)
+        if grouped:
+            T.tma_copy(S[kt * bk // group:kt * bk // group + 1, bx * bn:(bx + 1) * bn], S_s[tile % stages, :, :],
+                       barrier=full[tile % stages], leader_scope_threads=leaders)
+
+    @T.macro
+    def load_tma(A, B, S, X_s, W_s, S_s, full, empty, tile, k0, by, bx, tx):
+        """tma: k-tile `tile`'s three tile copies (activations, packed words, scale row) against the
+        stage's barrier. With a block barrier per k-tile, one elected thread of the block issues them
+        and every thread arrives (after that thread's own expect-tx, so the phase completes once all
+        bytes have landed). With release_barriers only warp 0 produces: it waits until every thread
+        has released the stage's previous k-tile, one lane issues, and lane 0 arrives."""
         if tile < trips:
             kt = k0 + tile
-            T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
-                       barrier=full[tile % stages])
-            T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
-                       barrier=full[tile % stages])
-            if grouped:
-                T.tma_copy(S[kt * bk // group:kt * bk // group + 1, bx * bn:(bx + 1) * bn], S_s[tile % stages, :, :],
-                           barrier=full[tile % stages])
-            T.barrier_arrive(full[tile % stages])
+            if release:
+                if tx < 32:
+                    if tile >= stages:
+                        T.mbarrier_wait_parity(empty[tile % stages], (tile // stages - 1) % 2)
+                    copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, 32)
+                    T.call_extern("handle", "__syncwarp")     # the elected lane's expect-tx comes first
+                    if tx == 0:
+                        T.barrier_arrive(full[tile % stages])
+            else:
+                copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, threads)
+                T.barrier_arrive(full[tile % stages])
 
     @T.macro
     def stage_ready():
@@ -223,7 +239,8 @@ def build(problem: Problem, knobs: Knobs):
             X_s = T.alloc_shared((stages, bm, bk) if tma else (stages, kc8, bm, 8), dtype)
             if tma:
                 T.annotate_layout({X_s: make_swizzled_layout(X_s)})
-                full = T.alloc_barrier([threads] * stages)
+                full = T.alloc_barrier([1 if release else threads] * stages)
+                empty = T.alloc_barrier([threads] * stages) if release else None
             W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
             S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
             w = T.alloc_local((bufs * per_w,), "int32")
@@ -248,7 +265,7 @@ def build(problem: Problem, knobs: Knobs):
                 # The stages fill by TMA; a thread waits for the stage's barrier phase. One block barrier
                 # per k-tile, after the wgmma wait, frees the oldest stage for the next copy.
                 for p in T.unroll(stages - 1):
-                    load_tma(A, B, S, X_s, W_s, S_s, full, p, k0, by, bx)
+                    load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
                 for t0 in T.serial(-(-trips // unrolled)):
                     for r in T.unroll(unrolled):
                         t = t0 * unrolled + r
@@ -258,8 +275,13 @@ def build(problem: Problem, knobs: Knobs):
                             decode_stage(w, sc, a, 0, r % 2)
                             mma_stage(a, r % 2, acc, desc, t)
                             T.warpgroup_wait(1 if overlap else 0)
-                            T.sync_threads()
-                            load_tma(A, B, S, X_s, W_s, S_s, full, t + stages - 1, k0, by, bx)
+                            if release:
+                                # This thread is done with k-tile t (with overlap: t - 1) and its stage.
+                                if t >= (1 if overlap else 0):
+                                    T.barrier_arrive(empty[(t - (1 if overlap else 0)) % stages])
+                            else:
+                                T.sync_threads()
+                            load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
             elif w_smem:
                 # Weights and scales arrive with the activations: a stage is decoded once it has landed,
                 # with overlap while the previous stage's wgmmas still run (unrolled by two, so that the

@@ -30,6 +30,9 @@ class Knobs:
     outstanding loads too (perf-notes v11). tma (with smem_weights, block_k 64) fills the stages by
     TMA against one mbarrier per stage (activations in the 128-byte swizzle, wgmma's canonical
     K-major layout): no cp.async, no address arithmetic and no proxy fence in the k-loop.
+    release_barriers (with tma) frees each stage through an mbarrier that every thread arrives on
+    once done with it, instead of a block barrier per k-tile: warp 0 waits on it before refilling
+    the stage, and the warpgroups no longer meet.
     """
 
     block_m: int = 128
@@ -42,6 +45,7 @@ class Knobs:
     split_k: int = 1
     smem_weights: bool = False
     tma: bool = False
+    release_barriers: bool = False
 
     @property
     def block_n(self) -> int:
@@ -74,7 +78,7 @@ class Knobs:
     @property
     def name(self) -> str:
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else ""))
+                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else ""))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
@@ -117,6 +121,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"group={problem.group} must be a multiple of block_k={kb.block_k} (one scale row per stage)"
     if kb.tma and not (kb.smem_weights and kb.block_k == 64):
         return "tma fills the stages with weights too (smem_weights) in 64-wide swizzled tiles (block_k=64)"
+    if kb.release_barriers and not kb.tma:
+        return "release_barriers replaces the block barrier of the tma pipeline: it needs tma"
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
