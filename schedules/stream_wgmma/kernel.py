@@ -94,8 +94,6 @@ def build(problem: Problem, knobs: Knobs):
     w_rounds = -(-w_chunks // threads)
     rounds = -(-chunks // threads)
     wgmma_shape = f"m64n{bm}k16"
-    # Descriptor of the K-major, unswizzled activation tile, in 16-byte units: core matrices adjacent
-    # along K are bm rows apart (leading byte offset), along M 8 rows (stride byte offset).
     tma = kb.tma
     release = kb.release_barriers       # stages freed by per-stage barriers, not a block barrier
     if tma:
@@ -104,6 +102,8 @@ def build(problem: Problem, knobs: Knobs):
         layout_type, lbo, sbo = 1, 1, 1024 // 16
         stage_units, step_units = bm * bk * 2 // 16, 2
     else:
+        # The K-major, unswizzled core-matrix tile, in 16-byte units: core matrices adjacent along K are
+        # bm rows apart (leading byte offset), along M 8 rows (stride byte offset).
         layout_type, lbo, sbo = 0, bm, CORE_ROWS
         stage_units, step_units = kc8 * bm, 2 * bm
 
@@ -234,6 +234,82 @@ def build(problem: Problem, knobs: Knobs):
         T.sync_threads()
 
     @T.macro
+    def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
+        """tma: the stages fill by TMA and a thread waits for its stage's barrier phase. A block barrier
+        per k-tile after the wgmma wait (or, with release_barriers, the stage's "empty" barrier) frees
+        the oldest stage for the next copy."""
+        for p in T.unroll(stages - 1):
+            load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
+        for t0 in T.serial(-(-trips // unrolled)):
+            for r in T.unroll(unrolled):
+                t = t0 * unrolled + r
+                if t < trips:
+                    T.mbarrier_wait_parity(full[t % stages], t // stages % 2)
+                    read_w(W_s, S_s, w, sc, t, wg, wq, lane)
+                    decode_stage(w, sc, a, 0, r % 2)
+                    mma_stage(a, r % 2, acc, desc, t)
+                    T.warpgroup_wait(1 if overlap else 0)
+                    if release:
+                        # This thread is done with k-tile t (with overlap: t - 1) and its stage.
+                        if t >= (1 if overlap else 0):
+                            T.barrier_arrive(empty[(t - (1 if overlap else 0)) % stages])
+                    else:
+                        T.sync_threads()
+                    load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
+
+    @T.macro
+    def pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
+        """smem_weights: weights and scales arrive with the activations by cp.async; a stage is decoded
+        once it has landed, with overlap while the previous stage's wgmmas still run (unrolled by two,
+        so that the fragment buffers have constant indices)."""
+        for p in T.unroll(prefetch):
+            load_x(A, B, S, X_s, W_s, S_s, p, k0, by, bx, tx)
+        for t0 in T.serial(-(-trips // unrolled)):
+            for r in T.unroll(unrolled):
+                t = t0 * unrolled + r
+                if t < trips:
+                    stage_ready()
+                    read_w(W_s, S_s, w, sc, t, wg, wq, lane)
+                    decode_stage(w, sc, a, 0, r % 2)
+                    mma_stage(a, r % 2, acc, desc, t)
+                    # After the wgmmas: a cp.async before them would need a second proxy fence.
+                    load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
+                    # overlap: k-tile t - 1's wgmmas are done, its A buffer is free for t + 1.
+                    T.warpgroup_wait(1 if overlap else 0)
+
+    @T.macro
+    def pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
+        """Activations by cp.async, weights by global loads into registers: k-tile t's words wait in
+        register buffer t % bufs. The loop is unrolled so that every buffer index is a constant and no
+        buffer is ever copied (a copy of a buffer whose loads are in flight would wait for them);
+        k-tiles past the end are skipped."""
+        for p in T.unroll(prefetch):
+            load_x(A, B, S, X_s, W_s, S_s, p, k0, by, bx, tx)
+        for p in T.unroll(ahead + (1 if overlap else 0)):
+            load_w(B, S, w, sc, p, p, k0, bx, wg, wq, lane)
+        if overlap:
+            decode_stage(w, sc, a, 0, 0)
+        for t0 in T.serial(-(-trips // unrolled)):
+            for r in T.unroll(unrolled):
+                t = t0 * unrolled + r
+                if t < trips:
+                    stage_ready()
+                    if overlap:
+                        mma_stage(a, r % 2, acc, desc, t)
+                        load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
+                        # Into the buffer of k-tile t, decoded in the previous iteration.
+                        load_w(B, S, w, sc, r % bufs, t + 1 + ahead, k0, bx, wg, wq, lane)
+                        T.warpgroup_wait(1)    # k-tile t - 1's wgmmas are done: its A buffer is free
+                        if t + 1 < trips:
+                            decode_stage(w, sc, a, (r + 1) % bufs, (r + 1) % 2)
+                    else:
+                        load_w(B, S, w, sc, (r + ahead) % bufs, t + ahead, k0, bx, wg, wq, lane)
+                        decode_stage(w, sc, a, r % bufs, 0)
+                        mma_stage(a, 0, acc, desc, t)
+                        load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
+                        T.warpgroup_wait(0)
+
+    @T.macro
     def body(A, B, S, C, ws, counters):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude) as (by, bx, bz):
             X_s = T.alloc_shared((stages, bm, bk) if tma else (stages, kc8, bm, 8), dtype)
@@ -258,73 +334,12 @@ def build(problem: Problem, knobs: Knobs):
             for i in T.unroll(acc_len):
                 acc[i] = T.float32(0)
 
-            if not tma:
-                for p in T.unroll(prefetch):
-                    load_x(A, B, S, X_s, W_s, S_s, p, k0, by, bx, tx)
             if tma:
-                # The stages fill by TMA; a thread waits for the stage's barrier phase. One block barrier
-                # per k-tile, after the wgmma wait, frees the oldest stage for the next copy.
-                for p in T.unroll(stages - 1):
-                    load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
-                for t0 in T.serial(-(-trips // unrolled)):
-                    for r in T.unroll(unrolled):
-                        t = t0 * unrolled + r
-                        if t < trips:
-                            T.mbarrier_wait_parity(full[t % stages], t // stages % 2)
-                            read_w(W_s, S_s, w, sc, t, wg, wq, lane)
-                            decode_stage(w, sc, a, 0, r % 2)
-                            mma_stage(a, r % 2, acc, desc, t)
-                            T.warpgroup_wait(1 if overlap else 0)
-                            if release:
-                                # This thread is done with k-tile t (with overlap: t - 1) and its stage.
-                                if t >= (1 if overlap else 0):
-                                    T.barrier_arrive(empty[(t - (1 if overlap else 0)) % stages])
-                            else:
-                                T.sync_threads()
-                            load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
+                pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             elif w_smem:
-                # Weights and scales arrive with the activations: a stage is decoded once it has landed,
-                # with overlap while the previous stage's wgmmas still run (unrolled by two, so that the
-                # fragment buffers have constant indices).
-                for t0 in T.serial(-(-trips // unrolled)):
-                    for r in T.unroll(unrolled):
-                        t = t0 * unrolled + r
-                        if t < trips:
-                            stage_ready()
-                            read_w(W_s, S_s, w, sc, t, wg, wq, lane)
-                            decode_stage(w, sc, a, 0, r % 2)
-                            mma_stage(a, r % 2, acc, desc, t)
-                            # After the wgmmas: a cp.async before them would need a second proxy fence.
-                            load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
-                            # overlap: k-tile t - 1's wgmmas are done, its A buffer is free for t + 1.
-                            T.warpgroup_wait(1 if overlap else 0)
+                pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             else:
-                # k-tile t's words wait in register buffer t % bufs. The loop is unrolled so that every
-                # buffer index is a constant and no buffer is ever copied (a copy of a buffer whose
-                # loads are in flight would wait for them); k-tiles past the end are skipped.
-                for p in T.unroll(ahead + (1 if overlap else 0)):
-                    load_w(B, S, w, sc, p, p, k0, bx, wg, wq, lane)
-                if overlap:
-                    decode_stage(w, sc, a, 0, 0)
-                for t0 in T.serial(-(-trips // unrolled)):
-                    for r in T.unroll(unrolled):
-                        t = t0 * unrolled + r
-                        if t < trips:
-                            stage_ready()
-                            if overlap:
-                                mma_stage(a, r % 2, acc, desc, t)
-                                load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
-                                # Into the buffer of k-tile t, decoded in the previous iteration.
-                                load_w(B, S, w, sc, r % bufs, t + 1 + ahead, k0, bx, wg, wq, lane)
-                                T.warpgroup_wait(1)    # k-tile t - 1's wgmmas are done: its A buffer is free
-                                if t + 1 < trips:
-                                    decode_stage(w, sc, a, (r + 1) % bufs, (r + 1) % 2)
-                            else:
-                                load_w(B, S, w, sc, (r + ahead) % bufs, t + ahead, k0, bx, wg, wq, lane)
-                                decode_stage(w, sc, a, r % bufs, 0)
-                                mma_stage(a, 0, acc, desc, t)
-                                load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
-                                T.warpgroup_wait(0)
+                pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             T.warpgroup_wait(0)
             T.warpgroup_fence_operand(acc, num_regs=acc_len)
 
