@@ -13,6 +13,19 @@ def valid_points(axes: dict[str, tuple], make: Callable[[tuple], object], check,
     return [knobs for knobs in points if check(problem, knobs, arch) is None]
 
 
+def tiling_reason(problem, block_n: int, block_k: int, scale_rows: str = "") -> str | None:
+    """Why block_n x block_k tiles do not fit `problem` (N, K, and with group scales the group size,
+    so that a k-tile never straddles two scale rows), or None; `scale_rows` adds the family's words
+    for that last rule."""
+    if problem.n % block_n:
+        return f"N={problem.n} is not a multiple of block_n={block_n}"
+    if problem.k % block_k:
+        return f"K={problem.k} is not a multiple of block_k={block_k}"
+    if not problem.channelwise and problem.group % block_k:
+        return f"group={problem.group} must be a multiple of block_k={block_k}" + (f" ({scale_rows})" if scale_rows else "")
+    return None
+
+
 def knob_value(knobs_cls, name: str, text: str):
     """A knob's value from command-line text: 0/1/true/false/yes/no for flags, integers otherwise.
     An unknown knob or a value of the wrong type is a ValueError that names it."""

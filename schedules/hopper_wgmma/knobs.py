@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ..arch import Arch
 from ..marlin_mma.layout import SLAB_N, TILE_K
+from ..knob_space import tiling_reason
 from ..problem import Problem
 
 
@@ -43,12 +44,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"block_n={kb.block_n} must be a multiple of {SLAB_N} and at most 256 (one wgmma N)"
     if kb.block_k % TILE_K or kb.block_k < 32:
         return f"block_k={kb.block_k} must be a multiple of 16, at least 32"
-    if problem.n % kb.block_n:
-        return f"N={problem.n} is not a multiple of block_n={kb.block_n}"
-    if problem.k % kb.block_k:
-        return f"K={problem.k} is not a multiple of block_k={kb.block_k}"
-    if not problem.channelwise and problem.group % kb.block_k:
-        return f"group={problem.group} must be a multiple of block_k={kb.block_k}"
+    reason = tiling_reason(problem, kb.block_n, kb.block_k)
+    if reason:
+        return reason
     if kb.num_stages < 2:
         return "num_stages must be at least 2"
     if problem.k // kb.block_k < kb.num_stages:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import Arch
+from ..knob_space import tiling_reason
 from ..problem import Problem
 from .layout import SLAB_N, TILE_K
 
@@ -92,14 +93,11 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"block_k={kb.block_k} must be a multiple of 16 * warps_k={16 * kb.warps_k}"
     if kb.threads > 1024:
         return f"{kb.threads} threads exceed the 1024 a block may have"
-    if problem.n % kb.block_n:
-        return f"N={problem.n} is not a multiple of block_n={kb.block_n}"
-    if problem.k % kb.block_k:
-        return f"K={problem.k} is not a multiple of block_k={kb.block_k}"
+    reason = tiling_reason(problem, kb.block_n, kb.block_k, "one scale row per tile")
+    if reason:
+        return reason
     if problem.channelwise and kb.scale_on_acc:
         return "channelwise scales are always applied to the sums; scale_on_acc adds nothing"
-    if not problem.channelwise and problem.group % kb.block_k:
-        return f"group={problem.group} must be a multiple of block_k={kb.block_k} (one scale row per tile)"
     if kb.num_stages < 2:
         return "num_stages must be at least 2 for the loads to overlap the math"
     if kb.min_iters(problem) < kb.num_stages:

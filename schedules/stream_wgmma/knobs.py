@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ..arch import Arch
 from ..marlin_mma.layout import SLAB_N, TILE_K
+from ..knob_space import tiling_reason
 from ..problem import Problem
 
 WARPGROUP = 128
@@ -113,12 +114,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"warpgroups={kb.warpgroups}: 1 or 2"
     if kb.block_k % (2 * TILE_K):
         return f"block_k={kb.block_k} must be a multiple of 32"
-    if problem.n % kb.block_n:
-        return f"N={problem.n} is not a multiple of block_n={kb.block_n}"
-    if problem.k % kb.block_k:
-        return f"K={problem.k} is not a multiple of block_k={kb.block_k}"
-    if not problem.channelwise and problem.group % kb.block_k:
-        return f"group={problem.group} must be a multiple of block_k={kb.block_k} (one scale row per stage)"
+    reason = tiling_reason(problem, kb.block_n, kb.block_k, "one scale row per stage")
+    if reason:
+        return reason
     if kb.tma and not (kb.smem_weights and kb.block_k == 64):
         return "tma fills the stages with weights too (smem_weights) in 64-wide swizzled tiles (block_k=64)"
     if kb.release_barriers and not kb.tma:
