@@ -48,6 +48,12 @@ def run(args) -> int:
     from .compile import compile_schedule
     from .models import parse_shapes
 
+    if args.sass:
+        from .sass import missing_tools
+
+        if missing_tools():      # before a compile of several seconds whose machine code cannot be read
+            print(f"gen compile: --sass needs {', '.join(missing_tools())} on PATH (see gen/sass.py)")
+            return 2
     (layer,) = parse_shapes(args.shape)
     problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)
     arch = get_arch(args.arch)
@@ -74,9 +80,5 @@ def run(args) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             kernel.export_ptx(f"{tmp}/kernel.ptx")
             ptx = Path(f"{tmp}/kernel.ptx").read_text()
-        try:
-            print(report(disassemble(ptx, arch.name)))
-        except RuntimeError as exc:
-            print(f"gen compile: {exc}")
-            return 2
+        print(report(disassemble(ptx, arch.name)))
     return 0

@@ -192,7 +192,7 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     # Every k-tile ends in block-wide barriers that drain the warps' MMA chains: a fixed cost per
     # tile that favours deep tiles (block_k) the more the fewer warps hide it.
     wave_s = max(mem_s, math_s + k_tiles * gpu.k_tile_us * 1e-6) + fill_s
-    wave_s *= knob_factor(kb, m) * stream_mma_shape_factor(schedule.family, kb, m)
+    wave_s *= measured_factor(schedule.family, kb, m)
 
     out_s = m * problem.n * 2 / gpu.hbm_bytes_per_s
     # Split-K: every split adds an fp32 partial into the workspace; the last one reads it back and
@@ -218,24 +218,22 @@ KNOB_FACTORS = {
 }
 
 
-def knob_factor(knobs, m: int) -> float:
-    """The product of KNOB_FACTORS for the optional techniques `knobs` switches on at M = m."""
-    factor = 1.0
-    for name, rows in KNOB_FACTORS.items():
-        if getattr(knobs, name, False):
-            factor *= next(f for up_to, f in rows if up_to is None or m <= up_to)
-    return factor
-
-
-def stream_mma_shape_factor(family: str, knobs, m: int) -> float:
-    """Where the terms above misjudge stream_mma's shape knobs, fitted on 1066 H200 sweep timings of
-    session 3 (M = 1-64, four Llama-2-7B layers; perf-notes v12): wider M tiles cost more than the
-    weight bytes they save (more registers and loads per warp), unroll 8 less at M <= 16 (one fold
-    and one scale row per group), and split 8 less than its workspace traffic suggests. With these
-    the best of the model's top 5 is 1.013x the measured best on average (1.088x without)."""
+def measured_factor(family: str, knobs, m: int) -> float:
+    """stream_mma's measured corrections to the terms above at M = m (1 for the other families): the
+    KNOB_FACTORS of the techniques `knobs` switches on, and its shape knobs, fitted on 1066 H200
+    sweep timings of session 3 (M = 1-64, four Llama-2-7B layers; perf-notes v12): wider M tiles
+    cost more than the weight bytes they save (more registers and loads per warp), unroll 8 less at
+    M <= 16 (one fold and one scale row per group), and split 8 less than its workspace traffic
+    suggests. With them the best of the model's top 5 is 1.021x the measured best on average
+    (1.088x without)."""
     if family != "stream_mma":
         return 1.0
-    factor = knobs.m_tiles ** 0.25 if m > 8 else 1.0
+    factor = 1.0
+    for name, rows in KNOB_FACTORS.items():
+        if getattr(knobs, name):
+            factor *= next(f for up_to, f in rows if up_to is None or m <= up_to)
+    if m > 8:
+        factor *= knobs.m_tiles ** 0.25
     if m <= 16 and knobs.unroll == 8:
         factor *= 0.7
     if knobs.split_k == 8:
