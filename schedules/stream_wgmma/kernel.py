@@ -83,7 +83,7 @@ def build(problem: Problem, knobs: Knobs):
     load_words = f"tm_ldg_words{g}"
     w_smem = kb.smem_weights
     bufs = 1 if w_smem else ahead + 1    # register buffers of packed words (and scales)
-    unrolled = bufs * 2 // math.gcd(bufs, 2) if overlap else bufs    # k-tiles per unrolled trip
+    unrolled = math.lcm(bufs, 2) if overlap else bufs    # k-tiles per unrolled trip
     per_w = steps * g               # packed words per lane and stage
     per_s = 2 * g                   # group scales per lane and stage: rows g and g + 8 of each group
     a_len = steps * g * 8           # decoded halves per lane and stage
