@@ -97,6 +97,11 @@ def build(problem: Problem, knobs: Knobs):
         fills two consecutive k-steps."""
         return (mi * unroll + u) * 4
 
+    def scale_col(sj, v, g):
+        """Column, within the block, of a lane's scale v of slab sj: 16 (v // 2) + g, + 8 for odd v (the
+        lane's A rows of each 16-column group)."""
+        return sj * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g
+
     x_smem = kb.x_ldmatrix
     w_smem = kb.async_weights                # implies x_smem (check): every load of the k-loop is a cp.async
     per_w, per_x, per_s = unroll * slabs * 4, unroll * m_tiles * 4, slabs * 8
@@ -143,8 +148,7 @@ def build(problem: Problem, knobs: Knobs):
                 # Columns 16j + g and 16j + 8 + g of each slab: the scales of the lane's A rows.
                 for sj in T.unroll(slabs):
                     for v in T.unroll(8):
-                        scale[buf * per_s + sj * 8 + v] = S[kt0 * TILE_K // group,
-                                                            (bx * slabs + sj) * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g]
+                        scale[buf * per_s + sj * 8 + v] = S[kt0 * TILE_K // group, bx * slabs * SLAB_N + scale_col(sj, v, g)]
         if x_smem:
             T.ptx_commit_group()       # one group per batch, empty past the end, so waits count batches
 
@@ -165,7 +169,7 @@ def build(problem: Problem, knobs: Knobs):
                 if grouped:
                     for sj in T.unroll(slabs):
                         for v in T.unroll(8):
-                            scale[sj * 8 + v] = S_s[wk, slot, sj * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + lane // 4]
+                            scale[sj * 8 + v] = S_s[wk, slot, scale_col(sj, v, lane // 4)]
             if x_smem:
                 # Matrices: rows of m-tile mi x k 0-7, 8-15 of step u, then of step u + 1: b0b1, b2b3 twice.
                 for mi in T.unroll(m_tiles):
