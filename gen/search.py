@@ -98,6 +98,24 @@ def _top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:
     return sorted(keep, key=ranked.index)
 
 
+def add_incumbents(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec, families=None) -> int:
+    """Put each bucket's current table winner among its candidates (when still valid and of a searched
+    family), so that a re-tune measures it in the same run and never replaces it with something
+    slower that the cost model preferred. Returns how many were added."""
+    added = 0
+    for search in searches:
+        entry = table.entry(search.problem, search.bucket)
+        if entry is None or (families is not None and entry.schedule.family not in families):
+            continue
+        sched = entry.schedule
+        if sched.module.check(search.problem, sched.knobs, arch) is not None:
+            continue
+        if all(r.schedule != sched for r in search.results):
+            search.results.append(Result(sched, estimate_us(search.problem, sched, search.bucket, gpu)))
+            added += 1
+    return added
+
+
 def compile_jobs(searches: list[BucketSearch]) -> list[tuple[Problem, Schedule]]:
     """Distinct (problem, schedule) pairs, in first-seen order: one kernel serves every bucket."""
     return list(dict.fromkeys((s.problem, r.schedule) for s in searches for r in s.results))

@@ -42,7 +42,7 @@ def register(subparsers) -> None:
     p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure")
     p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table")
-    p.add_argument("--families", help="schedule families to search, comma separated (default: every family the arch offers)")
+    p.add_argument("--families", help="schedule families to search, comma separated (default: marlin_mma, stream_mma and stream_wgmma where the arch offers them)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
     p.add_argument("--arch", help="target arch for --dry-run (default sm_90a); with a GPU it must match the GPU")
@@ -144,7 +144,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
 
-    from .search import MeasureError, achieved_gbps, measure_problem, plan
+    from .search import MeasureError, achieved_gbps, add_incumbents, measure_problem, plan
 
     arch = current_arch()
     if args.arch and get_arch(args.arch) != arch:
@@ -158,7 +158,9 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     print(f"tuning on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs): {len(targets)} shapes x {len(buckets)} buckets, "
           f"{len(pending)} to tune, {len(targets) * len(buckets) - len(pending)} already in {path}")
 
-    searches = plan(pending, arch, GpuSpec.current(), top=args.top, families=args.families)
+    spec = GpuSpec.current()
+    searches = plan(pending, arch, spec, top=args.top, families=args.families)
+    add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
     if searches:
         compile_with_progress(searches, arch, args.workers)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 from .arch import Arch, current_arch
 from .problem import Problem
-from .registry import FAMILIES, Schedule
+from .registry import FAMILIES, SEARCHED, Schedule
 
 MAX_THREADS_PER_SM = 2048
 MAX_BLOCKS_PER_SM = 32
@@ -45,6 +45,10 @@ class FamilyTraits:
     scale_ops: float = 0.5          # and per weight to apply its group scale
     warps_to_fill_sm: int = 8       # resident warps per SM that keep the tensor cores issuing
     mma_efficiency: float = 1.0     # the share of the arch's MMA rate the family's kernels reach
+    pull_scale: float = 1.0         # per-SM pull rate relative to GpuSpec.sm_bytes_per_s (fitted on
+                                    # warps that wait for their own loads; TMA's copies do not)
+    decode_under_mma: bool = False  # the decode of one stage runs while the tensor cores work on
+                                    # the previous one (asynchronous wgmma), rather than before it
 
 
 TRAITS = {
@@ -61,11 +65,13 @@ TRAITS = {
     # are within 17 % on average (a pull without barriers fitted no better). Across all three
     # families the model's pick is 1.045x the best measured one on the session-2 tune.
     "stream_mma": FamilyTraits(decode_ops=1.0),
-    # The stream decode into wgmma's register operand. Fitted on 610 H200 sweep timings (session 3,
-    # M = 128-4096, perf-notes v10): its first version reaches ~40 % of the wgmma rate (RMS log
-    # error 0.32; the best configurations run at ~320 TFLOP/s).
+    # The stream decode into wgmma's register operand, as searched: TMA fills the stages (no warp
+    # waits for its own loads) and a stage is decoded under the previous stage's wgmmas. Fitted on
+    # 30 H200 timings of session 4 (M = 128-4096, perf-notes v13): estimates 1.13x the measured
+    # time on average (RMS log error 0.25), and the best of the model's top 4 is the measured best.
+    # (The register-load pipeline, out of the search, reached 0.4 of the wgmma rate: v10.)
     "stream_wgmma": FamilyTraits(wgmma=True, decode_ops=1.0, scale_ops=0.5, warps_to_fill_sm=8,
-                                 mma_efficiency=0.4),
+                                 mma_efficiency=1.0, pull_scale=2.0, decode_under_mma=True),
 }
 
 
@@ -167,7 +173,7 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     in_flight = per_wave * (stages - 1) * (weight_tile + act_tile)
     hbm_rate = min(gpu.hbm_bytes_per_s, in_flight / (gpu.latency_us * 1e-6))
     mem_s = max(from_hbm * per_wave / blocks / hbm_rate, to_sms / gpu.l2_bytes_per_s,
-                to_sms / (active_sms * gpu.sm_bytes_per_s))
+                to_sms / (active_sms * gpu.sm_bytes_per_s * traits.pull_scale))
 
     busy = active_sms / gpu.sm_count * min(1.0, warps_per_sm / traits.warps_to_fill_sm)
     mma_rate = (gpu.wgmma_flops if traits.wgmma else gpu.mma_flops) * traits.mma_efficiency
@@ -185,7 +191,7 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     # Warps that share block columns (warps_m > 1) each decode the same weights.
     decoded = per_wave * bn * k_block * getattr(kb, "warps_m", 1)
     decode_s = decoded * ops_per_weight / (gpu.alu_ops_per_s * busy)
-    math_s = mma_s + decode_s
+    math_s = max(mma_s, decode_s) if traits.decode_under_mma else mma_s + decode_s
     # Pipeline fill: before the steady state a block waits one latency and num_stages tile loads
     # at its share of the bandwidth, with no math to overlap them.
     fill_s = gpu.latency_us * 1e-6 + stages * (weight_tile + act_tile) * per_wave / hbm_rate
@@ -209,12 +215,13 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
 # Measured effects of stream_mma's optional techniques that the terms above do not capture (the
 # small-M kernels are bound by the SM's instructions and latencies, not by bytes): the median time
 # ratio with / without the knob over ~25-55 otherwise equal configurations per M and layer class,
-# H200 sweeps of session 3 (docs/perf-notes.md v7-v9). (knob, M up to) -> factor; the first
+# H200 sweeps of sessions 3-4 (docs/perf-notes.md v7-v9, v13). (knob, M up to) -> factor; the first
 # matching row applies.
 KNOB_FACTORS = {
     "fold_zero_point": ((16, 0.95), (None, 1.35)),
     "cluster_reduce": ((None, 0.97),),
-    "x_ldmatrix": ((16, 1.0), (None, 0.93)),
+    "x_ldmatrix": ((2, 1.4), (4, 1.25), (8, 1.05), (16, 1.0), (None, 0.93)),
+    "async_weights": ((8, 0.95), (None, 0.92)),
 }
 
 
@@ -248,8 +255,8 @@ def _candidates(problem: Problem, arch: Arch, families: tuple[str, ...]) -> tupl
 
 
 def rank(problem: Problem, m: int, arch: Arch, gpu: GpuSpec, families=None) -> list[Schedule]:
-    """All valid candidates of `families` (all by default), fastest estimate first."""
-    names = tuple(sorted(FAMILIES)) if families is None else tuple(families)
+    """All valid candidates of `families` (registry.SEARCHED by default), fastest estimate first."""
+    names = tuple(sorted(SEARCHED)) if families is None else tuple(families)
     for name in names:
         if name not in FAMILIES:
             raise ValueError(f"unknown schedule family {name!r}; known: {sorted(FAMILIES)}")

@@ -9,7 +9,7 @@ from schedules.arch import get_arch
 from schedules.cost import TRAITS, GpuSpec, best_schedule, estimate_us, rank
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
-from schedules.registry import FAMILIES, Schedule
+from schedules.registry import FAMILIES, SEARCHED, Schedule
 
 H200 = get_arch("sm_90a")
 SPEC = GpuSpec.for_arch(H200)
@@ -86,7 +86,8 @@ def test_large_m_prefers_large_block_m():
 def test_rank_covers_the_valid_space_sorted():
     ranked = rank(QKV, 16, H200, SPEC)
     assert {(s.family, s.knobs) for s in ranked} == \
-        {(name, knobs) for name, fam in FAMILIES.items() for knobs in fam.space(QKV, H200)}
+        {(name, knobs) for name in SEARCHED for knobs in FAMILIES[name].space(QKV, H200)}
+    assert "hopper_wgmma" not in SEARCHED and rank(QKV, 16, H200, SPEC, families=["hopper_wgmma"])
     times = [estimate_us(QKV, s, 16, SPEC) for s in ranked]
     assert times == sorted(times)
     assert all(s.module.check(QKV, s.knobs, H200) is None for s in ranked)
@@ -97,10 +98,13 @@ def test_rank_covers_the_valid_space_sorted():
 
 def test_families_by_batch_size():
     # decode: bandwidth, where warps streaming weights without barriers win (measured on the H200);
-    # large M: marlin_mma, as long as hopper_wgmma's decode does not overlap its wgmma (perf-notes v5)
+    # large M on sm_90a: the wgmma family whose decode overlaps its wgmmas (perf-notes v13: 0.85x of
+    # FP16 at M=4096 against marlin_mma's 0.49x), never the one whose decode does not (v5)
     assert rank(QKV, 1, H200, SPEC)[0].family == "stream_mma"
-    assert rank(QKV, 4096, H200, SPEC)[0].family == "marlin_mma"
-    assert "hopper_wgmma" in {s.family for s in rank(QKV, 4096, H200, SPEC)}
+    assert rank(QKV, 4096, H200, SPEC)[0].family == "stream_wgmma"
+    mma_first = rank(QKV, 4096, H200, SPEC, families=["marlin_mma", "hopper_wgmma"])[0]
+    assert mma_first.family == "marlin_mma"
+    assert {s.family for s in rank(QKV, 4096, H200, SPEC)} == set(SEARCHED)
     a100 = get_arch("sm_80")
     assert {s.family for s in rank(QKV, 4096, a100, GpuSpec.for_arch(a100))} == {"marlin_mma", "stream_mma"}
 

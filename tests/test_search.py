@@ -50,12 +50,35 @@ def test_plan_keeps_the_top_ranked():
 
 def test_compile_jobs_are_deduplicated_across_buckets():
     s = _search()
-    small = s.plan([(QKV, b) for b in (1, 2, 4, 8)], H200, _spec(), top=4)
+    small = s.plan([(QKV, b) for b in (1, 2)], H200, _spec(), top=4)
     assert len(s.compile_jobs(small)) == 4       # same padded tiles (8 and 16 rows): the same top 4
     everything = s.plan([(QKV, b) for b in (1, 16, 256, 4096)], H200, _spec(), top=4)
     jobs = s.compile_jobs(everything)
     assert len(jobs) == len(set(jobs)) < 16
     assert set(jobs) == {(QKV, r.schedule) for x in everything for r in x.results}
+
+
+def test_retune_measures_the_incumbent_once():
+    from runtime.table import TunedTable
+    from schedules import marlin_mma, stream_mma
+    from schedules.registry import Schedule
+
+    s = _search()
+    incumbent = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 16, ahead=2))
+    too_big = Schedule("marlin_mma", marlin_mma.Knobs(block_m=16, block_n=512, block_k=64, warps_m=1, warps_n=1,
+                                                     num_stages=3))
+    assert incumbent.module.check(QKV, incumbent.knobs, H200) is None
+    assert too_big.module.check(QKV, too_big.knobs, H200) is not None
+    table = TunedTable()
+    table.record(QKV, 1, incumbent, 11.0)
+    table.record(QKV, 16, too_big, 20.0)
+    searches = s.plan([(QKV, 1), (QKV, 16), (QKV, 64)], H200, _spec(), top=3)
+    assert all(incumbent not in [r.schedule for r in x.results] for x in searches)
+    assert s.add_incumbents(searches, table, H200, _spec(), families=["marlin_mma"]) == 0   # not searched
+    assert s.add_incumbents(searches, table, H200, _spec()) == 1       # only bucket 1; the invalid one is left out
+    assert s.add_incumbents(searches, table, H200, _spec()) == 0       # never twice
+    one = next(x for x in searches if x.bucket == 1)
+    assert [r.schedule for r in one.results].count(incumbent) == 1 and len(one.results) == 4
 
 
 def test_compile_failures_become_results(monkeypatch):

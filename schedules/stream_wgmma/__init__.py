@@ -18,19 +18,19 @@ pack, unpack = marlin_mma.pack, marlin_mma.unpack
 workspace_elems, kernel_args = marlin_mma.workspace_elems, marlin_mma.kernel_args
 
 AXES = {
-    "block_m": (64, 128, 256),
-    "groups": (1, 2, 4),
-    "warpgroups": (1, 2),
-    "block_k": (64, 128),
-    "stages": (3, 4),
-    "ahead": (1, 2),        # 2 needs the registers of block_m <= 64 (measured +5-10 % there, session 3)
-    "overlap": (False, True),
+    # Only the TMA pipeline is searched: on the H200 it ran 1.5-2x faster than the register and
+    # cp.async pipelines at every M measured (perf-notes v13), which stay as knobs for comparison.
+    "block_m": (32, 64, 128, 256),
+    "groups": (1, 2),
+    "warpgroups": (2,),       # one warpgroup per block never won (sessions 3-4)
+    "block_k": (64,),         # the TMA tiles are 64 wide (one 128-byte swizzle atom)
+    "stages": (4,),
+    "ahead": (1,),
+    "overlap": (True,),       # decode of k-tile t + 1 under k-tile t's wgmmas: faster in every pair
     "split_k": (1, 2, 4),
-    # Compiled and checked on CPU only (SASS: no global load left in the k-loop, perf-notes v11);
-    # joins the search once measured on a GPU.
-    "smem_weights": (False,),
-    "tma": (False,),
-    "release_barriers": (False,),
+    "smem_weights": (True,),
+    "tma": (True,),
+    "release_barriers": (False,),    # per-stage empty barriers: correct but 5-20 % slower (v13)
 }
 
 
