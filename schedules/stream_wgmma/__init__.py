@@ -22,9 +22,9 @@ AXES = {
     # cp.async pipelines at every M measured (perf-notes v13), which stay as knobs for comparison.
     "block_m": (32, 64, 128, 256),
     "groups": (1, 2),
-    "warpgroups": (2,),       # one warpgroup per block never won (sessions 3-4)
+    "warpgroups": (1, 2),
     "block_k": (64,),         # the TMA tiles are 64 wide (one 128-byte swizzle atom)
-    "stages": (4,),
+    "stages": (4, 6),
     "ahead": (1,),
     "overlap": (True,),       # decode of k-tile t + 1 under k-tile t's wgmmas: faster in every pair
     "split_k": (1, 2, 4),
