@@ -116,6 +116,35 @@ def add_incumbents(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec
     return added
 
 
+def add_seeds(searches: list[BucketSearch], sweep_records: list[dict], arch: Arch, gpu: GpuSpec,
+              per_bucket: int = 3, families=None) -> int:
+    """Add the `per_bucket` fastest correct candidates of a `gen sweep --json` file at the same
+    problem and M as a bucket's edge to that bucket's candidates (if valid and not there yet): what
+    a sweep found is measured by the tune even where the cost model ranks it low. Returns how many
+    were added; a record that is not a sweep's is an error that names it."""
+    from schedules.problem import Problem
+
+    by_key: dict[tuple, list[Result]] = {}
+    for i, rec in enumerate(sweep_records):
+        try:
+            key = (Problem(**rec["problem"]), int(rec["m"]))
+            timed = [(r["us"], Schedule.from_dict(r["schedule"])) for r in rec["results"]
+                     if r.get("us") is not None and not r.get("error")]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"sweep record {i} is not a `gen sweep --json` record ({exc!r})") from None
+        by_key.setdefault(key, []).extend(Result(s, 0.0, us=us) for us, s in timed)
+    added = 0
+    for search in searches:
+        seeds = sorted(by_key.get((search.problem, search.bucket), []), key=lambda r: r.us)
+        for seed in [r for r in seeds if families is None or r.schedule.family in families][:per_bucket]:
+            sched = seed.schedule
+            if sched.module.check(search.problem, sched.knobs, arch) is None and \
+                    all(r.schedule != sched for r in search.results):
+                search.results.append(Result(sched, estimate_us(search.problem, sched, search.bucket, gpu)))
+                added += 1
+    return added
+
+
 def compile_jobs(searches: list[BucketSearch]) -> list[tuple[Problem, Schedule]]:
     """Distinct (problem, schedule) pairs, in first-seen order: one kernel serves every bucket."""
     return list(dict.fromkeys((s.problem, r.schedule) for s in searches for r in s.results))

@@ -10,6 +10,7 @@ resumes where it stopped; --force re-tunes what is already there.
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ def register(subparsers) -> None:
     p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure")
     p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table")
+    p.add_argument("--seed", metavar="SWEEP.json", help="also measure, per bucket, the 3 fastest correct candidates "
+                   "that `gen sweep --json` recorded at the bucket's edge M for the same shape")
     p.add_argument("--families", help="schedule families to search, comma separated (default: marlin_mma, stream_mma and stream_wgmma where the arch offers them)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
@@ -100,6 +103,7 @@ def run(args) -> int:
         args.families = parse_families(args.families)
         if args.top < 1:
             raise ValueError(f"--top must be at least 1, got {args.top}")
+        args.seed_records = load_sweep(args.seed) if args.seed else []
     except ValueError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
         return 2
@@ -113,6 +117,20 @@ def run(args) -> int:
               "(or sm_80).", file=sys.stderr)
         return 2
     return tune_on_gpu(args, targets, buckets)
+
+
+def load_sweep(path: str) -> list[dict]:
+    """The records of a `gen sweep --json` file; a missing or unreadable file is a ValueError that says so."""
+    try:
+        with open(path) as f:
+            records = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--seed {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--seed {path} is not JSON ({exc})") from None
+    if not isinstance(records, list):
+        raise ValueError(f"--seed {path} is not a `gen sweep --json` file (expected a list of records)")
+    return records
 
 
 def pending_pairs(targets: list[Target], buckets: list[int], table, force: bool) -> list[tuple[Problem, int]]:
@@ -144,7 +162,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
 
-    from .search import MeasureError, achieved_gbps, add_incumbents, measure_problem, plan
+    from .search import MeasureError, achieved_gbps, add_incumbents, add_seeds, measure_problem, plan
 
     arch = current_arch()
     if args.arch and get_arch(args.arch) != arch:
@@ -161,6 +179,9 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     spec = GpuSpec.current()
     searches = plan(pending, arch, spec, top=args.top, families=args.families)
     add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
+    if args.seed_records:
+        seeded = add_seeds(searches, args.seed_records, arch, spec, families=args.families)
+        print(f"{seeded} candidates added from the sweep {args.seed}")
     if searches:
         compile_with_progress(searches, arch, args.workers)
 

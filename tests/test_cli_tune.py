@@ -159,3 +159,16 @@ def test_unknown_family_is_an_error_that_lists_the_known(capsys):
     rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--families", "stream_mma,nope",
                       "--dry-run", "--arch", "sm_90a")
     assert rc == 2 and "unknown schedule family 'nope'" in err and "marlin_mma" in err
+
+
+def test_a_bad_seed_file_is_an_error_that_names_it(capsys, tmp_path):
+    missing = tmp_path / "missing.json"
+    rc, _, err = call(capsys, "tune", "--shapes", "4096x4096", "--seed", str(missing))
+    assert rc == 2 and "--seed" in err and "missing.json" in err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    rc, _, err = call(capsys, "tune", "--shapes", "4096x4096", "--seed", str(broken))
+    assert rc == 2 and "not JSON" in err
+    broken.write_text('{"problem": {}}')
+    rc, _, err = call(capsys, "tune", "--shapes", "4096x4096", "--seed", str(broken))
+    assert rc == 2 and "gen sweep --json" in err

@@ -25,6 +25,9 @@ CASES = {
     "smem_weights_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True)),
     # the stages filled by TMA against mbarriers: no cp.async and no proxy fence in the k-loop.
     "tma_split4": (Problem(1024, 11008, 128), Knobs(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True)),
+    # small M: wgmma n8, one warpgroup, eight stages of a TMA-fed weight stream, split-K.
+    "tma_m8_split4": (Problem(1024, 4096, 128), Knobs(8, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True,
+                                                     tma=True)),
     # ... and the stages freed through per-stage mbarriers instead of a block barrier.
     "tma_release_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
                                                           release_barriers=True)),
@@ -47,7 +50,7 @@ def test_not_offered_before_hopper():
 
 
 @pytest.mark.parametrize("knobs,fragment", [
-    (Knobs(block_m=24), "multiple of 16"),
+    (Knobs(block_m=20), "multiple of 8"),
     (Knobs(groups=3), "1, 2 or 4"),
     (Knobs(block_k=48), "multiple of 32"),
     (Knobs(stages=2, overlap=True), "no activation stage in flight"),

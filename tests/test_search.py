@@ -81,6 +81,33 @@ def test_retune_measures_the_incumbent_once():
     assert [r.schedule for r in one.results].count(incumbent) == 1 and len(one.results) == 4
 
 
+def test_seeds_from_a_sweep_join_the_matching_buckets():
+    from schedules import stream_mma, stream_wgmma
+    from schedules.registry import Schedule
+
+    s = _search()
+    fast = Schedule("stream_wgmma", stream_wgmma.Knobs(8, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True, tma=True))
+    slow = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 16, ahead=2))
+    wrong = Schedule("stream_mma", stream_mma.Knobs(1, 1, 8, 4, 16, ahead=2))
+
+    def timing(sched, us, error=None):
+        return {"schedule": sched.to_dict(), "name": sched.name, "us": us, "error": error}
+
+    records = [{"problem": {"n": 12288, "k": 4096, "group": 128, "dtype": "float16", "bits": 4}, "m": 1,
+                "results": [timing(slow, 20.0), timing(fast, 9.0), timing(wrong, 5.0, error="wrong: rel err 0.5")]},
+               {"problem": {"n": 4096, "k": 4096, "group": 128, "dtype": "float16", "bits": 4}, "m": 1,
+                "results": [timing(fast, 3.0)]}]
+    searches = s.plan([(QKV, 1), (QKV, 16)], H200, _spec(), top=2)
+    assert s.add_seeds(searches, records, H200, _spec(), per_bucket=1) == 1     # the fastest correct, at M=1 only
+    one, sixteen = searches
+    assert one.results[-1].schedule == fast and one.results[-1].us is None      # measured again by the tune
+    assert all(r.schedule != fast for r in sixteen.results)
+    assert s.add_seeds(searches, records, H200, _spec(), per_bucket=2, families=["stream_mma"]) == 1
+    assert one.results[-1].schedule == slow
+    with pytest.raises(ValueError, match="record 0"):
+        s.add_seeds(searches, [{"m": 1}], H200, _spec())
+
+
 def test_compile_failures_become_results(monkeypatch):
     s = _search()
     searches = s.plan([(QKV, 1), (QKV, 16)], H200, _spec(), top=3)

@@ -20,14 +20,14 @@ workspace_elems, kernel_args = marlin_mma.workspace_elems, marlin_mma.kernel_arg
 AXES = {
     # Only the TMA pipeline is searched: on the H200 it ran 1.5-2x faster than the register and
     # cp.async pipelines at every M measured (perf-notes v13), which stay as knobs for comparison.
-    "block_m": (32, 64, 128, 256),
+    "block_m": (8, 16, 32, 64, 128, 256),     # 8 and 16: small M, a TMA-fed weight stream
     "groups": (1, 2),
     "warpgroups": (1, 2),
     "block_k": (64,),         # the TMA tiles are 64 wide (one 128-byte swizzle atom)
-    "stages": (4, 6),
+    "stages": (4, 6, 8),
     "ahead": (1,),
     "overlap": (True,),       # decode of k-tile t + 1 under k-tile t's wgmmas: faster in every pair
-    "split_k": (1, 2, 4),
+    "split_k": (1, 2, 4, 8),
     "smem_weights": (True,),
     "tma": (True,),
     "release_barriers": (False,),    # per-stage empty barriers: correct but 5-20 % slower (v13)

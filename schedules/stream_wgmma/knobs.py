@@ -106,8 +106,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     for field in ("block_m", "groups", "warpgroups", "block_k", "stages", "ahead", "split_k"):
         if getattr(kb, field) < 1:
             return f"{field}={getattr(kb, field)} must be positive"
-    if kb.block_m % 16 or kb.block_m > 256:
-        return f"block_m={kb.block_m} is the wgmma's N: a multiple of 16, at most 256"
+    if kb.block_m % 8 or kb.block_m > 256:
+        return f"block_m={kb.block_m} is the wgmma's N: a multiple of 8, at most 256"
     if kb.groups not in (1, 2, 4):
         return f"groups={kb.groups}: a packed word vector holds 4 groups, so 1, 2 or 4"
     if kb.warpgroups not in (1, 2):
