@@ -98,6 +98,15 @@ def _top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:
     return sorted(keep, key=ranked.index)
 
 
+def _add_candidate(search: BucketSearch, schedule: Schedule, arch: Arch, gpu: GpuSpec) -> bool:
+    """Append `schedule` to the bucket's candidates if it is valid there and not among them yet."""
+    if schedule.module.check(search.problem, schedule.knobs, arch) is not None or \
+            any(r.schedule == schedule for r in search.results):
+        return False
+    search.results.append(Result(schedule, estimate_us(search.problem, schedule, search.bucket, gpu)))
+    return True
+
+
 def add_incumbents(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec, families=None) -> int:
     """Put each bucket's current table winner among its candidates (when still valid and of a searched
     family), so that a re-tune measures it in the same run and never replaces it with something
@@ -105,14 +114,8 @@ def add_incumbents(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec
     added = 0
     for search in searches:
         entry = table.entry(search.problem, search.bucket)
-        if entry is None or (families is not None and entry.schedule.family not in families):
-            continue
-        sched = entry.schedule
-        if sched.module.check(search.problem, sched.knobs, arch) is not None:
-            continue
-        if all(r.schedule != sched for r in search.results):
-            search.results.append(Result(sched, estimate_us(search.problem, sched, search.bucket, gpu)))
-            added += 1
+        if entry is not None and (families is None or entry.schedule.family in families):
+            added += _add_candidate(search, entry.schedule, arch, gpu)
     return added
 
 
@@ -137,11 +140,7 @@ def add_seeds(searches: list[BucketSearch], sweep_records: list[dict], arch: Arc
     for search in searches:
         seeds = sorted(by_key.get((search.problem, search.bucket), []), key=lambda r: r.us)
         for seed in [r for r in seeds if families is None or r.schedule.family in families][:per_bucket]:
-            sched = seed.schedule
-            if sched.module.check(search.problem, sched.knobs, arch) is None and \
-                    all(r.schedule != sched for r in search.results):
-                search.results.append(Result(sched, estimate_us(search.problem, sched, search.bucket, gpu)))
-                added += 1
+            added += _add_candidate(search, seed.schedule, arch, gpu)
     return added
 
 

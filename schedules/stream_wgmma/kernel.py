@@ -1,30 +1,29 @@
-"""Hopper W4A16 with the weights as wgmma's register operand: C^T = W^T X^T, weights decoded from
-global memory straight into A fragments, activations from shared memory (sm_90a).
+"""Hopper W4A16 with the weights as wgmma's register operand: C^T = W^T X^T, packed weights decoded
+straight into A fragments, activations from shared memory (sm_90a).
 
 Why it looks the way it does:
 - mma.sync tops out near half of the H200's wgmma rate, which is why marlin_mma stays near 0.5x of
   FP16 at large M. wgmma takes its A operand from registers (the `.rs` form), with per warp of the
   warpgroup the same per-thread layout as mma.m16n8k16's A for that warp's 16 rows, and one 32-bit
   word of marlin_mma's packed layout decodes into exactly such a fragment (stream_mma's decode).
-  So the weights never touch shared memory: no 2-byte stores of decoded values (hopper_wgmma's
-  cost, perf-notes v5) and no repacking. Only the activations (the wgmma's B, K-major) go through
-  shared memory, in wgmma's unswizzled core-matrix layout: [stage][k / 8][row][8 halves], so an
-  8-row x 16-byte core matrix is 128 contiguous bytes.
-- One wgmma's 64 rows are 16 weight columns from each of the 4 warps, which need not be adjacent:
-  warp w of a warpgroup takes `groups` consecutive words of each lane's 16-byte word vector, i.e.
-  16-column groups f = w * groups + i (i < groups) of the warpgroup's slabs. Every lane then loads
-  4 * groups contiguous bytes per k-step, and a warp's loads are contiguous.
-- Activations: `stages` shared tiles filled with 16-byte cp.async by all threads (rows past M repeat
-  row M - 1: they only feed output columns that are never stored). Weights: `ahead` stages of packed
-  words in registers, loaded before the stage's decode is needed.
+  So decoded weights never touch shared memory: no 2-byte stores of decoded values (hopper_wgmma's
+  cost, perf-notes v5) and no repacking.
+- Three ways to feed it, one knob each; the search runs only the last (perf-notes v13: 1.2-2.6x
+  faster than the others). (1) Registers: activations by 16-byte cp.async from all threads into
+  wgmma's unswizzled core-matrix layout [stage][k / 8][row][8 halves] (an 8-row x 16-byte core
+  matrix is 128 contiguous bytes), packed words loaded from global memory `ahead` k-tiles early into
+  registers. (2) `smem_weights`: the words and scale rows travel with the activations through the
+  stages by cp.async. (3) `tma`: one elected thread fills each stage with three TMA copies against
+  the stage's mbarrier, the activations in the 128-byte swizzle that wgmma reads through a K-major
+  SW128 descriptor; no copy instruction, address arithmetic or proxy fence is left in the k-loop.
 - Without overlap a warpgroup decodes a stage, issues its wgmmas and waits for them; the other
   blocks on the SM fill the tensor cores meanwhile. With overlap it decodes stage t + 1 into a
-  second fragment buffer while stage t's wgmmas run (wgmma.wait_group 1), at the price of one
-  activation stage more in use.
+  second fragment buffer while stage t's wgmmas run (wgmma.wait_group 1).
 - Group scales multiply the decoded weights (the k-tile lies in one group: check()); channelwise
   scales multiply the final sums. Without split-K every thread stores its fragment straight to C;
   with split-K the block's tile meets the other splits' through the common epilogue.
-- Every barrier is explicit: one per k-tile, after the stage's cp.async group has landed.
+- Every barrier is explicit: one per k-tile, after the stage has landed (cp.async) or after the
+  wgmma wait that frees the oldest stage (tma; with release_barriers per-stage mbarriers instead).
 """
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
