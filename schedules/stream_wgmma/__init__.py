@@ -31,6 +31,9 @@ AXES = {
     "smem_weights": (True,),
     "tma": (True,),
     "release_barriers": (False,),    # per-stage empty barriers: correct but 5-20 % slower (v13)
+    # A producer warp of its own (warp specialization, with release_barriers): compiled and checked on
+    # CPU only (tests/test_codegen_stream_wgmma.py); joins the search once measured on a GPU.
+    "producer_warp": (False,),
 }
 
 

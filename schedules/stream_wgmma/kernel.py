@@ -71,6 +71,7 @@ def build(problem: Problem, knobs: Knobs):
     bm, bn, bk, g = kb.block_m, kb.block_n, kb.block_k, kb.groups
     steps, stages, ahead, prefetch, overlap = kb.k_steps, kb.stages, kb.ahead, kb.prefetch, kb.overlap
     threads = kb.threads
+    consumers = kb.consumer_threads     # threads of the warpgroups; with producer_warp one warp more
     trips = kb.k_tiles(problem) // kb.split_k
     grouped = not problem.channelwise
     split = kb.uses_workspace
@@ -95,6 +96,7 @@ def build(problem: Problem, knobs: Knobs):
     wgmma_shape = f"m64n{bm}k16"
     tma = kb.tma
     release = kb.release_barriers       # stages freed by per-stage barriers, not a block barrier
+    producer = kb.producer_warp         # ... and refilled by a warp of its own
     if tma:
         # TMA writes each [block_m, 64] tile with the 128-byte swizzle: wgmma's canonical K-major SW128
         # layout, 8-row atoms of 1024 bytes (stride byte offset), a k-step 32 bytes into the atom.
@@ -225,6 +227,18 @@ def build(problem: Problem, knobs: Knobs):
                 T.barrier_arrive(full[tile % stages])
 
     @T.macro
+    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, by, bx, tx):
+        """producer_warp: the extra warp fills every stage as soon as the consumers have released its
+        previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx."""
+        for t in T.serial(trips):
+            if t >= stages:
+                T.mbarrier_wait_parity(empty[t % stages], (t // stages - 1) % 2)
+            copy_stage(A, B, S, X_s, W_s, S_s, full, t, k0 + t, by, bx, 32)
+            T.call_extern("handle", "__syncwarp")
+            if tx == consumers:
+                T.barrier_arrive(full[t % stages])
+
+    @T.macro
     def stage_ready():
         """This thread's cp.async group of the stage has landed; make it visible to wgmma (the async
         proxy) and wait for every thread's."""
@@ -233,12 +247,11 @@ def build(problem: Problem, knobs: Knobs):
         T.sync_threads()
 
     @T.macro
-    def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
-        """tma: the stages fill by TMA and a thread waits for its stage's barrier phase. A block barrier
-        per k-tile after the wgmma wait (or, with release_barriers, the stage's "empty" barrier) frees
-        the oldest stage for the next copy."""
-        for p in T.unroll(stages - 1):
-            load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
+    def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
+        """The consumers' k-loop of the tma pipeline: wait for the stage's barrier phase, decode, issue the
+        wgmmas; then free the oldest stage: a block barrier after the wgmma wait (and the next copy,
+        issued by one elected thread), or with release_barriers an arrival on the stage's "empty"
+        barrier (warp 0 refills it, or with producer_warp the producer warp)."""
         for t0 in T.serial(-(-trips // unrolled)):
             for r in T.unroll(unrolled):
                 t = t0 * unrolled + r
@@ -254,7 +267,22 @@ def build(problem: Problem, knobs: Knobs):
                             T.barrier_arrive(empty[(t - (1 if overlap else 0)) % stages])
                     else:
                         T.sync_threads()
-                    load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
+                    if not producer:
+                        load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
+
+    @T.macro
+    def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
+        """tma: the stages fill by TMA and a thread waits for its stage's barrier phase; with
+        producer_warp the extra warp produces while the warpgroups consume (warp specialization)."""
+        if producer:
+            if tx >= consumers:
+                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, by, bx, tx)
+            else:
+                consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
+        else:
+            for p in T.unroll(stages - 1):
+                load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
+            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
 
     @T.macro
     def pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
@@ -308,6 +336,29 @@ def build(problem: Problem, knobs: Knobs):
                         load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
                         T.warpgroup_wait(0)
 
+    # wgmma accumulator: per group i and 8 rows of M (c), rows g / g + 8 of the warp's 16 weight
+    # columns, columns (rows of M) 2t and 2t + 1.
+    @T.macro
+    def acc_to_shared(acc, C_s, wg, wq, lane):
+        for i in T.unroll(g):
+            for c in T.unroll(bm // 8):
+                for e in T.unroll(4):
+                    C_s[8 * c + 2 * (lane % 4) + e % 2, weight_col(0, wg, wq, lane, i, e // 2)] = \
+                        acc[i * (bm // 2) + c * 4 + e]
+
+    @T.macro
+    def acc_to_global(acc, C, S, by, bx, wg, wq, lane):
+        for i in T.unroll(g):
+            for c in T.unroll(bm // 8):
+                for e in T.unroll(4):
+                    row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
+                    col = weight_col(bx, wg, wq, lane, i, e // 2)
+                    if row < m:
+                        if grouped:
+                            C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e], dtype)
+                        else:
+                            C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, col], "float32"), dtype)
+
     @T.macro
     def body(A, B, S, C, ws, counters):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude) as (by, bx, bz):
@@ -315,7 +366,7 @@ def build(problem: Problem, knobs: Knobs):
             if tma:
                 T.annotate_layout({X_s: make_swizzled_layout(X_s)})
                 full = T.alloc_barrier([1 if release else threads] * stages)
-                empty = T.alloc_barrier([threads] * stages) if release else None
+                empty = T.alloc_barrier([consumers] * stages) if release else None
             W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
             S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
             w = T.alloc_local((bufs * per_w,), "int32")
@@ -339,34 +390,31 @@ def build(problem: Problem, knobs: Knobs):
                 pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             else:
                 pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
-            T.warpgroup_wait(0)
-            T.warpgroup_fence_operand(acc, num_regs=acc_len)
+            if producer:
+                if tx < consumers:      # wgmma's warpgroup instructions, not for the lone producer warp
+                    T.warpgroup_wait(0)
+                    T.warpgroup_fence_operand(acc, num_regs=acc_len)
+            else:
+                T.warpgroup_wait(0)
+                T.warpgroup_fence_operand(acc, num_regs=acc_len)
 
-            # wgmma accumulator: per group i and 8 rows of M (c), rows g / g + 8 of the warp's 16
-            # weight columns, columns (rows of M) 2t and 2t + 1.
             if split:
                 C_s = T.alloc_shared((bm, bn), "float32")
                 # TileLang may place C_s over the activation stages, which the other warpgroup's
                 # last wgmmas can still be reading.
                 T.sync_threads()
-                for i in T.unroll(g):
-                    for c in T.unroll(bm // 8):
-                        for e in T.unroll(4):
-                            C_s[8 * c + 2 * (lane % 4) + e % 2, weight_col(0, wg, wq, lane, i, e // 2)] = \
-                                acc[i * (bm // 2) + c * 4 + e]
+                if producer:
+                    if tx < consumers:
+                        acc_to_shared(acc, C_s, wg, wq, lane)
+                else:
+                    acc_to_shared(acc, C_s, wg, wq, lane)
                 T.sync_threads()
                 store(C_s, C, S, ws, counters, m, by, bx, tx)
+            elif producer:
+                if tx < consumers:
+                    acc_to_global(acc, C, S, by, bx, wg, wq, lane)
             else:
-                for i in T.unroll(g):
-                    for c in T.unroll(bm // 8):
-                        for e in T.unroll(4):
-                            row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
-                            col = weight_col(bx, wg, wq, lane, i, e // 2)
-                            if row < m:
-                                if grouped:
-                                    C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e], dtype)
-                                else:
-                                    C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, col], "float32"), dtype)
+                acc_to_global(acc, C, S, by, bx, wg, wq, lane)
 
     return w4a16_prim_func(body, m, tiles, n, problem.k, group, dtype, workspace=split)
 

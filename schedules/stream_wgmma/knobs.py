@@ -33,7 +33,9 @@ class Knobs:
     K-major layout): no cp.async, no address arithmetic and no proxy fence in the k-loop.
     release_barriers (with tma) frees each stage through an mbarrier that every thread arrives on
     once done with it, instead of a block barrier per k-tile: warp 0 waits on it before refilling
-    the stage, and the warpgroups no longer meet.
+    the stage, and the warpgroups no longer meet. producer_warp (with release_barriers) adds a 9th
+    (or 5th) warp that only refills stages, warp specialization: no consumer warp ever waits for a
+    release or issues a copy, and all `stages` stages fill at once.
     """
 
     block_m: int = 128
@@ -47,14 +49,25 @@ class Knobs:
     smem_weights: bool = False
     tma: bool = False
     release_barriers: bool = False
+    producer_warp: bool = False
 
     @property
     def block_n(self) -> int:
         return SLAB_N * self.groups * self.warpgroups
 
     @property
-    def threads(self) -> int:
+    def consumer_threads(self) -> int:
+        """The warpgroups that decode and issue wgmmas."""
         return WARPGROUP * self.warpgroups
+
+    @property
+    def threads(self) -> int:
+        return self.consumer_threads + (32 if self.producer_warp else 0)
+
+    @property
+    def max_registers(self) -> int:
+        """Registers per thread ptxas may use with one block of `threads` per SM (at most 255)."""
+        return min(255, 65536 // self.threads // 8 * 8)
 
     @property
     def num_stages(self) -> int:
@@ -79,7 +92,7 @@ class Knobs:
     @property
     def name(self) -> str:
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else ""))
+                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else "") + ("_pw" if self.producer_warp else ""))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
@@ -121,6 +134,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "tma fills the stages with weights too (smem_weights) in 64-wide swizzled tiles (block_k=64)"
     if kb.release_barriers and not kb.tma:
         return "release_barriers replaces the block barrier of the tma pipeline: it needs tma"
+    if kb.producer_warp and not kb.release_barriers:
+        return "producer_warp refills the stages that the consumers release: it needs release_barriers (and tma)"
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
@@ -130,11 +145,11 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.k_tiles(problem) // kb.split_k < kb.stages:
         return f"each split has fewer k-tiles than stages={kb.stages}"
     chunks = kb.block_m * kb.block_k // 8
-    if chunks % kb.threads and kb.threads % chunks:
+    if not kb.tma and chunks % kb.threads and kb.threads % chunks:
         return f"{chunks} 16-byte activation chunks per stage do not spread over {kb.threads} threads"
     regs = kb.registers_estimate()
-    if regs > 256:     # ptxas fitted estimates up to 255 without spilling
-        return f"about {regs} registers per thread would spill"
+    if regs > kb.max_registers + 1:     # ptxas fitted estimates up to 255 without spilling
+        return f"about {regs} registers per thread would spill ({kb.max_registers} for {kb.threads} threads)"
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
         return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
     return None
