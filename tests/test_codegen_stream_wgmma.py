@@ -35,6 +35,10 @@ CASES = {
     "tma_producer_warp_split2": (Problem(1024, 4096, 128), Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2,
                                                                 smem_weights=True, tma=True, release_barriers=True,
                                                                 producer_warp=True)),
+    # ... in 132 persistent blocks that loop over the output tiles.
+    "tma_producer_warp_persistent": (Problem(1024, 4096, 128), Knobs(128, 1, 2, 64, 6, overlap=True, smem_weights=True,
+                                                                    tma=True, release_barriers=True, producer_warp=True,
+                                                                    persistent=132)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -62,6 +66,7 @@ def test_not_offered_before_hopper():
     (Knobs(tma=True), "smem_weights"),
     (Knobs(release_barriers=True, smem_weights=True), "needs tma"),
     (Knobs(producer_warp=True, smem_weights=True, tma=True), "needs release_barriers"),
+    (Knobs(persistent=132, smem_weights=True, tma=True, release_barriers=True), "need producer_warp"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)

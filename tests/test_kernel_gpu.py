@@ -65,6 +65,10 @@ STREAM_WGMMA_KNOBS = {
                                         release_barriers=True, producer_warp=True),
     "swg_m64_tma_release_producer_split2": SW(64, 1, 1, 64, 6, overlap=True, split_k=2, smem_weights=True, tma=True,
                                               release_barriers=True, producer_warp=True),
+    "swg_m128_tma_release_producer_persistent": SW(128, 1, 2, 64, 6, overlap=True, smem_weights=True, tma=True,
+                                                   release_barriers=True, producer_warp=True, persistent=132),
+    "swg_m64_tma_release_producer_persistent7": SW(64, 1, 1, 64, 4, smem_weights=True, tma=True, release_barriers=True,
+                                                   producer_warp=True, persistent=7),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),
     "swg_m64_tma_release_split4": SW(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True, release_barriers=True),
 }

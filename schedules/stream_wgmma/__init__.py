@@ -34,6 +34,7 @@ AXES = {
     # A producer warp of its own (warp specialization, with release_barriers): compiled and checked on
     # CPU only (tests/test_codegen_stream_wgmma.py); joins the search once measured on a GPU.
     "producer_warp": (False,),
+    "persistent": (0,),       # blocks looping over tiles (with producer_warp): likewise, CPU-checked only
 }
 
 

@@ -97,6 +97,7 @@ def build(problem: Problem, knobs: Knobs):
     tma = kb.tma
     release = kb.release_barriers       # stages freed by per-stage barriers, not a block barrier
     producer = kb.producer_warp         # ... and refilled by a warp of its own
+    persistent = kb.persistent          # blocks that loop over the tiles (0: one block per tile)
     if tma:
         # TMA writes each [block_m, 64] tile with the 128-byte swizzle: wgmma's canonical K-major SW128
         # layout, 8-row atoms of 1024 bytes (stride byte offset), a k-step 32 bytes into the atom.
@@ -360,20 +361,27 @@ def build(problem: Problem, knobs: Knobs):
                             C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, col], "float32"), dtype)
 
     @T.macro
+    def buffers():
+        """The block's shared stages, barriers and per-thread registers."""
+        X_s = T.alloc_shared((stages, bm, bk) if tma else (stages, kc8, bm, 8), dtype)
+        full = empty = None
+        if tma:
+            T.annotate_layout({X_s: make_swizzled_layout(X_s)})
+            full = T.alloc_barrier([1 if release else threads] * stages)
+            empty = T.alloc_barrier([consumers] * stages) if release else None
+        W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
+        S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
+        w = T.alloc_local((bufs * per_w,), "int32")
+        sc = T.alloc_local((bufs * per_s,), dtype)
+        a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
+        acc = T.alloc_local((acc_len,), "float32")
+        desc = T.alloc_wgmma_desc()
+        return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc
+
+    @T.macro
     def body(A, B, S, C, ws, counters):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude) as (by, bx, bz):
-            X_s = T.alloc_shared((stages, bm, bk) if tma else (stages, kc8, bm, 8), dtype)
-            if tma:
-                T.annotate_layout({X_s: make_swizzled_layout(X_s)})
-                full = T.alloc_barrier([1 if release else threads] * stages)
-                empty = T.alloc_barrier([consumers] * stages) if release else None
-            W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
-            S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
-            w = T.alloc_local((bufs * per_w,), "int32")
-            sc = T.alloc_local((bufs * per_s,), dtype)
-            a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
-            acc = T.alloc_local((acc_len,), "float32")
-            desc = T.alloc_wgmma_desc()
+            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc = buffers()
 
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP
@@ -416,7 +424,59 @@ def build(problem: Problem, knobs: Knobs):
             else:
                 acc_to_global(acc, C, S, by, bx, wg, wq, lane)
 
-    return w4a16_prim_func(body, m, tiles, n, problem.k, group, dtype, workspace=split)
+    @T.macro
+    def body_persistent(A, B, S, C, ws, counters):
+        """persistent: P blocks loop over the output tiles pid, pid + P, ... (M tiles fastest). k-tile
+        g = round * trips + t of a block's sequence uses stage g % stages in phase g // stages, so the
+        producer warp fills the next tile's stages while the warpgroups store this one."""
+        with T.Kernel(persistent, threads=threads, prelude=prelude) as pid:
+            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc = buffers()
+            tx = T.get_thread_binding()
+            wg = tx // WARPGROUP
+            wq = tx // 32 % 4
+            lane = tx % 32
+            m_tiles = T.ceildiv(m, bm)
+            my_tiles = T.ceildiv(m_tiles * grid_n - pid, persistent)
+            tile_at = T.alloc_local((2,), "int32")     # this tile's M and N tile, computed once per tile
+            T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
+            if tx >= consumers:
+                for i in T.serial(my_tiles):
+                    tile_at[0] = (pid + i * persistent) % m_tiles
+                    tile_at[1] = (pid + i * persistent) // m_tiles
+                    for t in T.serial(trips):
+                        g = i * trips + t
+                        if g >= stages:
+                            T.mbarrier_wait_parity(empty[g % stages], (g // stages - 1) % 2)
+                        copy_stage(A, B, S, X_s, W_s, S_s, full, g, t, tile_at[0], tile_at[1], 32)
+                        T.call_extern("handle", "__syncwarp")
+                        if tx == consumers:
+                            T.barrier_arrive(full[g % stages])
+            else:
+                for i in T.serial(my_tiles):
+                    tile_at[0] = (pid + i * persistent) % m_tiles
+                    tile_at[1] = (pid + i * persistent) // m_tiles
+                    for j in T.unroll(acc_len):
+                        acc[j] = T.float32(0)
+                    for t0 in T.serial(-(-trips // unrolled)):
+                        for r in T.unroll(unrolled):
+                            t = t0 * unrolled + r
+                            if t < trips:
+                                g = i * trips + t
+                                T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
+                                read_w(W_s, S_s, w, sc, g, wg, wq, lane)
+                                decode_stage(w, sc, a, 0, r % 2)
+                                mma_stage(a, r % 2, acc, desc, g)
+                                T.warpgroup_wait(1 if overlap else 0)
+                                if t >= (1 if overlap else 0):
+                                    T.barrier_arrive(empty[(g - (1 if overlap else 0)) % stages])
+                    T.warpgroup_wait(0)
+                    T.warpgroup_fence_operand(acc, num_regs=acc_len)
+                    if overlap:     # the tile's last k-tile is done too: release its stage
+                        T.barrier_arrive(empty[(i * trips + trips - 1) % stages])
+                    acc_to_global(acc, C, S, tile_at[0], tile_at[1], wg, wq, lane)
+
+    return w4a16_prim_func(body_persistent if persistent else body, m, tiles, n, problem.k, group, dtype,
+                           workspace=split)
 
 
 PASS_CONFIGS = {

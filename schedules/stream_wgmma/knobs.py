@@ -35,7 +35,11 @@ class Knobs:
     once done with it, instead of a block barrier per k-tile: warp 0 waits on it before refilling
     the stage, and the warpgroups no longer meet. producer_warp (with release_barriers) adds a 9th
     (or 5th) warp that only refills stages, warp specialization: no consumer warp ever waits for a
-    release or issues a copy, and all `stages` stages fill at once.
+    release or issues a copy, and all `stages` stages fill at once. persistent = P > 0 (with
+    producer_warp, split_k 1) launches P blocks that loop over the output tiles pid, pid + P, ...
+    (M tiles fastest): the stages' barrier phases run on across tiles, so the producer fills the
+    next tile's stages while the warpgroups store this one (no pipeline fill, no block launch per
+    tile). P is tuned per GPU like any knob (its SM count times blocks per SM); any P is correct.
     """
 
     block_m: int = 128
@@ -50,6 +54,7 @@ class Knobs:
     tma: bool = False
     release_barriers: bool = False
     producer_warp: bool = False
+    persistent: int = 0
 
     @property
     def block_n(self) -> int:
@@ -92,7 +97,7 @@ class Knobs:
     @property
     def name(self) -> str:
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else "") + ("_pw" if self.producer_warp else ""))
+                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else "") + ("_pw" if self.producer_warp else "") + (f"_p{self.persistent}" if self.persistent else ""))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
@@ -108,7 +113,8 @@ class Knobs:
         a = self.k_steps * self.groups * 4 * (2 if self.overlap else 1)
         bufs = 1 if self.smem_weights else self.ahead + 1
         raw = bufs * self.k_steps * self.groups + bufs * self.groups
-        return acc + a + raw + 40
+        tile_loop = 24 if self.persistent else 0     # ptxas spilled 10 registers with 16 here (block_m 256)
+        return acc + a + raw + 40 + tile_loop
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
@@ -136,6 +142,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "release_barriers replaces the block barrier of the tma pipeline: it needs tma"
     if kb.producer_warp and not kb.release_barriers:
         return "producer_warp refills the stages that the consumers release: it needs release_barriers (and tma)"
+    if kb.persistent < 0:
+        return f"persistent={kb.persistent}: 0 (one block per tile) or the number of blocks"
+    if kb.persistent and not (kb.producer_warp and kb.split_k == 1):
+        return "persistent blocks need producer_warp (it runs ahead into the next tile) and split_k=1"
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
