@@ -70,9 +70,10 @@ def parse(sass: str) -> list[Instruction]:
 
 def main_loop(code: list[Instruction]) -> list[Instruction]:
     """The instructions of the longest backward branch's body: the kernel's main loop. Branches placed
-    after the kernel's first EXIT (ptxas moves the retry paths of mbarrier waits there) do not count."""
+    after the kernel's last EXIT (ptxas moves the retry paths of mbarrier waits there) do not count;
+    a warp-specialized kernel's producer may exit before the consumers' loop."""
     exits = [ins.address for ins in code if ins.opcode == "EXIT"]
-    end = exits[0] if exits else float("inf")
+    end = exits[-1] if exits else float("inf")
     best = None
     for ins in code:
         if ins.address > end:

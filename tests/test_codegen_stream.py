@@ -57,9 +57,9 @@ def compiled(request, tmp_path_factory):
     return arch, problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()
 
 
-def ptxas_spills(ptx: str, arch: str, tmp_path) -> tuple[int, int]:
-    """(spill store bytes, spill load bytes) that ptxas reports for `ptx` (the PTX cannot show them:
-    register allocation happens in ptxas)."""
+def ptxas_output(ptx: str, arch: str, tmp_path) -> str:
+    """What `ptxas -v` prints for `ptx`: register allocation and wgmma scheduling happen there, the
+    PTX cannot show them."""
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("ptxas not found")
@@ -67,8 +67,14 @@ def ptxas_spills(ptx: str, arch: str, tmp_path) -> tuple[int, int]:
     src.write_text(ptx)
     res = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "kernel.cubin")],
                          capture_output=True, text=True, check=True)
-    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stdout + res.stderr)
-    assert found, res.stdout + res.stderr
+    return res.stdout + res.stderr
+
+
+def ptxas_spills(ptx: str, arch: str, tmp_path) -> tuple[int, int]:
+    """(spill store bytes, spill load bytes) that ptxas reports for `ptx`."""
+    out = ptxas_output(ptx, arch, tmp_path)
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out)
+    assert found, out
     return int(found.group(1)), int(found.group(2))
 
 

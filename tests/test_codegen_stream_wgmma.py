@@ -11,7 +11,7 @@ from schedules import stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
-from tests.test_codegen_stream import count, ptxas_spills
+from tests.test_codegen_stream import count, ptxas_output, ptxas_spills
 
 Knobs = stream_wgmma.Knobs
 SM90 = get_arch("sm_90a")
@@ -28,6 +28,9 @@ CASES = {
     # small M: wgmma n8, one warpgroup, eight stages of a TMA-fed weight stream, split-K.
     "tma_m8_split4": (Problem(1024, 4096, 128), Knobs(8, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True,
                                                      tma=True)),
+    # an odd number of k-tiles per split (43) with overlap: ptxas must keep the wgmmas asynchronous.
+    "tma_overlap_odd_k_tiles": (Problem(4096, 11008, 128), Knobs(32, 1, 2, 64, 4, overlap=True, split_k=4,
+                                                                 smem_weights=True, tma=True)),
     # ... and the stages freed through per-stage mbarriers instead of a block barrier.
     "tma_release_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
                                                           release_barriers=True)),
@@ -67,6 +70,8 @@ def test_not_offered_before_hopper():
     (Knobs(release_barriers=True, smem_weights=True), "needs tma"),
     (Knobs(producer_warp=True, smem_weights=True, tma=True), "needs release_barriers"),
     (Knobs(persistent=132, smem_weights=True, tma=True, release_barriers=True), "need producer_warp"),
+    (Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True),
+     "keep the wgmmas in flight"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -123,6 +128,15 @@ def test_register_buffers_stay_in_registers(compiled):
 def test_ptxas_spills_nothing(compiled, tmp_path):
     *_, ptx = compiled
     assert ptxas_spills(ptx, "sm_90a", tmp_path) == (0, 0)
+
+
+def test_ptxas_keeps_the_wgmmas_asynchronous(compiled, tmp_path):
+    # ptxas waits for every wgmma before the next ("Potential Performance Loss: wgmma.mma_async
+    # instructions are serialized ...") when it cannot prove a warpgroup runs them together, when a
+    # non-wgmma instruction writes their accumulators in flight, or when registers run short.
+    *_, ptx = compiled
+    out = ptxas_output(ptx, "sm_90a", tmp_path)
+    assert "instructions are serialized" not in out, out
 
 
 def k_loops(src: str) -> list[str]:

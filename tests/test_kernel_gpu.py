@@ -61,7 +61,7 @@ STREAM_WGMMA_KNOBS = {
     "swg_m256_tma": SW(256, 1, 2, 64, 3, smem_weights=True, tma=True),
     "swg_m8_tma_s8_split4": SW(8, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True, tma=True),
     "swg_m16_tma_g2_s6": SW(16, 2, 1, 64, 6, overlap=True, smem_weights=True, tma=True),
-    "swg_m256_tma_release_producer": SW(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
+    "swg_m128_tma_release_producer": SW(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
                                         release_barriers=True, producer_warp=True),
     "swg_m64_tma_release_producer_split2": SW(64, 1, 1, 64, 6, overlap=True, split_k=2, smem_weights=True, tma=True,
                                               release_barriers=True, producer_warp=True),

@@ -56,6 +56,12 @@ __device__ __forceinline__ void tm_ldg_words1(const void* src, void* dst) {
   asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(d[0]) : "l"(src));
 }
 """
+# The warp's index made warp-uniform by a shuffle (as CUTLASS does): ptxas serializes every wgmma
+# under a branch it cannot prove is taken by whole warps (warning C7518: each wgmma waited for before
+# the next), and a branch on threadIdx.x is such a branch.
+WARP_INDEX = r"""
+__device__ __forceinline__ int tm_warp_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 32, 0); }
+"""
 
 
 def build(problem: Problem, knobs: Knobs):
@@ -78,7 +84,8 @@ def build(problem: Problem, knobs: Knobs):
     grid_n = n // bn
     ab = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
-    prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "")
+    prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "") + \
+        (WARP_INDEX if kb.producer_warp else "")
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise) if split else None
     load_words = f"tm_ldg_words{g}"
     w_smem = kb.smem_weights
@@ -98,6 +105,10 @@ def build(problem: Problem, knobs: Knobs):
     release = kb.release_barriers       # stages freed by per-stage barriers, not a block barrier
     producer = kb.producer_warp         # ... and refilled by a warp of its own
     persistent = kb.persistent          # blocks that loop over the tiles (0: one block per tile)
+
+    def in_producer_warp():
+        """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
+        return T.call_extern("int32", "tm_warp_index") >= consumers // 32
     if tma:
         # TMA writes each [block_m, 64] tile with the 128-byte swizzle: wgmma's canonical K-major SW128
         # layout, 8-row atoms of 1024 bytes (stride byte offset), a k-step 32 bytes into the atom.
@@ -248,37 +259,50 @@ def build(problem: Problem, knobs: Knobs):
         T.sync_threads()
 
     @T.macro
+    def consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane, t, r):
+        """k-tile t of the tma pipeline into A fragment buffer r % 2: wait for the stage's barrier phase,
+        decode, issue the wgmmas; then free the oldest stage: a block barrier after the wgmma wait (and
+        the next copy, issued by one elected thread), or with release_barriers an arrival on the
+        stage's "empty" barrier (warp 0 refills it, or with producer_warp the producer warp)."""
+        T.mbarrier_wait_parity(full[t % stages], t // stages % 2)
+        read_w(W_s, S_s, w, sc, t, wg, wq, lane)
+        decode_stage(w, sc, a, 0, r % 2)
+        mma_stage(a, r % 2, acc, desc, t)
+        T.warpgroup_wait(1 if overlap else 0)
+        if release:
+            # This thread is done with k-tile t (with overlap: t - 1) and its stage.
+            if t >= (1 if overlap else 0):
+                T.barrier_arrive(empty[(t - (1 if overlap else 0)) % stages])
+        else:
+            T.sync_threads()
+        if not producer:
+            load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
+
+    @T.macro
     def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
-        """The consumers' k-loop of the tma pipeline: wait for the stage's barrier phase, decode, issue the
-        wgmmas; then free the oldest stage: a block barrier after the wgmma wait (and the next copy,
-        issued by one elected thread), or with release_barriers an arrival on the stage's "empty"
-        barrier (warp 0 refills it, or with producer_warp the producer warp)."""
-        for t0 in T.serial(-(-trips // unrolled)):
+        """The consumers' k-loop of the tma pipeline, unrolled by two so that the fragment buffers have
+        constant register indices. An odd k-tile count runs its first k-tile before the loop (in
+        buffer 1): under a condition inside the loop, or after it, ptxas waited for every wgmma
+        before the next (its warning C7513, found on down_proj with 43 k-tiles per split)."""
+        odd = trips % unrolled
+        for r in T.unroll(odd):
+            consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
+                           r, r + 1)
+        for t0 in T.serial(trips // unrolled):
             for r in T.unroll(unrolled):
-                t = t0 * unrolled + r
-                if t < trips:
-                    T.mbarrier_wait_parity(full[t % stages], t // stages % 2)
-                    read_w(W_s, S_s, w, sc, t, wg, wq, lane)
-                    decode_stage(w, sc, a, 0, r % 2)
-                    mma_stage(a, r % 2, acc, desc, t)
-                    T.warpgroup_wait(1 if overlap else 0)
-                    if release:
-                        # This thread is done with k-tile t (with overlap: t - 1) and its stage.
-                        if t >= (1 if overlap else 0):
-                            T.barrier_arrive(empty[(t - (1 if overlap else 0)) % stages])
-                    else:
-                        T.sync_threads()
-                    if not producer:
-                        load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
+                consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
+                               lane, odd + t0 * unrolled + r, r)
 
     @T.macro
     def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
         """tma: the stages fill by TMA and a thread waits for its stage's barrier phase; with
         producer_warp the extra warp produces while the warpgroups consume (warp specialization)."""
         if producer:
-            if tx >= consumers:
+            if in_producer_warp():
                 produce(A, B, S, X_s, W_s, S_s, full, empty, k0, by, bx, tx)
             else:
+                for i in T.unroll(acc_len):
+                    acc[i] = T.float32(0)
                 consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
         else:
             for p in T.unroll(stages - 1):
@@ -389,8 +413,9 @@ def build(problem: Problem, knobs: Knobs):
             lane = tx % 32
             k0 = bz * trips
             T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
-            for i in T.unroll(acc_len):
-                acc[i] = T.float32(0)
+            if not producer:    # (the producer warp's consumers zero their own sums)
+                for i in T.unroll(acc_len):
+                    acc[i] = T.float32(0)
 
             if tma:
                 pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
@@ -399,7 +424,7 @@ def build(problem: Problem, knobs: Knobs):
             else:
                 pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             if producer:
-                if tx < consumers:      # wgmma's warpgroup instructions, not for the lone producer warp
+                if not in_producer_warp():      # wgmma's warpgroup instructions, not for the producer warp
                     T.warpgroup_wait(0)
                     T.warpgroup_fence_operand(acc, num_regs=acc_len)
             else:
@@ -412,14 +437,14 @@ def build(problem: Problem, knobs: Knobs):
                 # last wgmmas can still be reading.
                 T.sync_threads()
                 if producer:
-                    if tx < consumers:
+                    if not in_producer_warp():
                         acc_to_shared(acc, C_s, wg, wq, lane)
                 else:
                     acc_to_shared(acc, C_s, wg, wq, lane)
                 T.sync_threads()
                 store(C_s, C, S, ws, counters, m, by, bx, tx)
             elif producer:
-                if tx < consumers:
+                if not in_producer_warp():
                     acc_to_global(acc, C, S, by, bx, wg, wq, lane)
             else:
                 acc_to_global(acc, C, S, by, bx, wg, wq, lane)
@@ -439,7 +464,7 @@ def build(problem: Problem, knobs: Knobs):
             my_tiles = T.ceildiv(m_tiles * grid_n - pid, persistent)
             tile_at = T.alloc_local((2,), "int32")     # this tile's M and N tile, computed once per tile
             T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
-            if tx >= consumers:
+            if in_producer_warp():
                 for i in T.serial(my_tiles):
                     tile_at[0] = (pid + i * persistent) % m_tiles
                     tile_at[1] = (pid + i * persistent) // m_tiles

@@ -146,6 +146,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"persistent={kb.persistent}: 0 (one block per tile) or the number of blocks"
     if kb.persistent and not (kb.producer_warp and kb.split_k == 1):
         return "persistent blocks need producer_warp (it runs ahead into the next tile) and split_k=1"
+    if kb.persistent and kb.k_tiles(problem) % 2:
+        return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
@@ -160,6 +162,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     regs = kb.registers_estimate()
     if regs > kb.max_registers + 1:     # ptxas fitted estimates up to 255 without spilling
         return f"about {regs} registers per thread would spill ({kb.max_registers} for {kb.threads} threads)"
+    if kb.producer_warp and regs > kb.max_registers - 20:
+        # At block_m 256 (estimate 205 of 224) ptxas kept its registers but waited for every wgmma
+        # before the next (its warning C7512): the producer warp costs the consumers 32 registers each.
+        return f"about {regs} registers per thread leave ptxas too few of {kb.max_registers} to keep the wgmmas in flight"
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
         return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
     return None
