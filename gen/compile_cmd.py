@@ -75,10 +75,11 @@ def run(args) -> int:
     if args.sass:
         import tempfile
 
-        from .sass import disassemble, report
+        from .sass import disassemble, ptxas_findings, report
 
         with tempfile.TemporaryDirectory() as tmp:
             kernel.export_ptx(f"{tmp}/kernel.ptx")
             ptx = Path(f"{tmp}/kernel.ptx").read_text()
+        print("\n".join(f"ptxas: {line}" for line in ptxas_findings(ptx, arch.name)))
         print(report(disassemble(ptx, arch.name)))
     return 0

@@ -41,17 +41,33 @@ def missing_tools() -> list[str]:
     return [tool for tool in TOOLS if shutil.which(tool) is None]
 
 
-def disassemble(ptx: str, arch: str) -> str:
-    """cuobjdump -sass of `ptx` assembled by ptxas for `arch`."""
+def _assemble(ptx: str, arch: str, tmp: str) -> tuple[Path, str]:
+    """ptxas -v on `ptx` for `arch`: the cubin's path in `tmp` and what ptxas printed."""
     missing = missing_tools()
     if missing:
         raise RuntimeError(f"reading SASS needs {', '.join(missing)} on PATH "
                            "(pip download nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, unzip, add nvidia/cu13/bin)")
+    src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+    src.write_text(ptx)
+    res = subprocess.run(["ptxas", f"-arch={arch}", "-v", str(src), "-o", str(cubin)], check=True,
+                         capture_output=True, text=True)
+    return cubin, res.stdout + res.stderr
+
+
+def disassemble(ptx: str, arch: str) -> str:
+    """cuobjdump -sass of `ptx` assembled by ptxas for `arch`."""
     with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
-        src.write_text(ptx)
-        subprocess.run(["ptxas", f"-arch={arch}", str(src), "-o", str(cubin)], check=True, capture_output=True)
+        cubin, _ = _assemble(ptx, arch, tmp)
         return subprocess.run(["cuobjdump", "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+
+
+def ptxas_findings(ptx: str, arch: str) -> list[str]:
+    """ptxas's register and spill line for `ptx` and every performance warning it gives, such as
+    wgmmas it serializes (each waited for before the next: perf-notes v15 lists the causes met)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _, log = _assemble(ptx, arch, tmp)
+    keep = ("Used ", "spill stores", "Potential Performance Loss", "is injected")
+    return [line.split("ptxas info    : ")[-1].strip() for line in log.splitlines() if any(k in line for k in keep)]
 
 
 def parse(sass: str) -> list[Instruction]:

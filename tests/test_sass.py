@@ -78,3 +78,19 @@ def test_async_weight_paths_leave_no_global_load_in_the_main_loop(family, knobs,
     loop = sass.main_loop(sass.parse(sass.disassemble((tmp_path / "k.ptx").read_text(), "sm_90a")))
     assert sass.load_waits(loop) == []
     assert not any(ins.opcode == "LDG" for ins in loop)
+
+
+@needs_tools
+def test_ptxas_findings_name_registers_and_serialized_wgmmas(tmp_path):
+    from gen.compile import compile_schedule
+    from schedules.arch import get_arch
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+    from schedules.stream_wgmma import Knobs
+
+    tma = Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True)
+    kernel = compile_schedule(Problem(4096, 4096), Schedule("stream_wgmma", tma), get_arch("sm_90a"))
+    kernel.export_ptx(str(tmp_path / "k.ptx"))
+    findings = sass.ptxas_findings((tmp_path / "k.ptx").read_text(), "sm_90a")
+    assert any(line.startswith("Used ") and "registers" in line for line in findings)
+    assert not any("serialized" in line for line in findings)
