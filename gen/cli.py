@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("gen.tune", "gen.sweep", "gen.cache_cmd", "gen.bench", "gen.compile_cmd")
+SUBCOMMANDS = ("gen.tune", "gen.sweep", "gen.cache_cmd", "gen.bench", "gen.compile_cmd", "gen.profile")
 
 
 def build_parser() -> argparse.ArgumentParser:

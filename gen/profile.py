@@ -1,0 +1,54 @@
+"""`gen profile`: run one layer's kernel through the runtime op, exactly as serving does, a few times,
+for an external profiler (it measures nothing itself).
+
+    ncu -k regex:w4a16_gemm --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
+        python -m gen profile --shape 4096x12288 --m 4096
+"""
+from __future__ import annotations
+
+import sys
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("profile", help="run one layer's tuned kernel a few times, for ncu or nsys",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", required=True, help="KxN, e.g. 4096x12288")
+    p.add_argument("--m", type=int, required=True, help="rows of the activations (the batch)")
+    p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    p.add_argument("--calls", type=int, default=3, help="calls to make (default 3: two to warm up, one to profile)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from .models import parse_shapes
+
+    try:
+        layers = parse_shapes(args.shape)
+        if len(layers) != 1:
+            raise ValueError(f"--shape takes one KxN, got {args.shape!r}")
+        layer = layers[0]
+        if args.m < 1 or args.calls < 1:
+            raise ValueError(f"--m and --calls must be positive, got {args.m} and {args.calls}")
+    except ValueError as exc:
+        print(f"gen profile: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gen profile: no CUDA GPU is visible; it runs a kernel for a profiler", file=sys.stderr)
+        return 2
+    from runtime import op  # noqa: F401  (registers torch.ops.tilemarlin)
+    from schedules.quant import quantize_rtn
+
+    k, n, dtype = layer.k, layer.n, getattr(torch, args.dtype)
+    problem = op.problem_of(n, k, args.group, args.dtype)
+    schedule = op.schedule_for(problem, args.m)
+    codes, scales = quantize_rtn(torch.randn(k, n, device="cuda", dtype=dtype), args.group, dtype=args.dtype)
+    qweight, qscales = op.layout_family(op.DEFAULT_LAYOUT).pack(codes, scales)
+    x = torch.randn(args.m, k, device="cuda", dtype=dtype)
+    for _ in range(args.calls):
+        torch.ops.tilemarlin.w4a16_gemm(x, qweight, qscales, n, k, args.group)
+    torch.cuda.synchronize()
+    print(f"ran {schedule.name} on {k}x{n} at M={args.m} {args.calls} times")
+    return 0
