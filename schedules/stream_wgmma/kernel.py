@@ -239,16 +239,19 @@ def build(problem: Problem, knobs: Knobs):
                 T.barrier_arrive(full[tile % stages])
 
     @T.macro
-    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, by, bx, tx):
+    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, g0, by, bx, tx):
         """producer_warp: the extra warp fills every stage as soon as the consumers have released its
-        previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx."""
+        previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx.
+        K-tile t of this tile is number g0 + t of the block's sequence (g0 > 0 only for persistent
+        blocks), which picks its stage and barrier phase."""
         for t in T.serial(trips):
-            if t >= stages:
-                T.mbarrier_wait_parity(empty[t % stages], (t // stages - 1) % 2)
-            copy_stage(A, B, S, X_s, W_s, S_s, full, t, k0 + t, by, bx, 32)
+            g = g0 + t
+            if g >= stages:
+                T.mbarrier_wait_parity(empty[g % stages], (g // stages - 1) % 2)
+            copy_stage(A, B, S, X_s, W_s, S_s, full, g, k0 + t, by, bx, 32)
             T.call_extern("handle", "__syncwarp")
             if tx == consumers:
-                T.barrier_arrive(full[t % stages])
+                T.barrier_arrive(full[g % stages])
 
     @T.macro
     def stage_ready():
@@ -259,39 +262,42 @@ def build(problem: Problem, knobs: Knobs):
         T.sync_threads()
 
     @T.macro
-    def consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane, t, r):
-        """k-tile t of the tma pipeline into A fragment buffer r % 2: wait for the stage's barrier phase,
-        decode, issue the wgmmas; then free the oldest stage: a block barrier after the wgmma wait (and
-        the next copy, issued by one elected thread), or with release_barriers an arrival on the
-        stage's "empty" barrier (warp 0 refills it, or with producer_warp the producer warp)."""
-        T.mbarrier_wait_parity(full[t % stages], t // stages % 2)
-        read_w(W_s, S_s, w, sc, t, wg, wq, lane)
+    def consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane, g, t, r):
+        """K-tile t (number g of the block's sequence) of the tma pipeline into A fragment buffer r % 2:
+        wait for its stage's barrier phase, decode, issue the wgmmas; then free the oldest stage: a
+        block barrier after the wgmma wait (and the next copy, issued by one elected thread), or with
+        release_barriers an arrival on the stage's "empty" barrier (warp 0 refills it, or with
+        producer_warp the producer warp)."""
+        T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
+        read_w(W_s, S_s, w, sc, g, wg, wq, lane)
         decode_stage(w, sc, a, 0, r % 2)
-        mma_stage(a, r % 2, acc, desc, t)
+        mma_stage(a, r % 2, acc, desc, g)
         T.warpgroup_wait(1 if overlap else 0)
         if release:
             # This thread is done with k-tile t (with overlap: t - 1) and its stage.
             if t >= (1 if overlap else 0):
-                T.barrier_arrive(empty[(t - (1 if overlap else 0)) % stages])
+                T.barrier_arrive(empty[(g - (1 if overlap else 0)) % stages])
         else:
             T.sync_threads()
         if not producer:
             load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
 
     @T.macro
-    def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
-        """The consumers' k-loop of the tma pipeline, unrolled by two so that the fragment buffers have
-        constant register indices. An odd k-tile count runs its first k-tile before the loop (in
-        buffer 1): under a condition inside the loop, or after it, ptxas waited for every wgmma
-        before the next (its warning C7513, found on down_proj with 43 k-tiles per split)."""
+    def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, g0, by, bx, tx, wg, wq, lane):
+        """The consumers' k-loop of the tma pipeline (k-tile t is number g0 + t of the block's
+        sequence), unrolled by two so that the fragment buffers have constant register indices. An
+        odd k-tile count runs its first k-tile before the loop (in buffer 1): under a condition inside
+        the loop, or after it, ptxas waited for every wgmma before the next (its warning C7513, found
+        on down_proj with 43 k-tiles per split)."""
         odd = trips % unrolled
         for r in T.unroll(odd):
             consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                           r, r + 1)
+                           g0 + r, r, r + 1)
         for t0 in T.serial(trips // unrolled):
             for r in T.unroll(unrolled):
+                t = odd + t0 * unrolled + r
                 consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                               lane, odd + t0 * unrolled + r, r)
+                               lane, g0 + t, t, r)
 
     @T.macro
     def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
@@ -299,15 +305,15 @@ def build(problem: Problem, knobs: Knobs):
         producer_warp the extra warp produces while the warpgroups consume (warp specialization)."""
         if producer:
             if in_producer_warp():
-                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, by, bx, tx)
+                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, by, bx, tx)
             else:
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
-                consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
+                consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane)
         else:
             for p in T.unroll(stages - 1):
                 load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
-            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
+            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane)
 
     @T.macro
     def pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
@@ -468,32 +474,15 @@ def build(problem: Problem, knobs: Knobs):
                 for i in T.serial(my_tiles):
                     tile_at[0] = (pid + i * persistent) % m_tiles
                     tile_at[1] = (pid + i * persistent) // m_tiles
-                    for t in T.serial(trips):
-                        g = i * trips + t
-                        if g >= stages:
-                            T.mbarrier_wait_parity(empty[g % stages], (g // stages - 1) % 2)
-                        copy_stage(A, B, S, X_s, W_s, S_s, full, g, t, tile_at[0], tile_at[1], 32)
-                        T.call_extern("handle", "__syncwarp")
-                        if tx == consumers:
-                            T.barrier_arrive(full[g % stages])
+                    produce(A, B, S, X_s, W_s, S_s, full, empty, 0, i * trips, tile_at[0], tile_at[1], tx)
             else:
                 for i in T.serial(my_tiles):
                     tile_at[0] = (pid + i * persistent) % m_tiles
                     tile_at[1] = (pid + i * persistent) // m_tiles
                     for j in T.unroll(acc_len):
                         acc[j] = T.float32(0)
-                    for t0 in T.serial(-(-trips // unrolled)):
-                        for r in T.unroll(unrolled):
-                            t = t0 * unrolled + r
-                            if t < trips:
-                                g = i * trips + t
-                                T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
-                                read_w(W_s, S_s, w, sc, g, wg, wq, lane)
-                                decode_stage(w, sc, a, 0, r % 2)
-                                mma_stage(a, r % 2, acc, desc, g)
-                                T.warpgroup_wait(1 if overlap else 0)
-                                if t >= (1 if overlap else 0):
-                                    T.barrier_arrive(empty[(g - (1 if overlap else 0)) % stages])
+                    consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, i * trips,
+                                tile_at[0], tile_at[1], tx, wg, wq, lane)
                     T.warpgroup_wait(0)
                     T.warpgroup_fence_operand(acc, num_regs=acc_len)
                     if overlap:     # the tile's last k-tile is done too: release its stage
