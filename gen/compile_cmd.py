@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -52,7 +53,7 @@ def run(args) -> int:
         from .sass import missing_tools
 
         if missing_tools():      # before a compile of several seconds whose machine code cannot be read
-            print(f"gen compile: --sass needs {', '.join(missing_tools())} on PATH (see gen/sass.py)")
+            print(f"gen compile: --sass needs {', '.join(missing_tools())} on PATH (see gen/sass.py)", file=sys.stderr)
             return 2
     (layer,) = parse_shapes(args.shape)
     problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)

@@ -38,7 +38,7 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("gen profile: no CUDA GPU is visible; it runs a kernel for a profiler", file=sys.stderr)
         return 2
-    from runtime import op  # noqa: F401  (registers torch.ops.tilemarlin)
+    from runtime import op      # importing it registers torch.ops.tilemarlin
     from schedules.quant import quantize_rtn
 
     k, n, dtype = layer.k, layer.n, getattr(torch, args.dtype)

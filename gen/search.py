@@ -77,7 +77,7 @@ def achieved_gbps(problem: Problem, m: int, us: float) -> float:
 def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = DEFAULT_TOP,
          families=None) -> list[BucketSearch]:
     """The top `top` candidates of each (problem, bucket) by estimated time at the bucket's edge,
-    from `families` (all by default)."""
+    from `families` (registry.SEARCHED by default)."""
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
     return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu))
@@ -127,7 +127,7 @@ def add_seeds(searches: list[BucketSearch], sweep_records: list[dict], arch: Arc
     were added; a record that is not a sweep's is an error that names it."""
     from schedules.problem import Problem
 
-    by_key: dict[tuple, list[Result]] = {}
+    by_key: dict[tuple, list[tuple[float, Schedule]]] = {}
     for i, rec in enumerate(sweep_records):
         try:
             key = (Problem(**rec["problem"]), int(rec["m"]))
@@ -135,12 +135,12 @@ def add_seeds(searches: list[BucketSearch], sweep_records: list[dict], arch: Arc
                      if r.get("us") is not None and not r.get("error")]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"sweep record {i} is not a `gen sweep --json` record ({exc!r})") from None
-        by_key.setdefault(key, []).extend(Result(s, 0.0, us=us) for us, s in timed)
+        by_key.setdefault(key, []).extend(timed)
     added = 0
     for search in searches:
-        seeds = sorted(by_key.get((search.problem, search.bucket), []), key=lambda r: r.us)
-        for seed in [r for r in seeds if families is None or r.schedule.family in families][:per_bucket]:
-            added += _add_candidate(search, seed.schedule, arch, gpu)
+        seeds = [s for _, s in sorted(by_key.get((search.problem, search.bucket), []), key=lambda pair: pair[0])]
+        for schedule in [s for s in seeds if families is None or s.family in families][:per_bucket]:
+            added += _add_candidate(search, schedule, arch, gpu)
     return added
 
 

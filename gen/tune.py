@@ -72,7 +72,7 @@ def targets_from_args(args) -> list[Target]:
 
 
 def parse_families(text: str | None) -> list[str] | None:
-    """The --families list (None: all); an unknown name is an error that lists the known ones."""
+    """The --families list (None: registry.SEARCHED); an unknown name is an error that lists the known ones."""
     from schedules.registry import family
 
     if not text:
