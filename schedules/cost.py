@@ -212,33 +212,41 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     return (waves * wave_s + out_s + reduce_s) * 1e6 + gpu.launch_us
 
 
-# Measured effects of stream_mma's optional techniques that the terms above do not capture (the
-# small-M kernels are bound by the SM's instructions and latencies, not by bytes): the median time
-# ratio with / without the knob over ~25-55 otherwise equal configurations per M and layer class,
-# H200 sweeps of sessions 3-4 (docs/perf-notes.md v7-v9, v13). (knob, M up to) -> factor; the first
-# matching row applies.
+# Measured effects of optional techniques that the terms above do not capture (the kernels are bound
+# by the SM's instructions and latencies, not by bytes): per family, the median time ratio with /
+# without the knob over otherwise equal configurations per M and layer class, H200 sweeps
+# (docs/perf-notes.md v7-v9, v13, v16). (knob, M up to) -> factor; the first matching row applies.
 KNOB_FACTORS = {
-    "fold_zero_point": ((16, 0.95), (None, 1.35)),
-    "cluster_reduce": ((None, 0.97),),
-    "x_ldmatrix": ((2, 1.4), (4, 1.25), (8, 1.05), (16, 1.0), (None, 0.93)),
-    "async_weights": ((8, 0.95), (None, 0.92)),
+    "stream_mma": {
+        "fold_zero_point": ((16, 0.95), (None, 1.35)),
+        "cluster_reduce": ((None, 0.97),),
+        "x_ldmatrix": ((2, 1.4), (4, 1.25), (8, 1.05), (16, 1.0), (None, 0.93)),
+        "async_weights": ((8, 0.95), (None, 0.92)),
+    },
+    "stream_wgmma": {
+        # Release barriers alone: 1.15-1.45x slower below M=256 (warp 0 waits for the release before
+        # it refills). The producer warp, which needs them, takes that back and more: 0.93-0.98x of
+        # the plain TMA pipeline from M=64 on (times 1.25 for its release barriers), even at M <= 16
+        # (0.71-1.21x, median 1.0).
+        "release_barriers": ((None, 1.25),),
+        "producer_warp": ((16, 0.8), (None, 0.76)),
+    },
 }
 
 
 def measured_factor(family: str, knobs, m: int) -> float:
-    """stream_mma's measured corrections to the terms above at M = m (1 for the other families): the
-    KNOB_FACTORS of the techniques `knobs` switches on, and its shape knobs, fitted on 1066 H200
-    sweep timings of session 3 (M = 1-64, four Llama-2-7B layers; perf-notes v12): wider M tiles
-    cost more than the weight bytes they save (more registers and loads per warp), unroll 8 less at
-    M <= 16 (one fold and one scale row per group), and split 8 less than its workspace traffic
-    suggests. With them the best of the model's top 5 is 1.021x the measured best on average
-    (1.088x without)."""
-    if family != "stream_mma":
-        return 1.0
+    """The measured corrections to the terms above at M = m: the KNOB_FACTORS of the techniques
+    `knobs` switches on and, for stream_mma, its shape knobs, fitted on 1066 H200 sweep timings of
+    session 3 (M = 1-64, four Llama-2-7B layers; perf-notes v12): wider M tiles cost more than the
+    weight bytes they save (more registers and loads per warp), unroll 8 less at M <= 16 (one fold
+    and one scale row per group), and split 8 less than its workspace traffic suggests. With them the
+    best of the model's top 5 is 1.021x the measured best on average (1.088x without)."""
     factor = 1.0
-    for name, rows in KNOB_FACTORS.items():
+    for name, rows in KNOB_FACTORS.get(family, {}).items():
         if getattr(knobs, name):
             factor *= next(f for up_to, f in rows if up_to is None or m <= up_to)
+    if family != "stream_mma":
+        return factor
     if m > 8:
         factor *= knobs.m_tiles ** 0.25
     if m <= 16 and knobs.unroll == 8:

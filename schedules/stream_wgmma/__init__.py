@@ -30,11 +30,10 @@ AXES = {
     "split_k": (1, 2, 4, 8),
     "smem_weights": (True,),
     "tma": (True,),
-    "release_barriers": (False,),    # per-stage empty barriers: correct but 5-20 % slower (v13)
-    # A producer warp of its own (warp specialization, with release_barriers): compiled and checked on
-    # CPU only (tests/test_codegen_stream_wgmma.py); joins the search once measured on a GPU.
-    "producer_warp": (False,),
-    "persistent": (0,),       # blocks looping over tiles (with producer_warp): likewise, CPU-checked only
+    # Per-stage empty barriers: alone 15-45 % slower (v13, v16), but the producer warp needs them.
+    "release_barriers": (False, True),
+    "producer_warp": (False, True),  # warp specialization: 2-7 % faster from M=64 on, a toss-up below (v16)
+    "persistent": (0,),       # blocks looping over tiles: 0.86-2.0x of one block per tile (v16), not searched
 }
 
 
