@@ -7,6 +7,8 @@
    inputs at both ends of the bucket, output poisoned with NaN, two calls so that a split-K workspace
    left dirty is caught), then timed with gen.measure.time_calls over weight copies that L2 cannot
    hold, next to FP16 torch.matmul in the same process.
+4. Refine: a second, smaller round measures what lies one knob step away from each bucket's fastest
+   candidates and the winners of the buckets beside it (add_refinements), where the model misranks.
 A candidate that fails to compile, crashes, hangs or is wrong is a result with its reason, never the
 end of the run.
 
@@ -23,11 +25,13 @@ from dataclasses import dataclass, field
 
 from schedules.arch import Arch, get_arch
 from schedules.cost import GpuSpec, estimate_us, rank
+from schedules.knob_space import axis_values
 from schedules.problem import Problem
 from schedules.registry import Schedule
 from runtime.table import bucket_range
 
 DEFAULT_TOP = 12
+DEFAULT_REFINE = 6     # candidates per bucket in the second, local round (add_refinements)
 # fp16 outputs carry ~5e-4 of rounding error; bf16 has an 8-bit mantissa, so its rounding alone is ~2e-3.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 STALL_TIMEOUT_S = 300.0   # no word from the measuring child for this long: the kernel is presumed hung
@@ -144,9 +148,79 @@ def add_seeds(searches: list[BucketSearch], sweep_records: list[dict], arch: Arc
     return added
 
 
+def neighbours(schedule: Schedule, problem: Problem, arch: Arch) -> list[Schedule]:
+    """The valid schedules one step away from `schedule` in its family's space: one axis moved to the
+    next value up or down (in AXES order). A move that breaks a rule between knobs (producer_warp
+    needs release_barriers, a split needs k-tiles for its stages) is retried together with one step
+    along another axis, so that coupled knobs move as a pair. Deterministic, without `schedule`."""
+    module = schedule.module
+    axes = list(module.AXES.values())
+    here = axis_values(module.AXES, schedule.knobs)
+
+    def moved(point: tuple, axis: int, step: int) -> list[tuple]:
+        values = axes[axis]
+        if point[axis] not in values:              # off the searched grid (a seed): onto its first value
+            return [point[:axis] + (values[0],) + point[axis + 1:]]
+        i = values.index(point[axis]) + step
+        return [point[:axis] + (values[i],) + point[axis + 1:]] if 0 <= i < len(values) else []
+
+    def valid(point: tuple):
+        knobs = module.from_axes(point)
+        return knobs if module.check(problem, knobs, arch) is None else None
+
+    found: list[Schedule] = []
+    for axis in range(len(axes)):
+        for step in (-1, 1):
+            for single in moved(here, axis, step):
+                points = [single] if valid(single) else \
+                    [pair for other in range(len(axes)) if other != axis for s2 in (-1, 1) for pair in moved(single, other, s2)]
+                for point in points:
+                    knobs = valid(point)
+                    candidate = Schedule(schedule.family, knobs) if knobs else None
+                    if candidate and point != here and candidate not in found:
+                        found.append(candidate)
+    return found
+
+
+def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_bucket: int = 6,
+                    from_best: int = 2) -> int:
+    """The second round of a search, after the first is measured: per bucket, the winners of the
+    neighbouring buckets of the same problem (already compiled; one kernel serves any M) and the
+    unmeasured neighbours of its `from_best` fastest correct candidates (the fastest one's first,
+    each one's by estimate), up to `per_bucket` new candidates. The cost model orders a family's knobs well but not exactly (stages,
+    the producer warp and split-K moved the H200's winners by 5-20 %, perf-notes v16): a local search
+    around what was measured fixes what it misranks. Returns how many were added."""
+    added = 0
+    by_problem: dict[Problem, dict[int, BucketSearch]] = {}
+    for search in searches:
+        by_problem.setdefault(search.problem, {})[search.bucket] = search
+    for search in searches:
+        timed = sorted((r for r in search.results if r.us is not None and r.error is None), key=lambda r: r.us)
+        if not timed:
+            continue
+        buckets = sorted(by_problem[search.problem])
+        i = buckets.index(search.bucket)
+        adjacent = [by_problem[search.problem][b].winner() for b in buckets[max(0, i - 1):i + 2] if b != search.bucket]
+        pool = [w.schedule for w in adjacent if w is not None]
+        near = []
+        for r in timed[:from_best]:      # the best one's neighbours first, each list best estimate first
+            near += sorted(neighbours(r.schedule, search.problem, arch),
+                           key=lambda s: (estimate_us(search.problem, s, search.bucket, gpu), s.name))
+        count = 0
+        for schedule in pool + near:
+            if count >= per_bucket:
+                break
+            if _add_candidate(search, schedule, arch, gpu):
+                count += 1
+        added += count
+    return added
+
+
 def compile_jobs(searches: list[BucketSearch]) -> list[tuple[Problem, Schedule]]:
-    """Distinct (problem, schedule) pairs, in first-seen order: one kernel serves every bucket."""
-    return list(dict.fromkeys((s.problem, r.schedule) for s in searches for r in s.results))
+    """Distinct (problem, schedule) pairs of the candidates not measured or failed yet, in first-seen
+    order: one kernel serves every bucket."""
+    return list(dict.fromkeys((s.problem, r.schedule) for s in searches for r in s.results
+                              if r.us is None and r.error is None))
 
 
 def compile_candidates(searches: list[BucketSearch], arch: Arch, workers: int | None = None, progress=None) -> int:
@@ -170,7 +244,8 @@ class MeasureError(RuntimeError):
 
 def measure_problem(problem: Problem, arch: Arch, searches: list[BucketSearch], progress=None, on_bucket=None,
                     stall_timeout_s: float = STALL_TIMEOUT_S, child_main=None) -> None:
-    """Check and time the compiled candidates of `searches` (all of `problem`) in child processes.
+    """Check and time the compiled candidates of `searches` (all of `problem`) that have no time yet,
+    in child processes.
 
     Fills each Result's us / rel_err / error and each search's fp16_us; calls progress(result) after
     every candidate and on_bucket(search) when a bucket is complete. `child_main` replaces the
@@ -178,7 +253,7 @@ def measure_problem(problem: Problem, arch: Arch, searches: list[BucketSearch], 
     """
     child_main = child_main or _measure_child
     by_bucket = {s.bucket: s for s in searches}
-    todo = {s.bucket: [i for i, r in enumerate(s.results) if r.error is None] for s in searches}
+    todo = {s.bucket: [i for i, r in enumerate(s.results) if r.error is None and r.us is None] for s in searches}
     for bucket in [b for b, idx in todo.items() if not idx]:        # nothing compiled: done already
         del todo[bucket]
         if on_bucket:

@@ -6,7 +6,8 @@
     gen tune --model llama-2-7b --dry-run --arch sm_90a --top 2   # no GPU: compile + cost model only
 
 Results go to this GPU's tuned table (runtime/table.py) after every bucket, so an interrupted run
-resumes where it stopped; --force re-tunes what is already there.
+resumes where it stopped; --force re-tunes what is already there. After the cost model's picks are
+measured, a second round (--refine, per bucket) measures their neighbours in knob space.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from runtime.table import BUCKETS
 from schedules.problem import SUPPORTED_DTYPES, Problem
 
-from .search import DEFAULT_TOP
+from .search import DEFAULT_REFINE, DEFAULT_TOP
 
 
 @dataclass
@@ -42,6 +43,9 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
     p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure")
+    p.add_argument("--refine", type=int, default=DEFAULT_REFINE,
+                   help="candidates per bucket in a second round around the first round's fastest (one knob "
+                        "a step away, the winners of the buckets beside); 0 = one round only")
     p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table")
     p.add_argument("--seed", metavar="SWEEP.json", help="also measure, per bucket, the 3 fastest correct candidates "
                    "that `gen sweep --json` recorded at the bucket's edge M for the same shape")
@@ -103,6 +107,8 @@ def run(args) -> int:
         args.families = parse_families(args.families)
         if args.top < 1:
             raise ValueError(f"--top must be at least 1, got {args.top}")
+        if args.refine < 0:
+            raise ValueError(f"--refine must be 0 (no second round) or more, got {args.refine}")
         args.seed_records = load_sweep(args.seed) if args.seed else []
     except ValueError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
@@ -162,7 +168,8 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
 
-    from .search import MeasureError, achieved_gbps, add_incumbents, add_seeds, measure_problem, plan
+    from .search import (MeasureError, achieved_gbps, add_incumbents, add_refinements, add_seeds,
+                         measure_problem, plan)
 
     arch = current_arch()
     if args.arch and get_arch(args.arch) != arch:
@@ -192,19 +199,27 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
                          gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=search.timings())
             table.save(path)   # after every bucket: an interrupted run resumes from here
 
-    to_measure = sum(r.error is None for s in searches for r in s.results)
-    with tqdm(total=to_measure, desc="check + time", unit="cand") as bar:
-        for target in targets:
-            mine = [s for s in searches if s.problem == target.problem]
-            if not mine:
-                continue
-            bar.set_postfix_str(target.label, refresh=True)
-            try:
-                measure_problem(target.problem, arch, mine, progress=lambda _: bar.update(1), on_bucket=record)
-            except MeasureError as exc:
-                bar.close()
-                print(f"gen tune: {exc}", file=sys.stderr)
-                return 1
+    def measure(label):
+        to_measure = sum(r.error is None and r.us is None for s in searches for r in s.results)
+        with tqdm(total=to_measure, desc=label, unit="cand") as bar:
+            for target in targets:
+                mine = [s for s in searches if s.problem == target.problem]
+                if mine:
+                    bar.set_postfix_str(target.label, refresh=True)
+                    measure_problem(target.problem, arch, mine, progress=lambda _: bar.update(1), on_bucket=record)
+
+    try:
+        measure("check + time")
+        if args.refine and searches:
+            # Round two: the neighbours of what measured fastest, and the winners of the buckets beside.
+            added = add_refinements(searches, arch, spec, per_bucket=args.refine)
+            print(f"{added} candidates added around the measured winners (--refine {args.refine})")
+            if added:
+                compile_with_progress(searches, arch, args.workers)
+                measure("check + time, round 2")
+    except MeasureError as exc:
+        print(f"gen tune: {exc}", file=sys.stderr)
+        return 1
 
     unsolved = [s for s in searches if s.winner() is None]
     print_results(targets, buckets, table)
@@ -242,7 +257,8 @@ def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
         print(f"gen tune: {exc}", file=sys.stderr)
         return 2
     print(f"DRY RUN for {arch.name}: candidates are compiled but nothing is measured; they are ranked by the "
-          f"cost model only (estimates for {spec.name}), and no tuned table is written.")
+          f"cost model only (estimates for {spec.name}), and no tuned table is written"
+          + (" (no second round: --refine works from measured times)." if args.refine else "."))
     searches = plan([(t.problem, b) for t in targets for b in buckets], arch, spec, top=args.top,
                     families=args.families)
     compile_with_progress(searches, arch, args.workers)

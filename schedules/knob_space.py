@@ -13,6 +13,17 @@ def valid_points(axes: dict[str, tuple], make: Callable[[tuple], object], check,
     return [knobs for knobs in points if check(problem, knobs, arch) is None]
 
 
+def positional(knobs_cls) -> Callable[[tuple], object]:
+    """A family's from_axes when its AXES name its Knobs fields in order: values -> Knobs(*values)."""
+    return lambda values: knobs_cls(*values)
+
+
+def axis_values(axes: dict[str, tuple], knobs) -> tuple:
+    """The point of `axes` that `knobs` is (the inverse of a family's from_axes): each axis is a knob
+    or a property of the Knobs named like it."""
+    return tuple(getattr(knobs, name) for name in axes)
+
+
 def tiling_reason(problem, block_n: int, block_k: int, scale_rows: str = "") -> str | None:
     """Why block_n x block_k tiles do not fit `problem` (N, K, and with group scales the group size,
     so that a k-tile never straddles two scale rows), or None; `scale_rows` adds the family's words

@@ -108,6 +108,67 @@ def test_seeds_from_a_sweep_join_the_matching_buckets():
         s.add_seeds(searches, [{"m": 1}], H200, _spec())
 
 
+def test_neighbours_move_one_knob_or_a_coupled_pair():
+    import dataclasses
+
+    from schedules import stream_wgmma
+    from schedules.registry import Schedule
+
+    s = _search()
+    o_proj = Problem.make(n=4096, k=4096)
+    plain = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 1, 64, 6, overlap=True, split_k=2, smem_weights=True,
+                                                        tma=True))
+    near = s.neighbours(plain, o_proj, H200)
+    assert near == s.neighbours(plain, o_proj, H200) and plain not in near and len(set(near)) == len(near)
+    assert all(n.module.check(o_proj, n.knobs, H200) is None for n in near)
+    changed = [{f.name for f in dataclasses.fields(n.knobs) if getattr(n.knobs, f.name) != getattr(plain.knobs, f.name)}
+               for n in near]
+    assert all(1 <= len(c) <= 2 for c in changed)
+    for name, values in (("stages", (4, 8)), ("split_k", (1, 4)), ("block_m", (32, 128))):
+        for v in values:      # one step either way along an axis, never two
+            assert Schedule("stream_wgmma", dataclasses.replace(plain.knobs, **{name: v})) in near
+    assert Schedule("stream_wgmma", dataclasses.replace(plain.knobs, split_k=8)) not in near
+    # the producer warp is only valid with release barriers: it comes as a pair
+    assert Schedule("stream_wgmma", dataclasses.replace(plain.knobs, release_barriers=True, producer_warp=True)) in near
+    assert {"producer_warp"} not in changed
+
+
+def test_refinement_adds_neighbours_of_the_fastest_and_the_winners_beside():
+    s = _search()
+    searches = s.plan([(QKV, b) for b in (1, 2, 4)], H200, _spec(), top=3)
+    one, two, four = searches
+    for x, times in ((one, (9.0, 7.0, 8.0)), (two, (6.0, 9.0, 9.5)), (four, None)):
+        for r, us in zip(x.results, times or ()):
+            r.us = us
+    for r in four.results:                                       # nothing correct there: no round two
+        r.error = "wrong: relative error 0.5"
+    before = {x.bucket: [r.schedule for r in x.results] for x in searches}
+    added = s.add_refinements(searches, H200, _spec(), per_bucket=4)
+    assert added == 8 and len(four.results) == 3
+    fresh = {x.bucket: [r.schedule for r in x.results[len(before[x.bucket]):]] for x in (one, two)}
+    assert all(len(v) == 4 and not set(v) & set(before[b]) for b, v in fresh.items())
+    # bucket 1 measures bucket 2's winner (if it is not among its own), then its fastest's neighbours
+    if two.winner().schedule not in before[1]:
+        assert fresh[1][0] == two.winner().schedule
+    best = one.winner().schedule
+    assert set(fresh[1]) - {two.winner().schedule} <= set(s.neighbours(best, QKV, H200)) | \
+        set(s.neighbours(sorted((r for r in one.results if r.us), key=lambda r: r.us)[1].schedule, QKV, H200))
+    assert all(r.us is None and r.error is None for r in one.results[3:])
+    assert {job for job in s.compile_jobs(searches)} == {(QKV, sch) for v in fresh.values() for sch in v}
+    assert s.add_refinements(searches, H200, _spec(), per_bucket=0) == 0
+
+
+def test_round_two_measures_only_the_new_candidates():
+    s = _search()
+    x = _bucket(s, 1, ["ok:5", "ok:4"])
+    s.measure_problem(QKV, H200, [x], child_main=fake_child)
+    x.results.append(s.Result("ok:3", 1.0))    # a second-round candidate; the parent must not resend the others
+    x.results[0].schedule = x.results[1].schedule = "measured already"
+    done = []
+    s.measure_problem(QKV, H200, [x], on_bucket=done.append, child_main=fake_child)
+    assert [r.us for r in x.results] == [5.0, 4.0, 3.0] and done == [x] and x.winner().us == 3.0
+
+
 def test_compile_failures_become_results(monkeypatch):
     s = _search()
     searches = s.plan([(QKV, 1), (QKV, 16)], H200, _spec(), top=3)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..arch import Arch
-from ..knob_space import valid_points
+from ..knob_space import positional, valid_points
 from ..problem import Problem
 from .. import marlin_mma
 from .kernel import PASS_CONFIGS, build
@@ -23,9 +23,12 @@ AXES = {
 }
 
 
+from_axes = positional(Knobs)    # AXES name the Knobs fields in order
+
+
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
     """Every valid point of the named axes for `problem` on `arch`."""
-    return valid_points(AXES, lambda values: Knobs(*values), check, problem, arch)
+    return valid_points(AXES, from_axes, check, problem, arch)
 
 
 def workspace_elems(problem: Problem, knobs: Knobs, m: int) -> tuple[int, int]:
@@ -37,5 +40,5 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
     return marlin_mma.kernel_args(problem, marlin_mma.Knobs(), a, weight, scales, out)
 
 
-__all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "space", "build", "PASS_CONFIGS", "pack", "unpack",
+__all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
            "workspace_elems", "kernel_args", "layout"]

@@ -26,13 +26,15 @@ AXES = {
 }
 
 
-def space(problem: Problem, arch: Arch) -> list[Knobs]:
-    """Every valid point of the named axes for `problem` on `arch` (the "warps" axis sets three knobs)."""
-    def make(values):
-        bm, bn, bk, (wm, wn, wk), *rest = values
-        return Knobs(bm, bn, bk, wm, wn, wk, *rest)
+def from_axes(values: tuple) -> Knobs:
+    """The knobs at one point of AXES (the "warps" axis sets three knobs; Knobs.warps reads them back)."""
+    bm, bn, bk, (wm, wn, wk), *rest = values
+    return Knobs(bm, bn, bk, wm, wn, wk, *rest)
 
-    return valid_points(AXES, make, check, problem, arch)
+
+def space(problem: Problem, arch: Arch) -> list[Knobs]:
+    """Every valid point of the named axes for `problem` on `arch`."""
+    return valid_points(AXES, from_axes, check, problem, arch)
 
 
 def pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,5 +96,5 @@ def _expect(what, t, dtype, shape, min_elems=0) -> None:
         raise ValueError(f"{what} has {t.numel()} elements, this call needs {min_elems}")
 
 
-__all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "space", "build", "PASS_CONFIGS", "pack", "unpack",
+__all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
            "workspace_elems", "kernel_args", "layout"]

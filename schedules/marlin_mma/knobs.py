@@ -33,6 +33,11 @@ class Knobs:
     scale_on_acc: bool = False
 
     @property
+    def warps(self) -> tuple[int, int, int]:
+        """The warp grid (warps_m, warps_n, warps_k): one axis of the search (AXES["warps"])."""
+        return self.warps_m, self.warps_n, self.warps_k
+
+    @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n * self.warps_k
 

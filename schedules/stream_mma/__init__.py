@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..arch import Arch
-from ..knob_space import valid_points
+from ..knob_space import positional, valid_points
 from ..problem import Problem
 from .. import marlin_mma
 from .kernel import PASS_CONFIGS, build
@@ -39,10 +39,13 @@ AXES = {
 }
 
 
+from_axes = positional(Knobs)    # AXES name the Knobs fields in order
+
+
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
     """Every valid point of the named axes for `problem` on `arch`."""
-    return valid_points(AXES, lambda values: Knobs(*values), check, problem, arch)
+    return valid_points(AXES, from_axes, check, problem, arch)
 
 
-__all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "space", "build", "PASS_CONFIGS", "pack", "unpack",
+__all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
            "workspace_elems", "kernel_args", "layout"]
