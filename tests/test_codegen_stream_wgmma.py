@@ -42,6 +42,12 @@ CASES = {
     "tma_producer_warp_persistent": (Problem(1024, 4096, 128), Knobs(128, 1, 2, 64, 6, overlap=True, smem_weights=True,
                                                                     tma=True, release_barriers=True, producer_warp=True,
                                                                     persistent=132)),
+    # ... with the producer a whole warpgroup that hands its registers to the consumers (setmaxnreg),
+    # so that block_m 256 with two warpgroups keeps its wgmmas in flight.
+    "tma_producer_warpgroup_setmaxnreg": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, overlap=True,
+                                                                         smem_weights=True, tma=True,
+                                                                         release_barriers=True, producer_warp=True,
+                                                                         setmaxnreg=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -72,6 +78,11 @@ def test_not_offered_before_hopper():
     (Knobs(persistent=132, smem_weights=True, tma=True, release_barriers=True), "need producer_warp"),
     (Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True),
      "keep the wgmmas in flight"),
+    (Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
+           producer_warp=True, setmaxnreg=True), "split_k=1"),
+    (Knobs(128, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
+           setmaxnreg=True), "warpgroups=2"),
+    (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, setmaxnreg=True), "needs producer_warp"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -137,6 +148,46 @@ def test_ptxas_keeps_the_wgmmas_asynchronous(compiled, tmp_path):
     *_, ptx = compiled
     out = ptxas_output(ptx, "sm_90a", tmp_path)
     assert "instructions are serialized" not in out, out
+
+
+def test_setmaxnreg_moves_the_registers_to_the_consumers(compiled, tmp_path):
+    _, knobs, src, ptx = compiled
+    if not knobs.setmaxnreg:
+        assert "setmaxnreg" not in ptx
+        return
+    assert knobs.threads == 384 and "__launch_bounds__(384, 1)" in src
+    assert count(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{stream_wgmma.knobs.PRODUCER_REGISTERS};", ptx) == 1
+    assert count(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{knobs.max_registers};", ptx) == 1
+    assert 40 * 128 + knobs.max_registers * 256 <= 65536       # or the consumers' setmaxnreg.inc never returns
+    # ptxas ignores setmaxnreg (C7508) when it cannot tell the registers at the kernel's entry.
+    assert "ignored" not in ptxas_output(ptx, "sm_90a", tmp_path)
+
+
+def test_barriers_in_the_k_loops(compiled):
+    """What each pipeline's k-loops wait on (each barrier counted once per k-tile of the loop text)."""
+    _, knobs, src, _ = compiled
+    loops = k_loops(src)
+    consumers = [loop for loop in loops if "wgmma_rs" in loop]
+    assert consumers, "no k-loop issues wgmmas"
+    syncs = r"__syncthreads\(\)"
+    empty_wait, empty_arrive = r"empty\[[^\]]+\]\.wait\(", r"empty\[[^\]]+\]\.arrive\(\)"
+    if not knobs.tma:
+        # One barrier per k-tile, after the stage has landed and been fenced for the async proxy that
+        # wgmma reads shared memory through.
+        assert all(count(syncs, loop) == 1 and count(r"fence_proxy_async", loop) >= 1 for loop in consumers)
+        return
+    assert all("fence_proxy_async" not in loop for loop in consumers)      # TMA writes through the async proxy
+    if not knobs.release_barriers:
+        assert all(count(syncs, loop) == 1 for loop in consumers)         # frees the oldest stage for its TMA
+        return
+    assert all(count(syncs, loop) == 0 for loop in loops), "a block barrier is left in a k-loop"
+    assert all(count(empty_arrive, loop) >= 1 for loop in consumers)
+    if knobs.producer_warp:      # the consumers only wait for full stages; the producer for empty ones
+        producers = [loop for loop in loops if "tma_load" in loop and "wgmma_rs" not in loop]
+        assert producers and all(count(empty_wait, loop) == 1 for loop in producers)
+        assert all("tma_load" not in loop and count(empty_wait, loop) == 0 for loop in consumers)
+    else:                        # warp 0 waits for the release before it refills
+        assert all(count(empty_wait, loop) == 1 for loop in consumers)
 
 
 def k_loops(src: str) -> list[str]:

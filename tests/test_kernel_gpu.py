@@ -69,6 +69,10 @@ STREAM_WGMMA_KNOBS = {
                                                    release_barriers=True, producer_warp=True, persistent=132),
     "swg_m64_tma_release_producer_persistent7": SW(64, 1, 1, 64, 4, smem_weights=True, tma=True, release_barriers=True,
                                                    producer_warp=True, persistent=7),
+    "swg_m256_tma_release_producer_setmaxnreg": SW(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
+                                                   release_barriers=True, producer_warp=True, setmaxnreg=True),
+    "swg_m128_tma_release_producer_setmaxnreg_s8": SW(128, 1, 2, 64, 8, overlap=True, smem_weights=True, tma=True,
+                                                      release_barriers=True, producer_warp=True, setmaxnreg=True),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),
     "swg_m64_tma_release_split4": SW(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True, release_barriers=True),
 }

@@ -131,6 +131,14 @@ def test_neighbours_move_one_knob_or_a_coupled_pair():
     # the producer warp is only valid with release barriers: it comes as a pair
     assert Schedule("stream_wgmma", dataclasses.replace(plain.knobs, release_barriers=True, producer_warp=True)) in near
     assert {"producer_warp"} not in changed
+    # a value off the searched grid (an unsearched setmaxnreg from a sweep's seed) stays while other
+    # axes move, and moves onto the grid along its own axis
+    seeded = Schedule("stream_wgmma", stream_wgmma.Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
+                                                         release_barriers=True, producer_warp=True, setmaxnreg=True))
+    assert seeded.module.check(o_proj, seeded.knobs, H200) is None
+    around = s.neighbours(seeded, o_proj, H200)
+    assert Schedule("stream_wgmma", dataclasses.replace(seeded.knobs, stages=6)) in around
+    assert Schedule("stream_wgmma", dataclasses.replace(seeded.knobs, block_m=128, setmaxnreg=False)) in around
 
 
 def test_refinement_adds_neighbours_of_the_fastest_and_the_winners_beside():

@@ -34,6 +34,9 @@ AXES = {
     "release_barriers": (False, True),
     "producer_warp": (False, True),  # warp specialization: 2-7 % faster from M=64 on, a toss-up below (v16)
     "persistent": (0,),       # blocks looping over tiles: 0.86-2.0x of one block per tile (v16), not searched
+    # A producer warpgroup that hands its registers to the consumers (block_m 256 with a producer):
+    # compiled and checked on CPU (tests/test_codegen_stream_wgmma.py); joins the search once measured.
+    "setmaxnreg": (False,),
 }
 
 

@@ -37,7 +37,7 @@ from templates import dequant_function_names, mma_operand_dtype, render_dequant
 from ..epilogue import SPLIT_K_HELPERS, store_tile, w4a16_prim_func
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
-from .knobs import CORE_ROWS, WARPGROUP, Knobs
+from .knobs import CORE_ROWS, PRODUCER_REGISTERS, WARPGROUP, Knobs
 
 # A lane's packed words of one k-step: 1, 2 or 4 consecutive 32-bit words. Every M tile of the
 # grid reads the same weights, so they may stay in the caches (no L1::no_allocate here).
@@ -77,7 +77,7 @@ def build(problem: Problem, knobs: Knobs):
     bm, bn, bk, g = kb.block_m, kb.block_n, kb.block_k, kb.groups
     steps, stages, ahead, prefetch, overlap = kb.k_steps, kb.stages, kb.ahead, kb.prefetch, kb.overlap
     threads = kb.threads
-    consumers = kb.consumer_threads     # threads of the warpgroups; with producer_warp one warp more
+    consumers = kb.consumer_threads     # threads of the warpgroups; with producer_warp one warp (or warpgroup) more
     trips = kb.k_tiles(problem) // kb.split_k
     grouped = not problem.channelwise
     split = kb.uses_workspace
@@ -391,6 +391,25 @@ def build(problem: Problem, knobs: Knobs):
                             C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, col], "float32"), dtype)
 
     @T.macro
+    def pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx, wg, wq, lane):
+        """setmaxnreg: the producer warpgroup drops to PRODUCER_REGISTERS and its first warp produces;
+        the consumers take the registers it left and store their own sums. The two branches never
+        meet again: code after a join would be held to the registers at the kernel's entry (the
+        block's average), which made ptxas spill the accumulators and serialize the wgmmas."""
+        if in_producer_warp():
+            T.set_max_nreg(PRODUCER_REGISTERS, 0)
+            if T.call_extern("int32", "tm_warp_index") == consumers // 32:
+                produce(A, B, S, X_s, W_s, S_s, full, empty, 0, 0, by, bx, tx)
+        else:
+            T.set_max_nreg(kb.max_registers, 1)
+            for i in T.unroll(acc_len):
+                acc[i] = T.float32(0)
+            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, 0, by, bx, tx, wg, wq, lane)
+            T.warpgroup_wait(0)
+            T.warpgroup_fence_operand(acc, num_regs=acc_len)
+            acc_to_global(acc, C, S, by, bx, wg, wq, lane)
+
+    @T.macro
     def buffers():
         """The block's shared stages, barriers and per-thread registers."""
         X_s = T.alloc_shared((stages, bm, bk) if tma else (stages, kc8, bm, 8), dtype)
@@ -423,13 +442,18 @@ def build(problem: Problem, knobs: Knobs):
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
 
-            if tma:
+            if kb.setmaxnreg:    # (split_k 1: the epilogue is the consumers' own, inside)
+                pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx,
+                                        wg, wq, lane)
+            elif tma:
                 pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             elif w_smem:
                 pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             else:
                 pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
-            if producer:
+            if kb.setmaxnreg:
+                pass
+            elif producer:
                 if not in_producer_warp():      # wgmma's warpgroup instructions, not for the producer warp
                     T.warpgroup_wait(0)
                     T.warpgroup_fence_operand(acc, num_regs=acc_len)
@@ -449,6 +473,8 @@ def build(problem: Problem, knobs: Knobs):
                     acc_to_shared(acc, C_s, wg, wq, lane)
                 T.sync_threads()
                 store(C_s, C, S, ws, counters, m, by, bx, tx)
+            elif kb.setmaxnreg:
+                pass
             elif producer:
                 if not in_producer_warp():
                     acc_to_global(acc, C, S, by, bx, wg, wq, lane)

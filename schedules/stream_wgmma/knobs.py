@@ -10,6 +10,7 @@ from ..problem import Problem
 
 WARPGROUP = 128
 CORE_ROWS = 8        # a wgmma core matrix: 8 rows of 16 bytes
+PRODUCER_REGISTERS = 40   # setmaxnreg: what the producer warpgroup keeps (TMA issue and barrier waits)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class Knobs:
     (M tiles fastest): the stages' barrier phases run on across tiles, so the producer fills the
     next tile's stages while the warpgroups store this one (no pipeline fill, no block launch per
     tile). P is tuned per GPU like any knob (its SM count times blocks per SM); any P is correct.
+    setmaxnreg (with producer_warp, two warpgroups, split_k 1) makes the producer a whole warpgroup
+    that drops to PRODUCER_REGISTERS with setmaxnreg.dec and hands the rest to the two consumer
+    warpgroups (setmaxnreg.inc): 232 registers each instead of the 224 that 288 threads leave them,
+    with ptxas's headroom for wgmmas in flight (v15), so block_m 256 can have a producer (v18).
     """
 
     block_m: int = 128
@@ -55,6 +60,7 @@ class Knobs:
     release_barriers: bool = False
     producer_warp: bool = False
     persistent: int = 0
+    setmaxnreg: bool = False
 
     @property
     def block_n(self) -> int:
@@ -66,12 +72,20 @@ class Knobs:
         return WARPGROUP * self.warpgroups
 
     @property
+    def producer_threads(self) -> int:
+        """The producer warp, or with setmaxnreg its whole warpgroup (setmaxnreg works per warpgroup)."""
+        return WARPGROUP if self.setmaxnreg else 32 if self.producer_warp else 0
+
+    @property
     def threads(self) -> int:
-        return self.consumer_threads + (32 if self.producer_warp else 0)
+        return self.consumer_threads + self.producer_threads
 
     @property
     def max_registers(self) -> int:
-        """Registers per thread ptxas may use with one block of `threads` per SM (at most 255)."""
+        """Registers per consumer thread with one block of `threads` per SM (at most 255): the block's
+        share, or with setmaxnreg what the producer warpgroup leaves, in setmaxnreg's steps of 8."""
+        if self.setmaxnreg:
+            return min(248, (65536 - WARPGROUP * PRODUCER_REGISTERS) // self.consumer_threads // 8 * 8)
         return min(255, 65536 // self.threads // 8 * 8)
 
     @property
@@ -97,7 +111,7 @@ class Knobs:
     @property
     def name(self) -> str:
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else "") + ("_pw" if self.producer_warp else "") + (f"_p{self.persistent}" if self.persistent else ""))
+                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else "") + ("_pw" if self.producer_warp else "") + (f"_p{self.persistent}" if self.persistent else "") + ("_nreg" if self.setmaxnreg else ""))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
@@ -146,6 +160,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"persistent={kb.persistent}: 0 (one block per tile) or the number of blocks"
     if kb.persistent and not (kb.producer_warp and kb.split_k == 1):
         return "persistent blocks need producer_warp (it runs ahead into the next tile) and split_k=1"
+    if kb.setmaxnreg and not (kb.producer_warp and kb.warpgroups == 2 and kb.split_k == 1 and not kb.persistent):
+        return ("setmaxnreg moves the producer's registers to two consumer warpgroups: it needs producer_warp, "
+                "warpgroups=2, split_k=1 (the producer keeps too few for the epilogue) and no persistent loop")
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
     if kb.smem_weights and kb.ahead != 1:
