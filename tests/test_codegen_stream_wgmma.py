@@ -48,6 +48,10 @@ CASES = {
                                                                          smem_weights=True, tma=True,
                                                                          release_barriers=True, producer_warp=True,
                                                                          setmaxnreg=True)),
+    # small M with a producer warp, the four splits of a tile adding up in a cluster's shared memory.
+    "tma_producer_cluster_split4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=4,
+                                                                   smem_weights=True, tma=True, release_barriers=True,
+                                                                   producer_warp=True, cluster_reduce=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -83,6 +87,7 @@ def test_not_offered_before_hopper():
     (Knobs(128, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            setmaxnreg=True), "warpgroups=2"),
     (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, setmaxnreg=True), "needs producer_warp"),
+    (Knobs(64, 1, 1, 64, 4, split_k=16, smem_weights=True, tma=True, cluster_reduce=True), "portable cluster"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -161,6 +166,19 @@ def test_setmaxnreg_moves_the_registers_to_the_consumers(compiled, tmp_path):
     assert 40 * 128 + knobs.max_registers * 256 <= 65536       # or the consumers' setmaxnreg.inc never returns
     # ptxas ignores setmaxnreg (C7508) when it cannot tell the registers at the kernel's entry.
     assert "ignored" not in ptxas_output(ptx, "sm_90a", tmp_path)
+
+
+def test_split_k_through_the_cluster_or_the_workspace(compiled):
+    _, knobs, src, ptx = compiled
+    remote = count(r"ld\.shared::cluster", ptx)
+    atomics = count(r"\b(red|atom)\.global", ptx)
+    if knobs.split_k == 1:
+        assert remote == 0 and atomics == 0
+    elif knobs.cluster_reduce:     # partial tiles read from the other blocks' shared memory, nothing global
+        assert remote > 0 and count(r"barrier\.cluster\.arrive", ptx) >= 2 and atomics == 0
+        assert not knobs.uses_workspace
+    else:                          # fp32 workspace: vector reductions and the tile's arrival counter
+        assert remote == 0 and atomics > 0 and knobs.uses_workspace
 
 
 def test_barriers_in_the_k_loops(compiled):

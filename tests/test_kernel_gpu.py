@@ -73,6 +73,10 @@ STREAM_WGMMA_KNOBS = {
                                                    release_barriers=True, producer_warp=True, setmaxnreg=True),
     "swg_m128_tma_release_producer_setmaxnreg_s8": SW(128, 1, 2, 64, 8, overlap=True, smem_weights=True, tma=True,
                                                       release_barriers=True, producer_warp=True, setmaxnreg=True),
+    "swg_m16_tma_producer_cluster_split4": SW(16, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True, tma=True,
+                                              release_barriers=True, producer_warp=True, cluster_reduce=True),
+    "swg_m32_tma_cluster_split2": SW(32, 1, 2, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True,
+                                     cluster_reduce=True),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),
     "swg_m64_tma_release_split4": SW(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True, release_barriers=True),
 }

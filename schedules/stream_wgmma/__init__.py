@@ -37,6 +37,8 @@ AXES = {
     # A producer warpgroup that hands its registers to the consumers (block_m 256 with a producer):
     # compiled and checked on CPU (tests/test_codegen_stream_wgmma.py); joins the search once measured.
     "setmaxnreg": (False,),
+    # Split-K through a thread-block cluster's shared memory: likewise, CPU-checked only.
+    "cluster_reduce": (False,),
 }
 
 

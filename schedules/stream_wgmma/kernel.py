@@ -34,7 +34,7 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
-from ..epilogue import SPLIT_K_HELPERS, store_tile, w4a16_prim_func
+from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 from .knobs import CORE_ROWS, PRODUCER_REGISTERS, WARPGROUP, Knobs
@@ -84,9 +84,11 @@ def build(problem: Problem, knobs: Knobs):
     grid_n = n // bn
     ab = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
+    cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "") + \
-        (WARP_INDEX if kb.producer_warp else "")
-    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise) if split else None
+        (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "")
+    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
+        if kb.split_k > 1 else None
     load_words = f"tm_ldg_words{g}"
     w_smem = kb.smem_weights
     bufs = 1 if w_smem else ahead + 1    # register buffers of packed words (and scales)
@@ -429,7 +431,9 @@ def build(problem: Problem, knobs: Knobs):
 
     @T.macro
     def body(A, B, S, C, ws, counters):
-        with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude) as (by, bx, bz):
+        # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
+        with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude,
+                      cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc = buffers()
 
             tx = T.get_thread_binding()
@@ -461,7 +465,7 @@ def build(problem: Problem, knobs: Knobs):
                 T.warpgroup_wait(0)
                 T.warpgroup_fence_operand(acc, num_regs=acc_len)
 
-            if split:
+            if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")
                 # TileLang may place C_s over the activation stages, which the other warpgroup's
                 # last wgmmas can still be reading.

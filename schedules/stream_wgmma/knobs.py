@@ -45,6 +45,9 @@ class Knobs:
     that drops to PRODUCER_REGISTERS with setmaxnreg.dec and hands the rest to the two consumer
     warpgroups (setmaxnreg.inc): 232 registers each instead of the 224 that 288 threads leave them,
     with ptxas's headroom for wgmmas in flight (v15), so block_m 256 can have a producer (v18).
+    cluster_reduce (split_k 2-8) launches a tile's splits as one thread-block cluster that adds the
+    partial tiles through distributed shared memory (schedules/epilogue.py, as stream_mma does)
+    instead of the fp32 workspace in global memory.
     """
 
     block_m: int = 128
@@ -61,6 +64,7 @@ class Knobs:
     producer_warp: bool = False
     persistent: int = 0
     setmaxnreg: bool = False
+    cluster_reduce: bool = False
 
     @property
     def block_n(self) -> int:
@@ -106,12 +110,12 @@ class Knobs:
 
     @property
     def uses_workspace(self) -> bool:
-        return self.split_k > 1
+        return self.split_k > 1 and not self.cluster_reduce
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else "") + ("_pw" if self.producer_warp else "") + (f"_p{self.persistent}" if self.persistent else "") + ("_nreg" if self.setmaxnreg else ""))
+                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else "") + ("_pw" if self.producer_warp else "") + (f"_p{self.persistent}" if self.persistent else "") + ("_nreg" if self.setmaxnreg else "") + ("_cl" if self.cluster_reduce else ""))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
@@ -163,6 +167,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.setmaxnreg and not (kb.producer_warp and kb.warpgroups == 2 and kb.split_k == 1 and not kb.persistent):
         return ("setmaxnreg moves the producer's registers to two consumer warpgroups: it needs producer_warp, "
                 "warpgroups=2, split_k=1 (the producer keeps too few for the epilogue) and no persistent loop")
+    if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
+        return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
     if kb.smem_weights and kb.ahead != 1:
