@@ -52,6 +52,9 @@ CASES = {
     "tma_producer_cluster_split4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=4,
                                                                    smem_weights=True, tma=True, release_barriers=True,
                                                                    producer_warp=True, cluster_reduce=True)),
+    # block_k 128: two 64-wide swizzled activation tiles per stage, eight k-steps per wait.
+    "tma_k128_producer_warp": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 128, 4, overlap=True, smem_weights=True,
+                                                              tma=True, release_barriers=True, producer_warp=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -166,6 +169,21 @@ def test_setmaxnreg_moves_the_registers_to_the_consumers(compiled, tmp_path):
     assert 40 * 128 + knobs.max_registers * 256 <= 65536       # or the consumers' setmaxnreg.inc never returns
     # ptxas ignores setmaxnreg (C7508) when it cannot tell the registers at the kernel's entry.
     assert "ignored" not in ptxas_output(ptx, "sm_90a", tmp_path)
+
+
+def test_tma_boxes_are_one_swizzle_atom_wide(compiled):
+    _, knobs, src, ptx = compiled
+    if not knobs.tma:
+        return
+    # One activation box per 64 columns of a stage (the 128-byte swizzle spans 64 halves), each
+    # block_m rows of 128 bytes after the previous; the wgmma descriptors step into the second one.
+    copies = re.findall(r"tl::tma_load\(A_desc, [^;]*;", src)     # (in the prologue and the loop)
+    assert copies
+    if knobs.block_k == 128:
+        assert all(f"(h * {knobs.block_m * 64})" in c and "(h * 64)" in c for c in copies)
+        assert f"(u_2 >> 2) * {knobs.block_m * 8}" in src
+    else:
+        assert all("h *" not in c for c in copies)
 
 
 def test_split_k_through_the_cluster_or_the_workspace(compiled):

@@ -111,6 +111,7 @@ def build(problem: Problem, knobs: Knobs):
     def in_producer_warp():
         """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
         return T.call_extern("int32", "tm_warp_index") >= consumers // 32
+    atoms = bk // 64                # tma: [block_m, 64] swizzled tiles per stage, side by side along K
     if tma:
         # TMA writes each [block_m, 64] tile with the 128-byte swizzle: wgmma's canonical K-major SW128
         # layout, 8-row atoms of 1024 bytes (stride byte offset), a k-step 32 bytes into the atom.
@@ -196,6 +197,13 @@ def build(problem: Problem, knobs: Knobs):
                     T.call_extern("handle", decode, T.access_ptr(w[buf * per_w + u * g + i], "r"),
                                   T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
 
+    def x_offset(u):
+        """K-step u's activations from its stage's start, in 16-byte units (tma with block_k 128: the
+        steps of the second 64-wide tile start block_m rows of 128 bytes later)."""
+        if tma:
+            return u // 4 * (bm * 64 * 2 // 16) + u % 4 * step_units
+        return u * step_units
+
     @T.macro
     def mma_stage(a, abuf, acc, desc, tile):
         """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group."""
@@ -205,14 +213,19 @@ def build(problem: Problem, knobs: Knobs):
             for i in T.unroll(g):
                 T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
                                a.data, abuf * a_len + (u * g + i) * 8,
-                               desc.data, tile % stages * stage_units + u * step_units,
+                               desc.data, tile % stages * stage_units + x_offset(u),
                                acc.data, i * (bm // 2), 1, 1, 1)
         T.warpgroup_commit_batch()
 
     @T.macro
     def copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, leaders):
-        T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
-                   barrier=full[tile % stages], leader_scope_threads=leaders)
+        if atoms == 1:
+            T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
+                       barrier=full[tile % stages], leader_scope_threads=leaders)
+        else:
+            for h in range(atoms):      # one box per 128-byte swizzle width
+                T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk + h * 64:kt * bk + (h + 1) * 64],
+                           X_s[tile % stages, h, :, :], barrier=full[tile % stages], leader_scope_threads=leaders)
         T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
                    barrier=full[tile % stages], leader_scope_threads=leaders)
         if grouped:
@@ -414,7 +427,8 @@ def build(problem: Problem, knobs: Knobs):
     @T.macro
     def buffers():
         """The block's shared stages, barriers and per-thread registers."""
-        X_s = T.alloc_shared((stages, bm, bk) if tma else (stages, kc8, bm, 8), dtype)
+        x_shape = ((stages, bm, bk) if atoms == 1 else (stages, atoms, bm, 64)) if tma else (stages, kc8, bm, 8)
+        X_s = T.alloc_shared(x_shape, dtype)
         full = empty = None
         if tma:
             T.annotate_layout({X_s: make_swizzled_layout(X_s)})

@@ -154,8 +154,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     reason = tiling_reason(problem, kb.block_n, kb.block_k, "one scale row per stage")
     if reason:
         return reason
-    if kb.tma and not (kb.smem_weights and kb.block_k == 64):
-        return "tma fills the stages with weights too (smem_weights) in 64-wide swizzled tiles (block_k=64)"
+    if kb.tma and not (kb.smem_weights and kb.block_k in (64, 128)):
+        return ("tma fills the stages with weights too (smem_weights) in 64-wide swizzled tiles (block_k=64, "
+                "or 128 as two of them)")
     if kb.release_barriers and not kb.tma:
         return "release_barriers replaces the block barrier of the tma pipeline: it needs tma"
     if kb.producer_warp and not kb.release_barriers:
