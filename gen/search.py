@@ -172,8 +172,9 @@ def neighbours(schedule: Schedule, problem: Problem, arch: Arch) -> list[Schedul
     for axis in range(len(axes)):
         for step in (-1, 1):
             for single in moved(here, axis, step):
-                points = [single] if valid(single) else \
-                    [pair for other in range(len(axes)) if other != axis for s2 in (-1, 1) for pair in moved(single, other, s2)]
+                points = [single] if valid(single) else [
+                    pair for other in range(len(axes)) if other != axis
+                    for s2 in (-1, 1) for pair in moved(single, other, s2)]
                 for point in points:
                     knobs = valid(point)
                     candidate = Schedule(schedule.family, knobs) if knobs else None
@@ -187,9 +188,10 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
     """The second round of a search, after the first is measured: per bucket, the winners of the
     neighbouring buckets of the same problem (already compiled; one kernel serves any M) and the
     unmeasured neighbours of its `from_best` fastest correct candidates (the fastest one's first,
-    each one's by estimate), up to `per_bucket` new candidates. The cost model orders a family's knobs well but not exactly (stages,
-    the producer warp and split-K moved the H200's winners by 5-20 %, perf-notes v16): a local search
-    around what was measured fixes what it misranks. Returns how many were added."""
+    each one's by estimate), up to `per_bucket` new candidates. The cost model orders a family's
+    knobs well but not exactly (stages, the producer warp and split-K moved the H200's winners by
+    5-20 %, perf-notes v16): a local search around what was measured fixes what it misranks.
+    Returns how many were added."""
     added = 0
     by_problem: dict[Problem, dict[int, BucketSearch]] = {}
     for search in searches:
@@ -200,7 +202,8 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
             continue
         buckets = sorted(by_problem[search.problem])
         i = buckets.index(search.bucket)
-        adjacent = [by_problem[search.problem][b].winner() for b in buckets[max(0, i - 1):i + 2] if b != search.bucket]
+        adjacent = [by_problem[search.problem][b].winner() for b in buckets[max(0, i - 1):i + 2]
+                    if b != search.bucket]
         pool = [w.schedule for w in adjacent if w is not None]
         near = []
         for r in timed[:from_best]:      # the best one's neighbours first, each list best estimate first

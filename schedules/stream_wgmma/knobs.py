@@ -114,8 +114,11 @@ class Knobs:
 
     @property
     def name(self) -> str:
+        flags = (("_ov", self.overlap), ("_sw", self.smem_weights), ("_tma", self.tma), ("_rb", self.release_barriers),
+                 ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
+                 ("_cl", self.cluster_reduce))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + ("_ov" if self.overlap else "") + ("_sw" if self.smem_weights else "") + ("_tma" if self.tma else "") + ("_rb" if self.release_barriers else "") + ("_pw" if self.producer_warp else "") + (f"_p{self.persistent}" if self.persistent else "") + ("_nreg" if self.setmaxnreg else "") + ("_cl" if self.cluster_reduce else ""))
+                f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
