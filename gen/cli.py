@@ -6,7 +6,8 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("gen.tune", "gen.sweep", "gen.cache_cmd", "gen.bench", "gen.compile_cmd", "gen.profile")
+SUBCOMMANDS = ("gen.tune", "gen.sweep", "gen.cache_cmd", "gen.bench", "gen.compile_cmd", "gen.profile",
+               "gen.modelcheck")
 
 
 def build_parser() -> argparse.ArgumentParser:

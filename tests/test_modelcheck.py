@@ -1,0 +1,66 @@
+"""`gen modelcheck` without a GPU: recorded timings from a tuned table and a sweep, ranked by the cost
+model, against timings made to agree or disagree with it."""
+import json
+
+import pytest
+
+from gen.cli import main
+from gen.modelcheck import load_timings, ranking_quality
+from runtime.table import GpuKey, TunedTable
+from schedules.arch import get_arch
+from schedules.cost import GpuSpec, estimate_us, rank
+from schedules.problem import Problem
+
+H200 = get_arch("sm_90a")
+SPEC = GpuSpec.for_arch(H200)
+O_PROJ = Problem.make(n=4096, k=4096)
+
+
+def _timings(m, agree: bool, count=6):
+    """`count` stream_mma candidates with times that follow the model's order (agree) or reverse it."""
+    ranked = [s for s in rank(O_PROJ, m, H200, SPEC) if s.family == "stream_mma"][:count]
+    estimates = [estimate_us(O_PROJ, s, m, SPEC) for s in ranked]
+    times = estimates if agree else [10.0 * (count - i) for i in range(count)]    # the first pick slowest
+    return [{"schedule": s.to_dict(), "name": s.name, "us": us, "error": None} for s, us in zip(ranked, times)]
+
+
+def _files(tmp_path, agree):
+    table = TunedTable(GpuKey("NVIDIA H200", "sm_90a", 132))
+    timings = _timings(1, agree)
+    table.record(O_PROJ, 1, rank(O_PROJ, 1, H200, SPEC)[0], 1.0, all_timings=timings + [
+        {"schedule": timings[0]["schedule"], "us": None, "error": "wrong: relative error 0.5"}])
+    table_path = tmp_path / "table.json"
+    table.save(table_path)
+    sweep_path = tmp_path / "sweep.json"
+    sweep_path.write_text(json.dumps([{"problem": {"n": 4096, "k": 4096, "group": 128, "dtype": "float16", "bits": 4},
+                                       "m": 16, "results": _timings(16, agree)}]))
+    return str(table_path), str(sweep_path)
+
+
+def test_a_model_that_agrees_with_the_timings_scores_one(tmp_path):
+    table, sweep = _files(tmp_path, agree=True)
+    groups = load_timings([table], [sweep])
+    assert sorted(m for _, m in groups) == [1, 16] and all(len(t) == 6 for t in groups.values())
+    q = ranking_quality(groups, H200, SPEC, top=2)
+    assert q.groups == 2 and q.first_mean == pytest.approx(1.0) and q.top_mean == pytest.approx(1.0)
+    assert q.log_bias == pytest.approx(0.0, abs=1e-9)
+    assert ranking_quality(groups, H200, SPEC, top=2, family="marlin_mma") is None     # none of those timed
+
+
+def test_a_model_that_disagrees_scores_worse(tmp_path):
+    table, sweep = _files(tmp_path, agree=False)
+    q = ranking_quality(load_timings([table], [sweep]), H200, SPEC, top=2)
+    assert q.first_mean > 5 and q.first_worst >= q.first_mean > q.top_mean >= 1.0
+
+
+def test_cli_prints_per_family_and_rejects_bad_input(tmp_path, capsys):
+    table, sweep = _files(tmp_path, agree=True)
+    assert main(["modelcheck", "--table", table, "--sweep", sweep]) == 0
+    out = capsys.readouterr().out
+    assert "all families" in out and "stream_mma" in out and "1.000" in out
+    assert main(["modelcheck"]) == 2
+    assert "--table" in capsys.readouterr().err
+    assert main(["modelcheck", "--sweep", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    assert main(["modelcheck", "--sweep", table]) == 2          # a table is not a sweep
+    assert "not a `gen sweep --json` file" in capsys.readouterr().err
