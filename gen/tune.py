@@ -12,8 +12,10 @@ measured, a second round (--refine, per bucket) measures their neighbours in kno
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from runtime.table import BUCKETS
 from schedules.problem import SUPPORTED_DTYPES, Problem
@@ -46,7 +48,9 @@ def register(subparsers) -> None:
     p.add_argument("--refine", type=int, default=DEFAULT_REFINE,
                    help="candidates per bucket in a second round around the first round's fastest (one knob "
                         "a step away, the winners of the buckets beside); 0 = one round only")
-    p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table")
+    p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table (an "
+                   "interrupted forced run of the same buckets resumes where it stopped)")
+    p.add_argument("--restart", action="store_true", help="with --force: start over, ignoring an interrupted run")
     p.add_argument("--seed", metavar="SWEEP.json", help="also measure, per bucket, the 3 fastest correct candidates "
                    "that `gen sweep --json` recorded at the bucket's edge M for the same shape")
     p.add_argument("--families", help="schedule families to search, comma separated (default: marlin_mma, stream_mma and stream_wgmma where the arch offers them)")
@@ -107,6 +111,8 @@ def run(args) -> int:
         args.families = parse_families(args.families)
         if args.top < 1:
             raise ValueError(f"--top must be at least 1, got {args.top}")
+        if args.restart and not args.force:
+            raise ValueError("--restart starts a forced re-tune over: it goes with --force")
         if args.refine < 0:
             raise ValueError(f"--refine must be 0 (no second round) or more, got {args.refine}")
         args.seed_records = load_sweep(args.seed) if args.seed else []
@@ -142,6 +148,41 @@ def load_sweep(path: str) -> list[dict]:
 def pending_pairs(targets: list[Target], buckets: list[int], table, force: bool) -> list[tuple[Problem, int]]:
     """The (problem, bucket) pairs to tune: those not in `table` yet, or all of them with --force."""
     return [(t.problem, b) for t in targets for b in buckets if force or table.entry(t.problem, b) is None]
+
+
+class ForcedRun:
+    """The buckets that a `gen tune --force` run has finished, in a file beside the table: the table
+    alone cannot tell a re-tuned bucket from an old one, so without it an interrupted forced re-tune
+    could only start over. The same pairs forced again resume; other pairs (or --restart) start
+    afresh; the file goes when the run completes."""
+
+    def __init__(self, table_path, pairs: list[tuple[Problem, int]]):
+        self.path = Path(table_path).with_suffix(".force-progress")
+        self.pairs = sorted(f"{p.name}@{b}" for p, b in pairs)
+        self.done: set[str] = set()
+
+    @classmethod
+    def resume(cls, table_path, pairs: list[tuple[Problem, int]]) -> "ForcedRun":
+        run = cls(table_path, pairs)
+        try:
+            saved = json.loads(run.path.read_text())
+            if saved.get("pairs") == run.pairs:
+                run.done = set(saved.get("done", [])) & set(run.pairs)
+        except (OSError, ValueError, AttributeError):
+            pass      # none, unreadable or not ours: start afresh (it is only a shortcut)
+        return run
+
+    def is_done(self, problem: Problem, bucket: int) -> bool:
+        return f"{problem.name}@{bucket}" in self.done
+
+    def finished(self, problem: Problem, bucket: int) -> None:
+        self.done.add(f"{problem.name}@{bucket}")
+        tmp = self.path.with_suffix(".force-progress.tmp")
+        tmp.write_text(json.dumps({"pairs": self.pairs, "done": sorted(self.done)}))
+        os.replace(tmp, self.path)
+
+    def complete(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def compile_with_progress(searches, arch, workers) -> None:
@@ -180,6 +221,13 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     path = table_path(gpu)
     table = TunedTable.load(path, gpu)
     pending = pending_pairs(targets, buckets, table, args.force)
+    forced = None
+    if args.force:
+        forced = ForcedRun(path, pending) if args.restart else ForcedRun.resume(path, pending)
+        if forced.done:
+            print(f"resuming the forced re-tune of these buckets: {len(forced.done)} of {len(pending)} done "
+                  "(--restart to start over)")
+            pending = [(p, b) for p, b in pending if not forced.is_done(p, b)]
     print(f"tuning on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs): {len(targets)} shapes x {len(buckets)} buckets, "
           f"{len(pending)} to tune, {len(targets) * len(buckets) - len(pending)} already in {path}")
 
@@ -192,12 +240,16 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     if searches:
         compile_with_progress(searches, arch, args.workers)
 
+    last_round = False      # a bucket is finished once its last round is measured
+
     def record(search):
         best = search.winner()
         if best is not None:
             table.record(search.problem, search.bucket, best.schedule, best.us, fp16_us=search.fp16_us,
                          gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=search.timings())
             table.save(path)   # after every bucket: an interrupted run resumes from here
+        if forced and last_round:
+            forced.finished(search.problem, search.bucket)
 
     def measure(label):
         to_measure = sum(r.error is None and r.us is None for s in searches for r in s.results)
@@ -209,17 +261,20 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
                     measure_problem(target.problem, arch, mine, progress=lambda _: bar.update(1), on_bucket=record)
 
     try:
+        last_round = not args.refine
         measure("check + time")
         if args.refine and searches:
             # Round two: the neighbours of what measured fastest, and the winners of the buckets beside.
             added = add_refinements(searches, arch, spec, per_bucket=args.refine)
             print(f"{added} candidates added around the measured winners (--refine {args.refine})")
-            if added:
-                compile_with_progress(searches, arch, args.workers)
-                measure("check + time, round 2")
+            compile_with_progress(searches, arch, args.workers)
+            last_round = True
+            measure("check + time, round 2")
     except MeasureError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
         return 1
+    if forced:
+        forced.complete()
 
     unsolved = [s for s in searches if s.winner() is None]
     print_results(targets, buckets, table)

@@ -81,6 +81,31 @@ def test_resume_skips_tuned_buckets():
     assert len(tune.pending_pairs(targets, [1, 16], table, force=True)) == 4
 
 
+def test_a_forced_run_resumes_only_the_same_buckets(tmp_path):
+    targets = tune.targets_from_args(parse("tune", "--shapes", "1024x256,4096x4096"))
+    table_path = tmp_path / "gpu.json"
+    pairs = [(t.problem, b) for t in targets for b in (1, 16)]
+    run = tune.ForcedRun.resume(table_path, pairs)
+    assert not run.done and not run.path.exists()
+    run.finished(*pairs[0])
+    run.finished(*pairs[2])
+    assert run.path.name == "gpu.force-progress"
+    again = tune.ForcedRun.resume(table_path, pairs)                       # the same forced run, interrupted
+    assert again.is_done(*pairs[0]) and again.is_done(*pairs[2]) and not again.is_done(*pairs[1])
+    assert not tune.ForcedRun.resume(table_path, pairs[:3]).done            # other buckets: start afresh
+    assert not tune.ForcedRun(table_path, pairs).done                        # --restart
+    run.path.write_text("{not json")
+    assert not tune.ForcedRun.resume(table_path, pairs).done                 # unreadable: start afresh
+    again.complete()
+    assert not run.path.exists()
+    again.complete()                                                          # twice is fine
+
+
+def test_restart_needs_force(capsys):
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--restart")
+    assert rc == 2 and "--force" in err
+
+
 def test_without_gpu_suggests_dry_run(capsys, monkeypatch):
     import torch
 
