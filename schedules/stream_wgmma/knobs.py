@@ -29,9 +29,10 @@ class Knobs:
     must be 1: the stages are the buffers), so that the k-loop loads nothing from global memory into
     registers: ptxas waits for all of a loop's global loads on one scoreboard, which made the
     register prefetch wait for the newest loads, and the proxy fence before every wgmma waits for
-    outstanding loads too (perf-notes v11). tma (with smem_weights, block_k 64) fills the stages by
-    TMA against one mbarrier per stage (activations in the 128-byte swizzle, wgmma's canonical
-    K-major layout): no cp.async, no address arithmetic and no proxy fence in the k-loop.
+    outstanding loads too (perf-notes v11). tma (with smem_weights, block_k 64 or 128) fills the
+    stages by TMA against one mbarrier per stage (activations in the 128-byte swizzle, wgmma's
+    canonical K-major layout, one 64-wide box per swizzle width): no cp.async, no address
+    arithmetic and no proxy fence in the k-loop.
     release_barriers (with tma) frees each stage through an mbarrier that every thread arrives on
     once done with it, instead of a block barrier per k-tile: warp 0 waits on it before refilling
     the stage, and the warpgroups no longer meet. producer_warp (with release_barriers) adds a 9th
