@@ -55,6 +55,9 @@ CASES = {
     # block_k 128: two 64-wide swizzled activation tiles per stage, eight k-steps per wait.
     "tma_k128_producer_warp": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 128, 4, overlap=True, smem_weights=True,
                                                               tma=True, release_barriers=True, producer_warp=True)),
+    # two consumer warpgroups over the same columns taking alternate k-tiles of the producer's stages.
+    "tma_producer_k_split": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
+                                                            release_barriers=True, producer_warp=True, k_split=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -91,6 +94,9 @@ def test_not_offered_before_hopper():
            setmaxnreg=True), "warpgroups=2"),
     (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, setmaxnreg=True), "needs producer_warp"),
     (Knobs(64, 1, 1, 64, 4, split_k=16, smem_weights=True, tma=True, cluster_reduce=True), "portable cluster"),
+    (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, release_barriers=True, k_split=True), "needs producer_warp"),
+    (Knobs(64, 1, 1, 64, 4, split_k=2, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
+           k_split=True), "split_k=1"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -184,6 +190,21 @@ def test_tma_boxes_are_one_swizzle_atom_wide(compiled):
         assert f"(u_2 >> 2) * {knobs.block_m * 8}" in src
     else:
         assert all("h *" not in c for c in copies)
+
+
+def test_k_split_warpgroups_share_the_stages_and_add_up(compiled):
+    _, knobs, src, _ = compiled
+    empty_counts = {int(c) for c in re.findall(r"empty\[\d+\]\.init\((\d+)\);", src)}
+    if not knobs.release_barriers:
+        return
+    # a stage is released by the warpgroups that consumed it: one of the two k warpgroups
+    assert empty_counts == {knobs.consumer_threads // (2 if knobs.k_split else 1)}
+    if knobs.k_split:
+        half = knobs.consumer_threads // 2
+        assert knobs.consumer_threads == 256 * knobs.warpgroups
+        assert "R_s" in src and f"((int)threadIdx.x) < {half})" in src     # the first adds the second's sums
+    else:
+        assert "R_s" not in src
 
 
 def test_split_k_through_the_cluster_or_the_workspace(compiled):

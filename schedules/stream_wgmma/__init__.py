@@ -39,6 +39,8 @@ AXES = {
     "setmaxnreg": (False,),
     # Split-K through a thread-block cluster's shared memory: likewise, CPU-checked only.
     "cluster_reduce": (False,),
+    # Two consumer warpgroups taking alternate k-tiles of the same columns: likewise, CPU-checked only.
+    "k_split": (False,),
 }
 
 

@@ -107,6 +107,7 @@ def build(problem: Problem, knobs: Knobs):
     release = kb.release_barriers       # stages freed by per-stage barriers, not a block barrier
     producer = kb.producer_warp         # ... and refilled by a warp of its own
     persistent = kb.persistent          # blocks that loop over the tiles (0: one block per tile)
+    ksplit = 2 if kb.k_split else 1     # consumer warpgroups that share a block's k-tiles (same columns)
 
     def in_producer_warp():
         """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
@@ -289,9 +290,10 @@ def build(problem: Problem, knobs: Knobs):
         mma_stage(a, r % 2, acc, desc, g)
         T.warpgroup_wait(1 if overlap else 0)
         if release:
-            # This thread is done with k-tile t (with overlap: t - 1) and its stage.
+            # This thread is done with k-tile t (with overlap: its previous one, ksplit earlier in the
+            # block's sequence) and its stage.
             if t >= (1 if overlap else 0):
-                T.barrier_arrive(empty[(g - (1 if overlap else 0)) % stages])
+                T.barrier_arrive(empty[(g - (ksplit if overlap else 0)) % stages])
         else:
             T.sync_threads()
         if not producer:
@@ -304,15 +306,18 @@ def build(problem: Problem, knobs: Knobs):
         odd k-tile count runs its first k-tile before the loop (in buffer 1): under a condition inside
         the loop, or after it, ptxas waited for every wgmma before the next (its warning C7513, found
         on down_proj with 43 k-tiles per split)."""
-        odd = trips % unrolled
+        mine = trips // ksplit          # k-tiles of this warpgroup; with k_split its own are kw, kw + 2, ...
+        if ksplit > 1:
+            g0 = g0 + tx // (WARPGROUP * kb.warpgroups)
+        odd = mine % unrolled
         for r in T.unroll(odd):
             consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                           g0 + r, r, r + 1)
-        for t0 in T.serial(trips // unrolled):
+                           g0 + r * ksplit, r, r + 1)
+        for t0 in T.serial(mine // unrolled):
             for r in T.unroll(unrolled):
                 t = odd + t0 * unrolled + r
                 consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                               lane, g0 + t, t, r)
+                               lane, g0 + t * ksplit if ksplit > 1 else g0 + t, t, r)
 
     @T.macro
     def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
@@ -393,6 +398,15 @@ def build(problem: Problem, knobs: Knobs):
                         acc[i * (bm // 2) + c * 4 + e]
 
     @T.macro
+    def shared_to_acc_add(acc, C_s, wg, wq, lane):
+        """k_split: add the other k warpgroup's sums, stored by acc_to_shared, to this thread's."""
+        for i in T.unroll(g):
+            for c in T.unroll(bm // 8):
+                for e in T.unroll(4):
+                    acc[i * (bm // 2) + c * 4 + e] = acc[i * (bm // 2) + c * 4 + e] + \
+                        C_s[8 * c + 2 * (lane % 4) + e % 2, weight_col(0, wg, wq, lane, i, e // 2)]
+
+    @T.macro
     def acc_to_global(acc, C, S, by, bx, wg, wq, lane):
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
@@ -433,7 +447,7 @@ def build(problem: Problem, knobs: Knobs):
         if tma:
             T.annotate_layout({X_s: make_swizzled_layout(X_s)})
             full = T.alloc_barrier([1 if release else threads] * stages)
-            empty = T.alloc_barrier([consumers] * stages) if release else None
+            empty = T.alloc_barrier([consumers // ksplit] * stages) if release else None
         W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
         S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
@@ -451,7 +465,7 @@ def build(problem: Problem, knobs: Knobs):
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc = buffers()
 
             tx = T.get_thread_binding()
-            wg = tx // WARPGROUP
+            wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
             wq = tx // 32 % 4
             lane = tx % 32
             k0 = bz * trips
@@ -493,6 +507,17 @@ def build(problem: Problem, knobs: Knobs):
                 store(C_s, C, S, ws, counters, m, by, bx, tx)
             elif kb.setmaxnreg:
                 pass
+            elif kb.k_split:
+                # The second k warpgroup's sums join the first's through shared memory.
+                R_s = T.alloc_shared((bm, bn), "float32")
+                T.sync_threads()                # every stage is consumed: R_s may lie over them
+                second = tx // (WARPGROUP * kb.warpgroups) == 1
+                if second:
+                    acc_to_shared(acc, R_s, wg, wq, lane)
+                T.sync_threads()
+                if tx < consumers // 2:
+                    shared_to_acc_add(acc, R_s, wg, wq, lane)
+                    acc_to_global(acc, C, S, by, bx, wg, wq, lane)
             elif producer:
                 if not in_producer_warp():
                     acc_to_global(acc, C, S, by, bx, wg, wq, lane)

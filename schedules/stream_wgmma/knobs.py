@@ -48,7 +48,10 @@ class Knobs:
     with ptxas's headroom for wgmmas in flight (v15), so block_m 256 can have a producer (v18).
     cluster_reduce (split_k 2-8) launches a tile's splits as one thread-block cluster that adds the
     partial tiles through distributed shared memory (schedules/epilogue.py, as stream_mma does)
-    instead of the fp32 workspace in global memory.
+    instead of the fp32 workspace in global memory. k_split (with producer_warp, split_k 1) doubles
+    the consumer warpgroups over the same columns: the two take alternate k-tiles of the shared
+    stages (two decode-and-wgmma chains per block where the tiles are too few for the SMs), and the
+    second adds its sums into the first's through shared memory at the end.
     """
 
     block_m: int = 128
@@ -66,6 +69,7 @@ class Knobs:
     persistent: int = 0
     setmaxnreg: bool = False
     cluster_reduce: bool = False
+    k_split: bool = False
 
     @property
     def block_n(self) -> int:
@@ -73,8 +77,8 @@ class Knobs:
 
     @property
     def consumer_threads(self) -> int:
-        """The warpgroups that decode and issue wgmmas."""
-        return WARPGROUP * self.warpgroups
+        """The warpgroups that decode and issue wgmmas (with k_split twice as many, in K)."""
+        return WARPGROUP * self.warpgroups * (2 if self.k_split else 1)
 
     @property
     def producer_threads(self) -> int:
@@ -117,7 +121,7 @@ class Knobs:
     def name(self) -> str:
         flags = (("_ov", self.overlap), ("_sw", self.smem_weights), ("_tma", self.tma), ("_rb", self.release_barriers),
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
-                 ("_cl", self.cluster_reduce))
+                 ("_cl", self.cluster_reduce), ("_ks", self.k_split))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -127,7 +131,7 @@ class Knobs:
     def shared_bytes(self, problem: Problem) -> int:
         x = self.stages * self.block_m * self.block_k * 2
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
-        c = self.block_m * self.block_n * 4 if self.split_k > 1 else 0
+        c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
         return x + w + c + 64
 
     def registers_estimate(self) -> int:
@@ -172,6 +176,11 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.setmaxnreg and not (kb.producer_warp and kb.warpgroups == 2 and kb.split_k == 1 and not kb.persistent):
         return ("setmaxnreg moves the producer's registers to two consumer warpgroups: it needs producer_warp, "
                 "warpgroups=2, split_k=1 (the producer keeps too few for the epilogue) and no persistent loop")
+    if kb.k_split and not (kb.producer_warp and kb.split_k == 1 and not kb.persistent and not kb.setmaxnreg):
+        return ("k_split shares the producer's stages between two consumer warpgroups and adds their sums at "
+                "the end: it needs producer_warp, split_k=1, no persistent loop and no setmaxnreg")
+    if kb.k_split and kb.k_tiles(problem) % 2:
+        return f"k_split gives the two k warpgroups alternate k-tiles: {kb.k_tiles(problem)} k-tiles is odd"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.persistent and kb.k_tiles(problem) % 2:
