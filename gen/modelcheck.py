@@ -98,7 +98,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("modelcheck", help="how well the cost model ranks recorded timings (no GPU)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--table", action="append", default=[], metavar="JSON", help="a tuned table (repeatable)")
-    p.add_argument("--sweep", action="append", default=[], metavar="JSON", help="a `gen sweep --json` file (repeatable)")
+    p.add_argument("--sweep", action="append", default=[], metavar="JSON",
+                   help="a `gen sweep --json` file (repeatable)")
     p.add_argument("--arch", default="sm_90a", help="the arch the timings were taken on (default sm_90a)")
     p.add_argument("--top", type=int, default=6, help="the selection a tune would measure (default 6)")
     p.set_defaults(func=run)
