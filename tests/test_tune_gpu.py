@@ -13,7 +13,7 @@ from schedules.problem import Problem
 
 pytestmark = pytest.mark.gpu
 
-SHAPE_ARGS = ["tune", "--shapes", "1024x256", "--buckets", "1,16", "--top", "3"]
+SHAPE_ARGS = ["tune", "--shapes", "1024x256", "--buckets", "1,16", "--refine", "2", "--top", "3"]
 PROBLEM = Problem.make(n=256, k=1024)
 
 
@@ -52,6 +52,7 @@ def test_tune_one_shape_end_to_end(tmp_path, monkeypatch, capsys):
     rc, out, err = call(capsys, SHAPE_ARGS)
     assert rc == 0, err
     assert "2 to tune" in out and "1024x256" in out
+    assert "candidates added around the measured winners (--refine 2)" in out
 
     gpu = GpuKey.current()
     path = table_path(gpu)
@@ -61,7 +62,7 @@ def test_tune_one_shape_end_to_end(tmp_path, monkeypatch, capsys):
     for bucket in (1, 16):
         entry = table.entry(PROBLEM, bucket)
         assert entry.us > 0 and entry.fp16_us > 0 and entry.gbps > 0
-        assert len(entry.all_timings) == 3                     # every candidate kept, win or lose
+        assert 3 <= len(entry.all_timings) <= 5                 # both rounds' candidates kept, win or lose
         correct = [t for t in entry.all_timings if t["us"] is not None and t["error"] is None]
         assert correct and all(t["rel_err"] < 2e-3 for t in correct)
         assert entry.us == min(t["us"] for t in correct)
@@ -77,11 +78,13 @@ def test_tune_one_shape_end_to_end(tmp_path, monkeypatch, capsys):
     assert "0 to tune, 2 already in" in out
 
     # --force measures again and replaces the entries.
-    rc, out, err = call(capsys, SHAPE_ARGS[:-2] + ["--top", "1", "--buckets", "16", "--force"])
+    before = len(table.entry(PROBLEM, 1).all_timings)
+    rc, out, err = call(capsys, SHAPE_ARGS[:-2] + ["--top", "1", "--buckets", "16", "--force", "--refine", "0"])
     assert rc == 0, err
     retuned = TunedTable.load(path, gpu)
     assert len(retuned.entry(PROBLEM, 16).all_timings) == 1
-    assert len(retuned.entry(PROBLEM, 1).all_timings) == 3      # untouched bucket kept
+    assert len(retuned.entry(PROBLEM, 1).all_timings) == before      # untouched bucket kept
+    assert not list(path.parent.glob("*.force-progress"))            # a completed forced run leaves no note
 
 
 def test_gpu_key_and_table_for_this_gpu(tmp_path, monkeypatch):
