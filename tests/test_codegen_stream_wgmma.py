@@ -97,6 +97,8 @@ def test_not_offered_before_hopper():
     (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, release_barriers=True, k_split=True), "needs producer_warp"),
     (Knobs(64, 1, 1, 64, 4, split_k=2, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            k_split=True), "split_k=1"),
+    (Knobs(64, 1, 1, 64, 2, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
+           k_split=True), "stages >= 3"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)

@@ -179,6 +179,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.k_split and not (kb.producer_warp and kb.split_k == 1 and not kb.persistent and not kb.setmaxnreg):
         return ("k_split shares the producer's stages between two consumer warpgroups and adds their sums at "
                 "the end: it needs producer_warp, split_k=1, no persistent loop and no setmaxnreg")
+    if kb.k_split and kb.overlap and kb.stages < 3:
+        # A warpgroup releases k-tile j once it has issued j + 2, which the producer fills only after
+        # the release of j + 2 - stages: with two stages it would wait for itself.
+        return f"k_split with overlap needs stages >= 3 (a warpgroup frees a stage two k-tiles later), got {kb.stages}"
     if kb.k_split and kb.k_tiles(problem) % 2:
         return f"k_split gives the two k warpgroups alternate k-tiles: {kb.k_tiles(problem)} k-tiles is odd"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
