@@ -11,6 +11,7 @@ measured, a second round (--refine, per bucket) measures their neighbours in kno
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -53,6 +54,9 @@ def register(subparsers) -> None:
     p.add_argument("--restart", action="store_true", help="with --force: start over, ignoring an interrupted run")
     p.add_argument("--seed", metavar="SWEEP.json", help="also measure, per bucket, the 3 fastest correct candidates "
                    "that `gen sweep --json` recorded at the bucket's edge M for the same shape")
+    p.add_argument("--axes", metavar='"FAMILY.KNOB=V1,V2 ..."',
+                   help="search these values of a family's axes in this run instead of its AXES (knob "
+                        "development: e.g. stream_wgmma.setmaxnreg=0,1)")
     p.add_argument("--families", help="schedule families to search, comma separated (default: marlin_mma, stream_mma and stream_wgmma where the arch offers them)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
@@ -91,6 +95,47 @@ def parse_families(text: str | None) -> list[str] | None:
     return names
 
 
+def parse_axes(text: str | None) -> dict[str, dict[str, tuple]]:
+    """--axes "family.knob=v1,v2 ...": the values that replace those axes of the families' AXES for
+    this run, so that a prepared knob can be searched (checked against the reference and timed like
+    any candidate) without editing the code. An unknown family, axis or value is an error naming it."""
+    from schedules.knob_space import knob_value
+    from schedules.registry import family
+
+    overrides: dict[str, dict[str, tuple]] = {}
+    for item in (text or "").split():
+        key, sep, values = item.partition("=")
+        family_name, dot, knob = key.partition(".")
+        if not (sep and dot and values):
+            raise ValueError(f"bad --axes item {item!r}: expected family.knob=value[,value...]")
+        module = family(family_name)
+        if knob not in module.AXES:
+            raise ValueError(f"{family_name} has no searched axis {knob!r}; its axes: {', '.join(module.AXES)}")
+        if knob in overrides.get(family_name, {}):
+            raise ValueError(f"--axes names {key} twice")
+        overrides.setdefault(family_name, {})[knob] = tuple(knob_value(module.Knobs, knob, v) for v in values.split(","))
+    return overrides
+
+
+@contextlib.contextmanager
+def searched_axes(overrides: dict[str, dict[str, tuple]]):
+    """The families' AXES with `overrides` (parse_axes) in place for the duration of a tune: the plan,
+    the cost model's candidate lists and the second round's neighbours all read them there."""
+    from schedules import cost
+    from schedules.registry import family
+
+    saved = {name: dict(family(name).AXES) for name in overrides}
+    try:
+        for name, axes in overrides.items():
+            family(name).AXES.update(axes)        # same keys, same order: from_axes stays positional
+        cost._candidates.cache_clear()
+        yield
+    finally:
+        for name, axes in saved.items():
+            family(name).AXES.update(axes)
+        cost._candidates.cache_clear()
+
+
 def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
     if not text:
         return list(BUCKETS)
@@ -116,9 +161,15 @@ def run(args) -> int:
         if args.refine < 0:
             raise ValueError(f"--refine must be 0 (no second round) or more, got {args.refine}")
         args.seed_records = load_sweep(args.seed) if args.seed else []
+        axes = parse_axes(args.axes)
     except ValueError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
         return 2
+    with searched_axes(axes):
+        return _run(args, targets, buckets)
+
+
+def _run(args, targets: list[Target], buckets: list[int]) -> int:
     if args.dry_run:
         return dry_run(args, targets, buckets)
     import torch

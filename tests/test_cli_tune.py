@@ -8,6 +8,8 @@ from gen.search import DEFAULT_TOP
 
 from gen import cache_cmd, tune
 from runtime.table import BUCKETS, GpuKey, TunedTable, table_path
+from schedules.arch import get_arch
+from schedules.cost import GpuSpec
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
 from schedules.registry import FAMILIES, Schedule
@@ -99,6 +101,33 @@ def test_a_forced_run_resumes_only_the_same_buckets(tmp_path):
     again.complete()
     assert not run.path.exists()
     again.complete()                                                          # twice is fine
+
+
+def test_axes_override_the_searched_values_for_one_run():
+    from schedules import stream_wgmma
+    from schedules.cost import rank
+
+    spec = GpuSpec.for_arch(get_arch("sm_90a"))
+    o_proj = Problem.make(n=4096, k=4096)
+    before = dict(stream_wgmma.AXES)
+    axes = tune.parse_axes("stream_wgmma.setmaxnreg=0,1 stream_wgmma.block_k=64,128")
+    assert axes == {"stream_wgmma": {"setmaxnreg": (False, True), "block_k": (64, 128)}}
+    def nreg(ranked):
+        return [s for s in ranked if s.family == "stream_wgmma" and s.knobs.setmaxnreg]
+
+    assert not nreg(rank(o_proj, 4096, get_arch("sm_90a"), spec))
+    with tune.searched_axes(axes):
+        ranked = rank(o_proj, 4096, get_arch("sm_90a"), spec)
+        assert nreg(ranked) and any(s.family == "stream_wgmma" and s.knobs.block_k == 128 for s in ranked)
+        assert list(stream_wgmma.AXES) == list(before)           # same axes, same order
+    assert stream_wgmma.AXES == before
+    assert not nreg(rank(o_proj, 4096, get_arch("sm_90a"), spec))
+    for text, fragment in (("stream_wgmma.setmaxnreg", "expected family.knob"), ("nope.x=1", "nope"),
+                           ("stream_wgmma.colour=1", "no searched axis 'colour'"),
+                           ("stream_wgmma.block_k=big", "integers"),
+                           ("stream_mma.warps=4 stream_mma.warps=8", "twice")):
+        with pytest.raises(ValueError, match=fragment):
+            tune.parse_axes(text)
 
 
 def test_restart_needs_force(capsys):
