@@ -74,7 +74,7 @@ def ranking_quality(groups: dict, arch, gpu, top: int, family: str | None = None
     has `min_timings` of them."""
     from schedules.cost import estimate_us
 
-    from .search import _top_of_each_family
+    from .search import top_of_each_family
 
     first, best_of_top, logs = [], [], []
     for (problem, m), timed in groups.items():
@@ -86,7 +86,7 @@ def ranking_quality(groups: dict, arch, gpu, top: int, family: str | None = None
         ranked = sorted(mine, key=lambda s: (estimates[s], s.name))
         best = min(mine.values())
         first.append(mine[ranked[0]] / best)
-        best_of_top.append(min(mine[s] for s in _top_of_each_family(ranked, top)) / best)
+        best_of_top.append(min(mine[s] for s in top_of_each_family(ranked, top)) / best)
         logs += [math.log(estimates[s] / us) for s, us in mine.items()]
     if not first:
         return None

@@ -85,11 +85,11 @@ def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = 
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
     return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu))
-                                for s in _top_of_each_family(rank(p, b, arch, gpu, families), top)])
+                                for s in top_of_each_family(rank(p, b, arch, gpu, families), top)])
             for p, b in pairs]
 
 
-def _top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:
+def top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:
     """The `top` best by the model, but with at least top // 3 of every family: the model
     orders candidates within a family much better than across families, so each family's best
     few are measured rather than trusted (measured on the H200: the model ranked hopper_wgmma first

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,10 +226,10 @@ class ForcedRun:
         return f"{problem.name}@{bucket}" in self.done
 
     def finished(self, problem: Problem, bucket: int) -> None:
+        from runtime.table import atomic_write
+
         self.done.add(f"{problem.name}@{bucket}")
-        tmp = self.path.with_suffix(".force-progress.tmp")
-        tmp.write_text(json.dumps({"pairs": self.pairs, "done": sorted(self.done)}))
-        os.replace(tmp, self.path)
+        atomic_write(self.path, json.dumps({"pairs": self.pairs, "done": sorted(self.done)}))
 
     def complete(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -255,7 +255,7 @@ class TunedTable:
             merged.update({key: self._entries[key] for key in self._recorded})
             self._entries = merged
             self.versions = current_versions()
-            _atomic_write(path, json.dumps(self.to_json(), indent=1) + "\n")
+            atomic_write(path, json.dumps(self.to_json(), indent=1) + "\n")
 
 
 def _field(data, name):
@@ -273,7 +273,8 @@ def _read_trusted(path: Path, gpu: GpuKey | None) -> TunedTable | None:
     return table
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a reader sees the old file or the new one, never half."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
