@@ -75,6 +75,15 @@ def _compile_job(problem: Problem, schedule_dict: dict, arch_name: str) -> str |
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:500]
 
 
+def _yield_to_the_gpu_driver() -> None:
+    """Compile workers run below normal priority: a tune measures one problem on the GPU while the
+    next one compiles, and the measuring process must get a core the moment it wants one."""
+    try:
+        os.nice(10)
+    except OSError:   # not permitted here: compile at normal priority
+        pass
+
+
 def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int | None = None,
                  progress=None) -> dict[tuple[Problem, Schedule], str | None]:
     """Compile `jobs` in a process pool (each nvcc run takes seconds); returns job -> error or None.
@@ -84,7 +93,7 @@ def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int 
     workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2)))
     results: dict = {}
     ctx = multiprocessing.get_context("spawn")  # no CUDA context or TVM state inherited by forks
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_yield_to_the_gpu_driver) as pool:
         futures = {pool.submit(_compile_job, p, s.to_dict(), arch.name): (p, s) for p, s in jobs}
         for fut in cf.as_completed(futures):
             try:

@@ -239,6 +239,52 @@ def compile_candidates(searches: list[BucketSearch], arch: Arch, workers: int | 
     return len(jobs)
 
 
+def compile_and_measure(searches: list[BucketSearch], arch: Arch, workers: int | None = None, compiled=None,
+                        progress=None, on_bucket=None, measure=None) -> None:
+    """Compile the candidates not measured yet and check + time them, a problem as soon as all its
+    kernels are built: the GPU measures one problem while the CPU cores compile the next (a cold tune
+    spends about as long in nvcc as on the GPU). Compile failures become `compile:` errors.
+
+    compiled(job, error) follows every compile job; progress and on_bucket are measure_problem's and
+    are called from the measuring thread. A MeasureError is raised once the compiles are done.
+    `measure` replaces measure_problem (tests).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gen.compile import compile_many
+
+    measure = measure or measure_problem
+    problems = list(dict.fromkeys(s.problem for s in searches))
+    jobs = sorted(compile_jobs(searches), key=lambda job: problems.index(job[0]))  # first problem first
+    left = {p: sum(job[0] == p for job in jobs) for p in problems}
+    errors: dict = {}
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="measure") as gpu:
+        measuring = []
+
+        def start(problem):
+            mine = [s for s in searches if s.problem == problem]
+            for search in mine:
+                for r in search.results:
+                    if errors.get((problem, r.schedule)):
+                        r.error = f"compile: {errors[(problem, r.schedule)]}"
+            measuring.append(gpu.submit(measure, problem, arch, mine, progress=progress, on_bucket=on_bucket))
+
+        def built(job, error):
+            errors[job] = error
+            if compiled:
+                compiled(job, error)
+            left[job[0]] -= 1
+            if not left[job[0]]:
+                start(job[0])
+
+        for problem in [p for p in problems if not left[p]]:   # nothing to compile: measure at once
+            start(problem)
+        if jobs:
+            compile_many(jobs, arch, workers=workers, progress=built)
+        for future in measuring:
+            future.result()
+
+
 # --- measuring (parent side) ---------------------------------------------------------------------
 
 class MeasureError(RuntimeError):

@@ -79,14 +79,12 @@ def run(args) -> int:
 
 
 def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
-    from tqdm import tqdm
-
     from schedules.arch import current_arch
     from schedules.cost import GpuSpec, estimate_us
     from schedules.registry import Schedule
 
-    from .search import BucketSearch, MeasureError, Result, measure_problem
-    from .tune import compile_with_progress, format_table
+    from .search import BucketSearch, MeasureError, Result
+    from .tune import compile_and_measure_with_progress, format_table
 
     arch, gpu = current_arch(), GpuSpec.current()
     searches, invalid = [], 0
@@ -101,16 +99,11 @@ def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
     if not any(s.results for s in searches):
         print("gen sweep: no valid candidate in the grid", file=sys.stderr)
         return 2
-    compile_with_progress(searches, arch, args.workers)
-    with tqdm(total=sum(r.error is None for s in searches for r in s.results), desc="check + time", unit="cand") as bar:
-        for t in targets:
-            try:
-                measure_problem(t.problem, arch, [s for s in searches if s.problem == t.problem],
-                                progress=lambda _: bar.update(1))
-            except MeasureError as exc:
-                bar.close()
-                print(f"gen sweep: {exc}", file=sys.stderr)
-                return 1
+    try:
+        compile_and_measure_with_progress(searches, arch, args.workers, {t.problem: t.label for t in targets})
+    except MeasureError as exc:
+        print(f"gen sweep: {exc}", file=sys.stderr)
+        return 1
     print(report(targets, ms, searches, args.show, format_table))
     if args.json:
         with open(args.json, "w") as f:

@@ -236,31 +236,62 @@ class ForcedRun:
 
 
 def compile_with_progress(searches, arch, workers) -> None:
-    """Compile the searches' candidates in parallel behind a progress bar (shared with gen sweep)."""
+    """Compile the searches' candidates in parallel behind a progress bar (the dry run)."""
     from tqdm import tqdm
 
     from .search import compile_candidates, compile_jobs
 
-    failed = 0
     with tqdm(total=len(compile_jobs(searches)), desc=f"compile ({arch.name})", unit="kernel") as bar:
-        def progress(job, error):
-            nonlocal failed
-            failed += error is not None
-            bar.set_postfix(failed=failed, refresh=False)
-            bar.update(1)
+        compile_candidates(searches, arch, workers=workers, progress=_CompileBar(bar))
 
-        compile_candidates(searches, arch, workers=workers, progress=progress)
+
+class _CompileBar:
+    """compile_many's progress callback: a bar step per job, and the failures counted beside it."""
+
+    def __init__(self, bar, on_failure=None):
+        self.bar, self.failed, self.on_failure = bar, 0, on_failure
+
+    def __call__(self, job, error) -> None:
+        if error is not None:
+            self.failed += 1
+            if self.on_failure:
+                self.on_failure(job)
+        self.bar.set_postfix(failed=self.failed, refresh=False)
+        self.bar.update(1)
+
+
+def compile_and_measure_with_progress(searches, arch, workers, labels: dict, label="check + time",
+                                      on_bucket=None) -> None:
+    """Compile and measure the searches' new candidates (the GPU measures a problem while the CPU
+    compiles the next, search.compile_and_measure), behind two progress bars (shared with gen sweep).
+    `labels` names each problem on the measuring bar."""
+    from collections import Counter
+
+    from tqdm import tqdm
+
+    from .search import compile_and_measure, compile_jobs, measure_problem
+
+    per_job = Counter((s.problem, r.schedule) for s in searches for r in s.results if r.error is None and r.us is None)
+    with tqdm(total=len(compile_jobs(searches)), desc=f"compile ({arch.name})", unit="kernel", position=0) as built, \
+            tqdm(total=sum(per_job.values()), desc=label, unit="cand", position=1) as measured:
+        def not_measured(job):   # a kernel that did not compile is never measured
+            measured.total -= per_job[job]
+            measured.refresh()
+
+        def measure(problem, *args, **kwargs):
+            measured.set_postfix_str(labels.get(problem, problem.name), refresh=True)
+            return measure_problem(problem, *args, **kwargs)
+
+        compile_and_measure(searches, arch, workers, compiled=_CompileBar(built, not_measured),
+                            progress=lambda _: measured.update(1), on_bucket=on_bucket, measure=measure)
 
 
 def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
-    from tqdm import tqdm
-
     from runtime.table import GpuKey, TunedTable, table_path
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
 
-    from .search import (MeasureError, achieved_gbps, add_incumbents, add_refinements, add_seeds,
-                         measure_problem, plan)
+    from .search import MeasureError, achieved_gbps, add_incumbents, add_refinements, add_seeds, plan
 
     arch = current_arch()
     if args.arch and get_arch(args.arch) != arch:
@@ -287,9 +318,6 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     if args.seed_records:
         seeded = add_seeds(searches, args.seed_records, arch, spec, families=args.families)
         print(f"{seeded} candidates added from the sweep {args.seed}")
-    if searches:
-        compile_with_progress(searches, arch, args.workers)
-
     last_round = False      # a bucket is finished once its last round is measured
 
     def record(search):
@@ -301,25 +329,17 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
         if forced and last_round:
             forced.finished(search.problem, search.bucket)
 
-    def measure(label):
-        to_measure = sum(r.error is None and r.us is None for s in searches for r in s.results)
-        with tqdm(total=to_measure, desc=label, unit="cand") as bar:
-            for target in targets:
-                mine = [s for s in searches if s.problem == target.problem]
-                if mine:
-                    bar.set_postfix_str(target.label, refresh=True)
-                    measure_problem(target.problem, arch, mine, progress=lambda _: bar.update(1), on_bucket=record)
-
+    labels = {t.problem: t.label for t in targets}
     try:
         last_round = not args.refine
-        measure("check + time")
+        compile_and_measure_with_progress(searches, arch, args.workers, labels, on_bucket=record)
         if args.refine and searches:
             # Round two: the neighbours of what measured fastest, and the winners of the buckets beside.
             added = add_refinements(searches, arch, spec, per_bucket=args.refine)
             print(f"{added} candidates added around the measured winners (--refine {args.refine})")
-            compile_with_progress(searches, arch, args.workers)
             last_round = True
-            measure("check + time, round 2")
+            compile_and_measure_with_progress(searches, arch, args.workers, labels, "check + time, round 2",
+                                              on_bucket=record)
     except MeasureError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
         return 1

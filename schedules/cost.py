@@ -220,7 +220,8 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
 # Measured effects of optional techniques that the terms above do not capture (the kernels are bound
 # by the SM's instructions and latencies, not by bytes): per family, the median time ratio with /
 # without the knob over otherwise equal configurations per M and layer class, H200 sweeps
-# (docs/perf-notes.md v7-v9, v13, v16). (knob, M up to) -> factor; the first matching row applies.
+# (docs/perf-notes.md v7-v9, v13, v16, v23). A knob name (applies when the knob is on) or a (knob,
+# value) pair -> rows of (M up to, factor); the first matching row applies.
 KNOB_FACTORS = {
     "stream_mma": {
         "fold_zero_point": ((16, 0.95), (None, 1.35)),
@@ -236,6 +237,12 @@ KNOB_FACTORS = {
         # stronger than the medians, since it wins the latency-bound N = 4096 layers by 14-17 %).
         "release_barriers": ((None, 1.25),),
         "producer_warp": ((16, 0.8), (None, 0.7)),
+        # Session 6 (v23), medians over otherwise equal pairs: 128-deep k-tiles pay where one chain
+        # per SM is the limit (M = 32-256); the producer warpgroup's register hand-over costs at
+        # small tiles; the cluster's reduction beats the workspace by more than its bytes say.
+        ("block_k", 128): ((16, 1.0), (64, 0.96), (128, 0.85), (256, 0.97), (None, 1.0)),
+        "setmaxnreg": ((64, 1.4), (None, 1.0)),
+        "cluster_reduce": ((None, 0.96),),
     },
 }
 
@@ -248,8 +255,10 @@ def measured_factor(family: str, knobs, m: int) -> float:
     and one scale row per group), and split 8 less than its workspace traffic suggests. With them the
     best of the model's top 5 is 1.021x the measured best on average (1.088x without)."""
     factor = 1.0
-    for name, rows in KNOB_FACTORS.get(family, {}).items():
-        if getattr(knobs, name):
+    for key, rows in KNOB_FACTORS.get(family, {}).items():
+        # A knob name applies when the knob is on; a (name, value) pair when the knob has that value.
+        name, value = key if isinstance(key, tuple) else (key, None)
+        if getattr(knobs, name) == value if value is not None else getattr(knobs, name):
             factor *= next(f for up_to, f in rows if up_to is None or m <= up_to)
     if family != "stream_mma":
         return factor

@@ -110,18 +110,22 @@ def test_axes_override_the_searched_values_for_one_run():
     spec = GpuSpec.for_arch(get_arch("sm_90a"))
     o_proj = Problem.make(n=4096, k=4096)
     before = dict(stream_wgmma.AXES)
-    axes = tune.parse_axes("stream_wgmma.setmaxnreg=0,1 stream_wgmma.block_k=64,128")
-    assert axes == {"stream_wgmma": {"setmaxnreg": (False, True), "block_k": (64, 128)}}
-    def nreg(ranked):
-        return [s for s in ranked if s.family == "stream_wgmma" and s.knobs.setmaxnreg]
+    axes = tune.parse_axes("stream_wgmma.k_split=0,1 stream_wgmma.block_k=64")
+    assert axes == {"stream_wgmma": {"k_split": (False, True), "block_k": (64,)}}
+    def k_split(ranked):
+        return [s for s in ranked if s.family == "stream_wgmma" and s.knobs.k_split]
 
-    assert not nreg(rank(o_proj, 4096, get_arch("sm_90a"), spec))
+    def deep(ranked):
+        return [s for s in ranked if s.family == "stream_wgmma" and s.knobs.block_k == 128]
+
+    assert not k_split(rank(o_proj, 128, get_arch("sm_90a"), spec))
+    assert deep(rank(o_proj, 128, get_arch("sm_90a"), spec))
     with tune.searched_axes(axes):
-        ranked = rank(o_proj, 4096, get_arch("sm_90a"), spec)
-        assert nreg(ranked) and any(s.family == "stream_wgmma" and s.knobs.block_k == 128 for s in ranked)
+        ranked = rank(o_proj, 128, get_arch("sm_90a"), spec)
+        assert k_split(ranked) and not deep(ranked)
         assert list(stream_wgmma.AXES) == list(before)           # same axes, same order
     assert stream_wgmma.AXES == before
-    assert not nreg(rank(o_proj, 4096, get_arch("sm_90a"), spec))
+    assert not k_split(rank(o_proj, 128, get_arch("sm_90a"), spec))
     for text, fragment in (("stream_wgmma.setmaxnreg", "expected family.knob"), ("nope.x=1", "nope"),
                            ("stream_wgmma.colour=1", "no searched axis 'colour'"),
                            ("stream_wgmma.block_k=big", "integers"),
@@ -226,3 +230,53 @@ def test_a_bad_seed_file_is_an_error_that_names_it(capsys, tmp_path):
     broken.write_text('{"problem": {}}')
     rc, _, err = call(capsys, "tune", "--shapes", "4096x4096", "--seed", str(broken))
     assert rc == 2 and "gen sweep --json" in err
+
+
+def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch):
+    """tune_on_gpu's wiring without a GPU: both rounds compile and measure (a problem measured while
+    the next compiles), every bucket lands in the table with all its timings, a forced run leaves no
+    progress note, and a second run has nothing to do."""
+    import torch
+
+    from gen import search
+
+    h200 = get_arch("sm_90a")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("schedules.arch.current_arch", lambda device=None: h200)
+    monkeypatch.setattr(GpuKey, "current", classmethod(lambda cls, device=None: GPU))
+    monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: GpuSpec.for_arch(h200)))
+    compiled = []
+
+    def fake_compile_many(jobs, arch, workers=None, progress=None):
+        compiled.append(list(jobs))
+        for job in jobs:
+            progress(job, None)
+        return {}
+
+    def fake_measure(problem, arch, mine, progress=None, on_bucket=None, **_):
+        for x in mine:
+            x.fp16_us = 50.0
+            for r in x.results:
+                if r.us is None and r.error is None:
+                    # a made-up time that the estimate does not predict, so that round two matters
+                    r.us, r.rel_err = 10.0 + (hash(r.schedule.name) % 97) / 10, 1e-4
+                    progress(r)
+            on_bucket(x)
+
+    monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)
+    monkeypatch.setattr(search, "measure_problem", fake_measure)
+    rc, out, err = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--top", "4",
+                        "--refine", "2", "--force")
+    assert rc == 0, err
+    assert "candidates added around the measured winners" in out
+    table = TunedTable.load(table_path(GPU), GPU)
+    for n in (4096, 1024):
+        for bucket in (1, 128):
+            entry = table.entry(Problem.make(n=n, k=4096), bucket)
+            assert entry is not None and entry.us == min(t["us"] for t in entry.all_timings)
+            assert len(entry.all_timings) > 4        # round two measured more than the plan's top 4
+    assert len(compiled) == 2 and all(len(jobs) == len(set(jobs)) for jobs in compiled)   # two rounds
+    assert not list(cache_dir.rglob("*.force-progress"))
+    compiled.clear()
+    rc, out, _ = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128")
+    assert rc == 0 and "0 to tune" in out and not compiled

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gen.compile import compile_many, compile_schedule
-from schedules import hopper_wgmma, marlin_mma, stream_mma, stream_wgmma
+from schedules import hopper_wgmma, stream_mma, stream_wgmma
 from schedules.arch import current_arch, get_arch
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
@@ -82,7 +82,7 @@ STREAM_WGMMA_KNOBS = {
     "swg_m16_tma_k128_split2": SW(16, 2, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True),
     "swg_m64_tma_producer_k_split": SW(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
                                        release_barriers=True, producer_warp=True, k_split=True),
-    "swg_m32_tma_producer_k_split_g2_k128": SW(32, 2, 1, 128, 4, overlap=True, smem_weights=True, tma=True,
+    "swg_m32_tma_producer_k_split_k128": SW(32, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True,
                                                release_barriers=True, producer_warp=True, k_split=True),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),
     "swg_m64_tma_release_split4": SW(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True, release_barriers=True),

@@ -315,3 +315,73 @@ def test_timings_are_plain_json():
     r = s.Result(Schedule("marlin_mma", Knobs()), 5.0, rel_err=float("inf"), error="wrong: relative error inf")
     text = json.dumps(r.to_dict(), allow_nan=False)
     assert json.loads(text)["rel_err"] is None and json.loads(text)["schedule"]["family"] == "marlin_mma"
+
+
+O_PROJ = Problem.make(n=4096, k=4096)
+
+
+def test_a_problem_is_measured_while_the_next_one_compiles(monkeypatch):
+    import threading
+
+    s = _search()
+    searches = s.plan([(QKV, 1), (QKV, 16), (O_PROJ, 1)], H200, _spec(), top=3)
+    broken = searches[0].results[0].schedule
+    qkv_measuring = threading.Event()
+    events = []
+
+    def fake_compile_many(jobs, arch, workers=None, progress=None):
+        assert [p for p, _ in jobs] == sorted((p for p, _ in jobs), key=[QKV, O_PROJ].index)  # qkv first
+        for job in jobs:
+            if job[0] == O_PROJ:      # qkv's kernels are all built: its measuring must be under way
+                assert qkv_measuring.wait(10), "qkv was not measured while o_proj compiled"
+            events.append(("compiled", job[0]))
+            progress(job, "nvcc: out of registers" if job == (QKV, broken) else None)
+        return {}
+
+    def fake_measure(problem, arch, mine, progress=None, on_bucket=None):
+        events.append(("measure", problem))
+        assert {x.problem for x in mine} == {problem}
+        for x in mine:       # the compile errors are on the results before the GPU sees them
+            for r in x.results:
+                assert (r.error is not None) == (r.schedule == broken and problem == QKV)
+                if r.error is None:
+                    r.us = 1.0
+                    if progress:
+                        progress(r)
+            on_bucket(x)
+        if problem == QKV:
+            qkv_measuring.set()
+
+    monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)
+    compiled, measured, finished = [], [], []
+    s.compile_and_measure(searches, H200, compiled=lambda job, err: compiled.append(job),
+                          progress=measured.append, on_bucket=finished.append, measure=fake_measure)
+    assert sorted(compiled, key=str) == sorted({(x.problem, r.schedule) for x in searches for r in x.results}, key=str)
+    assert len(measured) == sum(len(x.results) for x in searches) - 1
+    assert events.index(("measure", QKV)) < events.index(("compiled", O_PROJ))
+    assert finished == searches and all(x.winner() for x in searches)
+    assert searches[0].results[0].error == "compile: nvcc: out of registers"
+    # nothing new to compile: every problem is measured anyway (its buckets are reported finished)
+    events.clear()
+    finished.clear()
+    s.compile_and_measure(searches, H200, on_bucket=finished.append, measure=fake_measure)
+    assert sorted(events, key=str) == sorted([("measure", O_PROJ), ("measure", QKV)], key=str) and len(finished) == 3
+
+
+def test_a_measuring_failure_is_raised_once_the_compiles_are_done(monkeypatch):
+    s = _search()
+    searches = s.plan([(QKV, 1), (O_PROJ, 1)], H200, _spec(), top=2)
+    compiled = []
+
+    def fake_compile_many(jobs, arch, workers=None, progress=None):
+        for job in jobs:
+            progress(job, None)
+        return {}
+
+    def no_gpu(problem, arch, mine, progress=None, on_bucket=None):
+        raise s.MeasureError("no CUDA device")
+
+    monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)
+    with pytest.raises(s.MeasureError, match="no CUDA"):
+        s.compile_and_measure(searches, H200, compiled=lambda job, err: compiled.append(job), measure=no_gpu)
+    assert len(compiled) == len(s.compile_jobs(searches))

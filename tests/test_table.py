@@ -72,7 +72,7 @@ def test_record_rejects_non_bucket():
         TunedTable(GPU).record(PROBLEM, 3, SCHEDULE, 1.0)
 
 
-def _saved(tmp_path) -> "Path":
+def _saved(tmp_path):
     path = tmp_path / "t.json"
     table = TunedTable(GPU)
     table.record(PROBLEM, 1, SCHEDULE, 5.0)

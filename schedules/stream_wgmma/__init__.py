@@ -23,7 +23,9 @@ AXES = {
     "block_m": (8, 16, 32, 64, 128, 256),     # 8 and 16: small M, a TMA-fed weight stream
     "groups": (1, 2),
     "warpgroups": (1, 2),
-    "block_k": (64,),         # the TMA tiles are 64 wide (one 128-byte swizzle atom)
+    # 128: two 64-wide boxes (one 128-byte swizzle atom each) per stage, twice the work per barrier
+    # wait: 0.83x at M=128, 0.96-0.98x at 64 and 256, level elsewhere (session 6, perf-notes v23)
+    "block_k": (64, 128),
     "stages": (4, 6, 8),
     "ahead": (1,),
     "overlap": (True,),       # decode of k-tile t + 1 under k-tile t's wgmmas: faster in every pair
@@ -35,11 +37,13 @@ AXES = {
     "producer_warp": (False, True),  # warp specialization: 2-7 % faster from M=64 on, a toss-up below (v16)
     "persistent": (0,),       # blocks looping over tiles: 0.86-2.0x of one block per tile (v16), not searched
     # A producer warpgroup that hands its registers to the consumers (block_m 256 with a producer):
-    # compiled and checked on CPU (tests/test_codegen_stream_wgmma.py); joins the search once measured.
-    "setmaxnreg": (False,),
-    # Split-K through a thread-block cluster's shared memory: likewise, CPU-checked only.
-    "cluster_reduce": (False,),
-    # Two consumer warpgroups taking alternate k-tiles of the same columns: likewise, CPU-checked only.
+    # level on the median, 1-4 % faster at some M >= 256 buckets, which it won (v23).
+    "setmaxnreg": (False, True),
+    # Split-K through a thread-block cluster's shared memory instead of the fp32 workspace:
+    # 0.95-0.97x at M = 16-64, up to 0.75x (v23).
+    "cluster_reduce": (False, True),
+    # Two consumer warpgroups taking alternate k-tiles of the same columns: correct, but 1.3-1.4x
+    # slower (median, M = 64-256) and never the fastest (v23): not searched.
     "k_split": (False,),
 }
 

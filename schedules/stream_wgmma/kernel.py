@@ -35,7 +35,7 @@ from tilelang.layout import make_swizzled_layout
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
 from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func
-from ..marlin_mma.layout import SLAB_N, TILE_K
+from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
 from .knobs import CORE_ROWS, PRODUCER_REGISTERS, WARPGROUP, Knobs
 
