@@ -277,12 +277,16 @@ def compile_and_measure(searches: list[BucketSearch], arch: Arch, workers: int |
             if not left[job[0]]:
                 start(job[0])
 
-        for problem in [p for p in problems if not left[p]]:   # nothing to compile: measure at once
-            start(problem)
-        if jobs:
-            compile_many(jobs, arch, workers=workers, progress=built)
-        for future in measuring:
-            future.result()
+        try:
+            for problem in [p for p in problems if not left[p]]:   # nothing to compile: measure at once
+                start(problem)
+            if jobs:
+                compile_many(jobs, arch, workers=workers, progress=built)
+            for future in measuring:
+                future.result()
+        except BaseException:      # Ctrl-C or a failure: measure nothing more than what is under way
+            gpu.shutdown(wait=False, cancel_futures=True)
+            raise
 
 
 # --- measuring (parent side) ---------------------------------------------------------------------

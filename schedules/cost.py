@@ -66,7 +66,9 @@ TRAITS = {
     # per-SM pull and per-k-tile costs of marlin_mma and one ALU instruction per weight, estimates
     # are within 17 % on average (a pull without barriers fitted no better). Across all three
     # families the model's pick is 1.045x the best measured one on the session-2 tune.
-    "stream_mma": FamilyTraits(decode_ops=1.0),
+    # Session 6 (perf-notes v24): its pull per SM 1.5x marlin_mma's, which takes the estimates'
+    # bias over 2904 H200 timings from +0.22 (log) to 0 and its first pick from 1.104x to 1.098x.
+    "stream_mma": FamilyTraits(decode_ops=1.0, pull_scale=1.5),
     # The stream decode into wgmma's register operand, as searched: TMA fills the stages (no warp
     # waits for its own loads) and a stage is decoded under the previous stage's wgmmas. Refitted in
     # session 5 on 1831 H200 timings (the table's and the sweeps' of sessions 4-5, 52 layer-buckets,
@@ -243,6 +245,11 @@ KNOB_FACTORS = {
         ("block_k", 128): ((16, 1.0), (64, 0.96), (128, 0.85), (256, 0.97), (None, 1.0)),
         "setmaxnreg": ((64, 1.4), (None, 1.0)),
         "cluster_reduce": ((None, 0.96),),
+        # Two warpgroups (or two 16-column groups per warp) side by side cost more than the model's
+        # terms say up to M=256 (medians 1.04-1.15x, 1.09-1.27x), where one short chain per block
+        # wins; above, where the tensor pipe is the limit, the wider block is level or better.
+        ("warpgroups", 2): ((256, 1.1), (None, 1.0)),
+        ("groups", 2): ((8, 1.03), (256, 1.15), (None, 1.0)),
     },
 }
 

@@ -39,6 +39,9 @@ CASES = {
                                                                    x_ldmatrix=True, async_weights=True)),
     # split-K through a thread-block cluster and distributed shared memory instead of the workspace.
     "sm90a_cluster_reduce": ("sm_90a", Problem(512, 1024, 128), Knobs(1, 1, 2, 4, 4, ahead=1, cluster_reduce=True)),
+    # the warps' sums meet through a slice each, then the cluster's split-K.
+    "sm90a_sum_slices": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
+                                                                cluster_reduce=True, sum_slices=True)),
 }
 
 
@@ -235,3 +238,17 @@ def test_occupancy_case_asks_for_eight_blocks_of_128_threads():
 def test_one_kernel_serves_any_m(compiled):
     *_, src, _ = compiled
     assert re.search(r"__global__ void .*\bint m\b", src)
+
+
+def test_warps_sums_meet_in_turn_or_through_slices(compiled):
+    *_, knobs, src, _ = compiled
+    body = kernel_body(src)
+    after = body[body.index(k_loop(body)) + len(k_loop(body)):]
+    in_turn = re.search(r"if \(\(\(\(int\)threadIdx\.x\) >> 5\) == r", after)
+    if knobs.sum_slices:
+        # every warp stores at once, then a barrier, then one element's slices are added per thread
+        assert "P_s" in after and not in_turn
+        stores = after[:after.index("__syncthreads", after.index("P_s"))]
+        assert "P_s" in stores
+    else:
+        assert in_turn and "P_s" not in after

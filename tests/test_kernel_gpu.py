@@ -46,6 +46,12 @@ STREAM_KNOBS = {
     "stream_m8_aw_fold": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=3, fold_zero_point=True, x_ldmatrix=True,
                                           async_weights=True),
     "stream_m16_aw_split4": stream_mma.Knobs(2, 1, 8, 4, 4, ahead=2, x_ldmatrix=True, async_weights=True),
+    # the warps' sums through a slice each: the o_proj M=1 winner's knobs, and with shared activation
+    # and weight slots (which the slices must not overwrite while a warp still reads them) and a workspace
+    "stream_m8_slices_cluster4": stream_mma.Knobs(1, 1, 4, 4, 4, ahead=2, fold_zero_point=True, cluster_reduce=True,
+                                                  sum_slices=True),
+    "stream_m16_slices_aw_split4": stream_mma.Knobs(2, 1, 8, 4, 4, ahead=2, x_ldmatrix=True, async_weights=True,
+                                                    sum_slices=True),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {

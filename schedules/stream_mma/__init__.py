@@ -36,6 +36,10 @@ AXES = {
     # Weights through the warp's cp.async slots (with x_ldmatrix): measured correct and a median 5 %
     # (M = 1) to 8 % (M = 16) faster than the same knobs without (perf-notes v13).
     "async_weights": (False, True),
+    # The warps' sums meet through a slice each (two barriers, not warps + 1): the end of a ~5 us
+    # kernel (ncu at o_proj M=1: barrier stalls 1.6 per issue, perf-notes v23). CPU-checked; joins
+    # the search once measured.
+    "sum_slices": (False,),
 }
 
 

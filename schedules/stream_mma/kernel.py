@@ -92,6 +92,11 @@ def build(problem: Problem, knobs: Knobs):
     def acc_index(sj, j, mi):
         return ((sj * 4 + j) * m_tiles + mi) * 4
 
+    def sums_position(sj, j, mi, e, g, t):
+        """Where sum e of a lane's C^T fragment (16 columns of slab sj, m-tile mi) goes in the block
+        tile: row (of M) 2t + e % 2 of the m-tile, column (weight column) 16j + g, + 8 for e >= 2."""
+        return mi * MMA_N + 2 * t + e % 2, sj * SLAB_N + j * 16 + g + 8 * (e // 2)
+
     def x_index(u, mi):
         """First of the 4 halves (b0..b3) of k-step u, m-tile mi: m-tile-major, so that one ldmatrix.x4
         fills two consecutive k-steps."""
@@ -231,6 +236,7 @@ def build(problem: Problem, knobs: Knobs):
                 # Cap registers so that occupancy // warps blocks fit per SM: warps hide latency.
                 T.annotate_min_blocks_per_sm(kb.occupancy // warps)
             C_s = T.alloc_shared((bm, bn), "float32")
+            P_s = T.alloc_shared((warps, bm, bn) if kb.sum_slices else (1, 1, 1), "float32")
             # `ahead` register buffers: batch it + ahead - 1 loads while batch it is decoded.
             w = T.alloc_local((w_bufs * per_w,), "int32")
             W_s = T.alloc_shared((warps, ahead, per_w * 32) if w_smem else (1, 1, 4), "int32")
@@ -276,25 +282,35 @@ def build(problem: Problem, knobs: Knobs):
                     compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, r, it % ahead, it * workers + first,
                             lane, wk)
 
-            # The block's warps add their sums into one shared tile, a warp at a time (the first barrier
-            # also keeps a warp from zeroing the tile while another still reads activation slots that
-            # may share its memory).
+            # The block's warps add their sums into one shared tile, a warp at a time or (sum_slices)
+            # through a slice each (the first barrier also keeps a warp from writing shared memory while
+            # another still reads activation slots that may share it).
             T.sync_threads()
             sums = total if batch_sums else acc
-            for i, j in T.Parallel(bm, bn):
-                C_s[i, j] = T.float32(0)
-            for r in T.serial(warps):
+            if kb.sum_slices:
+                # Every warp stores its sums into its own slice at once, then each thread adds one
+                # element's slices: two barriers instead of warps + 1, no zeroing.
+                for sj in T.unroll(slabs):
+                    for j in T.unroll(4):
+                        for mi in T.unroll(m_tiles):
+                            for e in T.unroll(4):
+                                row, col = sums_position(sj, j, mi, e, g, t)
+                                P_s[wk, row, col] = sums[acc_index(sj, j, mi) + e]
                 T.sync_threads()
-                if wk == r:
-                    for sj in T.unroll(slabs):
-                        for j in T.unroll(4):
-                            for mi in T.unroll(m_tiles):
-                                for e in T.unroll(4):
-                                    # C^T fragment: row (weight column) 16j + g (+8 for e >= 2),
-                                    # column (row of M) 2t + e % 2 of m-tile mi.
-                                    row = mi * MMA_N + 2 * t + e % 2
-                                    col = sj * SLAB_N + j * 16 + g + 8 * (e // 2)
-                                    C_s[row, col] = C_s[row, col] + sums[acc_index(sj, j, mi) + e]
+                for i, j in T.Parallel(bm, bn):
+                    C_s[i, j] = sum(P_s[r, i, j] for r in range(warps))
+            else:
+                for i, j in T.Parallel(bm, bn):
+                    C_s[i, j] = T.float32(0)
+                for r in T.serial(warps):
+                    T.sync_threads()
+                    if wk == r:
+                        for sj in T.unroll(slabs):
+                            for j in T.unroll(4):
+                                for mi in T.unroll(m_tiles):
+                                    for e in T.unroll(4):
+                                        row, col = sums_position(sj, j, mi, e, g, t)
+                                        C_s[row, col] = C_s[row, col] + sums[acc_index(sj, j, mi) + e]
             T.sync_threads()
             store(C_s, C, S, ws, counters, m, by, bx, tx)
 

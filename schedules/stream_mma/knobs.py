@@ -34,7 +34,9 @@ class Knobs:
     the weights and scales through the warp's shared slots too, so that the k-loop has no load into
     registers from global memory: ptxas tracks all of a loop's global loads on one scoreboard, so a
     register buffer `ahead` batches early is waited for together with the newest loads (perf-notes
-    v11); cp.async groups are counted in order and waited for one batch at a time.
+    v11); cp.async groups are counted in order and waited for one batch at a time. sum_slices: at
+    the end every warp stores its sums into its own shared slice and each thread then adds one
+    element's slices (two barriers), instead of the warps adding into one tile in turn (warps + 1).
     """
 
     m_tiles: int = 1
@@ -49,6 +51,7 @@ class Knobs:
     cluster_reduce: bool = False
     x_ldmatrix: bool = False
     async_weights: bool = False
+    sum_slices: bool = False
 
     @property
     def block_m(self) -> int:
@@ -82,17 +85,19 @@ class Knobs:
         return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}" + (
             f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "") + (
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
-            "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "")
+            "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
+            "_ss" if self.sum_slices else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
 
     def shared_bytes(self, problem: Problem) -> int:
         """The fp32 tile in which the warps' sums meet, with x_ldmatrix each warp's activation slots,
-        with async_weights its weight and scale slots."""
+        with async_weights its weight and scale slots, with sum_slices a slice of sums per warp."""
         x = self.warps * self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2 if self.x_ldmatrix else 0
         w = self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
-        return self.block_m * self.block_n * 4 + x + w + 64
+        slices = self.warps * self.block_m * self.block_n * 4 if self.sum_slices else 0
+        return self.block_m * self.block_n * 4 + x + w + slices + 64
 
     def registers_estimate(self) -> int:
         acc = self.slabs * 4 * self.m_tiles * 4 * (2 if self.scale_on_acc or self.fold_zero_point else 1)
