@@ -25,7 +25,15 @@ __device__ __forceinline__ int tm_split_k_arrive(int* counter, int parts) {
 
 
 # A float in another block's shared memory: map the local address into the cluster window of `rank`.
+# And the wait for the previous kernel in the stream: TileLang 0.1.15's launcher (TVM's cuda_module.cc)
+# launches every cluster kernel with programmatic stream serialization allowed, so such a kernel can
+# start once the previous kernel's blocks have exited, before their writes are guaranteed visible;
+# `griddepcontrol.wait` waits for that (a no-op when nothing is pending). Cluster kernels run it first.
 CLUSTER_HELPERS = r"""
+__device__ __forceinline__ void tm_wait_for_prior_grids() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
 __device__ __forceinline__ float tm_cluster_load_f32(const void* smem, int rank) {
   unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   unsigned remote;
@@ -35,6 +43,13 @@ __device__ __forceinline__ float tm_cluster_load_f32(const void* smem, int rank)
   return v;
 }
 """
+
+
+@T.macro
+def wait_for_prior_grids():
+    """First statement of every cluster-launched kernel (see CLUSTER_HELPERS): no read of the
+    activations, and no write of C, before the previous kernel's writes are visible."""
+    T.call_extern("handle", "tm_wait_for_prior_grids")
 
 
 def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str, channelwise: bool,

@@ -252,3 +252,16 @@ def test_warps_sums_meet_in_turn_or_through_slices(compiled):
         assert "P_s" in stores
     else:
         assert in_turn and "P_s" not in after
+
+
+def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled):
+    # as for stream_wgmma: a cluster kernel may start before the previous kernel's writes are visible
+    *_, knobs, src, ptx = compiled
+    if not knobs.cluster_reduce:
+        assert "griddepcontrol" not in ptx
+        return
+    assert count(r"griddepcontrol\.wait", ptx) == 1
+    body = kernel_body(src)
+    first_read = min(i for i in (body.find("tm_load_stream_16B"), body.find("cp_async"), body.find("A["),
+                                 body.find("C[")) if i >= 0)
+    assert -1 < body.find("tm_wait_for_prior_grids();") < first_read

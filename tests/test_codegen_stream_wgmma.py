@@ -270,3 +270,17 @@ def k_loops(src: str) -> list[str]:
 def k_loop(src: str) -> str:
     """The kernel's main loop over k-tiles (the first of k_loops)."""
     return k_loops(src)[0]
+
+
+def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled):
+    # TileLang's launcher lets a cluster kernel start before the previous kernel's writes are visible
+    # (programmatic stream serialization, schedules/epilogue.py): griddepcontrol.wait comes first.
+    _, knobs, src, ptx = compiled
+    if not knobs.cluster_reduce:
+        assert "griddepcontrol" not in ptx
+        return
+    assert count(r"griddepcontrol\.wait", ptx) == 1
+    body = src[src.index("w4a16_gemm_kernel("):]
+    first_read = min(i for i in (body.find("tma_load"), body.find("cp_async"), body.find("A["), body.find("C["))
+                     if i >= 0)
+    assert -1 < body.find("tm_wait_for_prior_grids();") < first_read
