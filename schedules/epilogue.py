@@ -12,6 +12,7 @@ Channelwise scales (one row, S[0, n]) are applied here, to the fp32 sums.
 """
 # No `from __future__ import annotations`: TileLang macros evaluate their annotations.
 import tilelang.language as T
+from tilelang.cuda.language.pdl import pdl_sync
 
 # Split-K arrival: every thread fences its workspace atomics, then one thread counts the block in.
 SPLIT_K_HELPERS = r"""
@@ -50,6 +51,15 @@ def wait_for_prior_grids():
     """First statement of every cluster-launched kernel (see CLUSTER_HELPERS): no read of the
     activations, and no write of C, before the previous kernel's writes are visible."""
     T.call_extern("handle", "tm_wait_for_prior_grids")
+
+
+@T.macro
+def launch_under_prior_grids():
+    """The pdl knob's first statement: TileLang's pdl_sync (cudaGridDependencySynchronize) also marks
+    the kernel, so that its launcher allows programmatic stream serialization for it; the kernel is
+    then launched as the previous kernel drains and waits here until that kernel's writes are
+    visible (the kernel boundary's latency overlapped; nothing of the previous kernel's work)."""
+    pdl_sync()
 
 
 def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str, channelwise: bool,

@@ -2,9 +2,11 @@
 PTX must show the family's design: weights streamed from global memory into registers (no shared-memory
 weights, cp.async and ldmatrix only for x_ldmatrix's activations), the lop3 decode, swapped m16n8k16 MMAs, register buffers that stay
 in registers, and the split-K epilogue only when split."""
+import dataclasses
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +44,9 @@ CASES = {
     # the warps' sums meet through a slice each, then the cluster's split-K.
     "sm90a_sum_slices": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                                 cluster_reduce=True, sum_slices=True)),
+    # launched with programmatic stream serialization, split-K through the workspace.
+    "sm90a_pdl_splitk": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
+                                                                pdl=True)),
 }
 
 
@@ -256,12 +261,32 @@ def test_warps_sums_meet_in_turn_or_through_slices(compiled):
 
 def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled):
     # as for stream_wgmma: a cluster kernel may start before the previous kernel's writes are visible
+    # (or, with pdl, one that asked for that launch: TileLang's pdl_sync, cudaGridDependencySynchronize)
     *_, knobs, src, ptx = compiled
-    if not knobs.cluster_reduce:
+    if not (knobs.cluster_reduce or knobs.pdl):
         assert "griddepcontrol" not in ptx
         return
     assert count(r"griddepcontrol\.wait", ptx) == 1
     body = kernel_body(src)
     first_read = min(i for i in (body.find("tm_load_stream_16B"), body.find("cp_async"), body.find("A["),
                                  body.find("C[")) if i >= 0)
-    assert -1 < body.find("tm_wait_for_prior_grids();") < first_read
+    wait = "tm_wait_for_prior_grids();" if knobs.cluster_reduce else "cudaGridDependencySynchronize();"
+    assert -1 < body.find(wait) < first_read
+
+
+def test_pdl_asks_the_launcher_for_programmatic_serialization():
+    # TileLang tags a kernel that calls pdl_sync; TVM's launcher then sets the launch attribute. The tag
+    # is in the compiled library of the pdl kernel only.
+    arch, problem, knobs = CASES["sm90a_pdl_splitk"]
+    tag = b"tirx.use_programtic_dependent_launch"
+    for pdl in (True, False):
+        kernel = compile_schedule(problem, Schedule("stream_mma", dataclasses.replace(knobs, pdl=pdl)), get_arch(arch))
+        library = Path(kernel._tilelang_cache_path) / "executable.so"
+        assert (tag in library.read_bytes()) == pdl
+
+
+def test_pdl_is_refused_where_it_cannot_apply():
+    problem = Problem(512, 4096, 128)
+    assert "sm_90" in stream_mma.check(problem, Knobs(pdl=True), get_arch("sm_80"))
+    assert "cluster" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, cluster_reduce=True, pdl=True),
+                                         get_arch("sm_90a"))

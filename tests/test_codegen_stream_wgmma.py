@@ -55,6 +55,9 @@ CASES = {
     # block_k 128: two 64-wide swizzled activation tiles per stage, eight k-steps per wait.
     "tma_k128_producer_warp": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 128, 4, overlap=True, smem_weights=True,
                                                               tma=True, release_barriers=True, producer_warp=True)),
+    # launched with programmatic stream serialization, split-K through the workspace.
+    "tma_pdl_split2": (Problem(1024, 4096, 128), Knobs(32, 1, 1, 64, 4, overlap=True, split_k=2, smem_weights=True,
+                                                      tma=True, pdl=True)),
     # two consumer warpgroups over the same columns taking alternate k-tiles of the producer's stages.
     "tma_producer_k_split": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
                                                             release_barriers=True, producer_warp=True, k_split=True)),
@@ -275,12 +278,14 @@ def k_loop(src: str) -> str:
 def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled):
     # TileLang's launcher lets a cluster kernel start before the previous kernel's writes are visible
     # (programmatic stream serialization, schedules/epilogue.py): griddepcontrol.wait comes first.
+    # (or, with pdl, one that asked for that launch: TileLang's pdl_sync, cudaGridDependencySynchronize)
     _, knobs, src, ptx = compiled
-    if not knobs.cluster_reduce:
+    if not (knobs.cluster_reduce or knobs.pdl):
         assert "griddepcontrol" not in ptx
         return
     assert count(r"griddepcontrol\.wait", ptx) == 1
     body = src[src.index("w4a16_gemm_kernel("):]
     first_read = min(i for i in (body.find("tma_load"), body.find("cp_async"), body.find("A["), body.find("C["))
                      if i >= 0)
-    assert -1 < body.find("tm_wait_for_prior_grids();") < first_read
+    wait = "tm_wait_for_prior_grids();" if knobs.cluster_reduce else "cudaGridDependencySynchronize();"
+    assert -1 < body.find(wait) < first_read

@@ -52,6 +52,8 @@ STREAM_KNOBS = {
                                                   sum_slices=True),
     "stream_m16_slices_aw_split4": stream_mma.Knobs(2, 1, 8, 4, 4, ahead=2, x_ldmatrix=True, async_weights=True,
                                                     sum_slices=True),
+    # launched with programmatic stream serialization (it waits for the previous kernel's writes first)
+    "stream_m8_pdl_split4": stream_mma.Knobs(1, 1, 4, 4, 4, ahead=2, fold_zero_point=True, pdl=True),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {
@@ -88,6 +90,7 @@ STREAM_WGMMA_KNOBS = {
     "swg_m16_tma_k128_split2": SW(16, 2, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True),
     "swg_m64_tma_producer_k_split": SW(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
                                        release_barriers=True, producer_warp=True, k_split=True),
+    "swg_m32_tma_pdl_split2": SW(32, 1, 1, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True, pdl=True),
     "swg_m32_tma_producer_k_split_k128": SW(32, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True,
                                                release_barriers=True, producer_warp=True, k_split=True),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),

@@ -40,6 +40,8 @@ AXES = {
     # kernel (ncu at o_proj M=1: barrier stalls 1.6 per issue, perf-notes v23). CPU-checked; joins
     # the search once measured.
     "sum_slices": (False,),
+    # Launched as the previous kernel drains (programmatic dependent launch): CPU-checked, not measured.
+    "pdl": (False,),
 }
 
 

@@ -35,7 +35,7 @@ import tilelang.language as T
 
 from templates import dequant_function_names, mma_operand_dtype, raw_decode, render_dequant
 
-from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func, wait_for_prior_grids
+from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, launch_under_prior_grids, store_tile, w4a16_prim_func, wait_for_prior_grids
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
@@ -234,6 +234,8 @@ def build(problem: Problem, knobs: Knobs):
                       cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
             if cluster:
                 wait_for_prior_grids()
+            elif kb.pdl:
+                launch_under_prior_grids()
             if kb.occupancy:
                 # Cap registers so that occupancy // warps blocks fit per SM: warps hide latency.
                 T.annotate_min_blocks_per_sm(kb.occupancy // warps)

@@ -37,6 +37,9 @@ class Knobs:
     v11); cp.async groups are counted in order and waited for one batch at a time. sum_slices: at
     the end every warp stores its sums into its own shared slice and each thread then adds one
     element's slices (two barriers), instead of the warps adding into one tile in turn (warps + 1).
+    pdl (sm_90, not with cluster_reduce, whose launches already are) launches the kernel with
+    programmatic stream serialization: it starts as the previous kernel drains and waits for its
+    writes first (schedules/epilogue.py).
     """
 
     m_tiles: int = 1
@@ -52,6 +55,7 @@ class Knobs:
     x_ldmatrix: bool = False
     async_weights: bool = False
     sum_slices: bool = False
+    pdl: bool = False
 
     @property
     def block_m(self) -> int:
@@ -86,7 +90,7 @@ class Knobs:
             f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "") + (
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
-            "_ss" if self.sum_slices else "")
+            "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -131,6 +135,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
             return f"cluster_reduce needs thread-block clusters (sm_90); {arch.name} has none"
         if not 2 <= kb.split_k <= 8:
             return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
+    if kb.pdl and not arch.hopper:
+        return f"pdl needs griddepcontrol (sm_90); {arch.name} has none"
+    if kb.pdl and kb.cluster_reduce:
+        return "cluster_reduce kernels are already launched with programmatic stream serialization; drop pdl"
     if kb.x_ldmatrix and kb.unroll % 2:
         return f"x_ldmatrix reads two k-steps per ldmatrix.x4: unroll={kb.unroll} must be even"
     if kb.async_weights and not kb.x_ldmatrix:

@@ -45,6 +45,8 @@ AXES = {
     # Two consumer warpgroups taking alternate k-tiles of the same columns: correct, but 1.3-1.4x
     # slower (median, M = 64-256) and never the fastest (v23): not searched.
     "k_split": (False,),
+    # Launched as the previous kernel drains (programmatic dependent launch): CPU-checked, not measured.
+    "pdl": (False,),
 }
 
 

@@ -34,7 +34,7 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
-from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func, wait_for_prior_grids
+from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, launch_under_prior_grids, store_tile, w4a16_prim_func, wait_for_prior_grids
 from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
 from .knobs import CORE_ROWS, PRODUCER_REGISTERS, WARPGROUP, Knobs
@@ -464,6 +464,8 @@ def build(problem: Problem, knobs: Knobs):
                       cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
             if cluster:
                 wait_for_prior_grids()
+            elif kb.pdl:
+                launch_under_prior_grids()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc = buffers()
 
             tx = T.get_thread_binding()

@@ -51,7 +51,9 @@ class Knobs:
     instead of the fp32 workspace in global memory. k_split (with producer_warp, split_k 1) doubles
     the consumer warpgroups over the same columns: the two take alternate k-tiles of the shared
     stages (two decode-and-wgmma chains per block where the tiles are too few for the SMs), and the
-    second adds its sums into the first's through shared memory at the end.
+    second adds its sums into the first's through shared memory at the end. pdl (not with
+    cluster_reduce, whose launches already are) launches the kernel with programmatic stream
+    serialization: it starts as the previous kernel drains and waits for its writes first.
     """
 
     block_m: int = 128
@@ -70,6 +72,7 @@ class Knobs:
     setmaxnreg: bool = False
     cluster_reduce: bool = False
     k_split: bool = False
+    pdl: bool = False
 
     @property
     def block_n(self) -> int:
@@ -121,7 +124,7 @@ class Knobs:
     def name(self) -> str:
         flags = (("_ov", self.overlap), ("_sw", self.smem_weights), ("_tma", self.tma), ("_rb", self.release_barriers),
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
-                 ("_cl", self.cluster_reduce), ("_ks", self.k_split))
+                 ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -185,6 +188,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"k_split with overlap needs stages >= 3 (a warpgroup frees a stage two k-tiles later), got {kb.stages}"
     if kb.k_split and kb.k_tiles(problem) % 2:
         return f"k_split gives the two k warpgroups alternate k-tiles: {kb.k_tiles(problem)} k-tiles is odd"
+    if kb.pdl and kb.persistent:
+        return "pdl is wired into the tiled launch only, not the persistent loop"
+    if kb.pdl and kb.cluster_reduce:
+        return "cluster_reduce kernels are already launched with programmatic stream serialization; drop pdl"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.persistent and kb.k_tiles(problem) % 2:
