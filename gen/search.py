@@ -31,6 +31,12 @@ from schedules.registry import Schedule
 from runtime.table import bucket_range
 
 DEFAULT_TOP = 12
+# A family whose fastest estimate is this many times the fastest of all is not measured at that bucket
+# (with the default families): on the H200 the winning family's fastest estimate was within 1.15x of
+# the fastest in all 52 layer-buckets of session 6, and the worst cross-family misrank ever measured
+# was 1.5x (perf-notes v5). At M >= 64 this skips stream_mma (3-4.6x) and mostly marlin_mma (2.1-2.9x),
+# the slowest candidates to time.
+FAMILY_CUTOFF = 2.5
 DEFAULT_REFINE = 6     # candidates per bucket in the second, local round (add_refinements)
 # fp16 outputs carry ~5e-4 of rounding error; bf16 has an 8-bit mantissa, so its rounding alone is ~2e-3.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
@@ -84,9 +90,25 @@ def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = 
     from `families` (registry.SEARCHED by default)."""
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
-    return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu))
-                                for s in top_of_each_family(rank(p, b, arch, gpu, families), top)])
-            for p, b in pairs]
+    searches = []
+    for p, b in pairs:
+        ranked = rank(p, b, arch, gpu, families)
+        if families is None:
+            ranked = within_reach(ranked, p, b, gpu)
+        searches.append(BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu))
+                                            for s in top_of_each_family(ranked, top)]))
+    return searches
+
+
+def within_reach(ranked: list[Schedule], problem: Problem, m: int, gpu: GpuSpec) -> list[Schedule]:
+    """`ranked` without the families whose fastest estimate is over FAMILY_CUTOFF times the fastest."""
+    if not ranked:
+        return ranked
+    fastest = {}
+    for s in ranked:                        # fastest first: a family's first schedule is its fastest
+        fastest.setdefault(s.family, estimate_us(problem, s, m, gpu))
+    limit = FAMILY_CUTOFF * min(fastest.values())
+    return [s for s in ranked if fastest[s.family] <= limit]
 
 
 def top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:

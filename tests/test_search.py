@@ -39,9 +39,10 @@ def test_plan_keeps_the_top_ranked():
         got = [r.schedule for r in x.results]
         assert len(got) == 5 and got == sorted(got, key=ranked.index)
         assert ranked[0] in got
-        # every family's best is measured, whatever the model thinks of it across families
-        for fam in {s.family for s in ranked}:
-            assert next(s for s in ranked if s.family == fam) in got
+        # every family's best is measured, whatever the model thinks of it across families (unless the
+        # model puts the whole family out of reach, test_families_far_out_of_reach_are_not_measured)
+        for fam in {sch.family for sch in s.within_reach(ranked, QKV, x.bucket, _spec())}:
+            assert next(sch for sch in ranked if sch.family == fam) in got
         assert [r.estimate_us for r in x.results] == sorted(r.estimate_us for r in x.results)
         assert all(r.us is None and r.error is None for r in x.results)
     with pytest.raises(ValueError, match="--top"):
@@ -385,3 +386,22 @@ def test_a_measuring_failure_is_raised_once_the_compiles_are_done(monkeypatch):
     with pytest.raises(s.MeasureError, match="no CUDA"):
         s.compile_and_measure(searches, H200, compiled=lambda job, err: compiled.append(job), measure=no_gpu)
     assert len(compiled) == len(s.compile_jobs(searches))
+
+
+def test_families_far_out_of_reach_are_not_measured():
+    from schedules.cost import estimate_us, rank
+
+    s = _search()
+    spec = _spec()
+    for m, expected in ((1, {"marlin_mma", "stream_mma", "stream_wgmma"}), (4096, {"stream_wgmma", "marlin_mma"})):
+        ranked = rank(QKV, m, H200, spec)
+        fastest = {}
+        for x in ranked:
+            fastest.setdefault(x.family, estimate_us(QKV, x, m, spec))
+        kept = {f for f, us in fastest.items() if us <= s.FAMILY_CUTOFF * min(fastest.values())}
+        planned = {r.schedule.family for r in s.plan([(QKV, m)], H200, spec)[0].results}
+        assert planned == kept and kept <= expected
+    assert "stream_mma" not in {r.schedule.family for r in s.plan([(QKV, 4096)], H200, spec)[0].results}
+    # families named on purpose are all measured
+    named = s.plan([(QKV, 4096)], H200, spec, families=["stream_mma", "stream_wgmma"])[0]
+    assert {r.schedule.family for r in named.results} == {"stream_mma", "stream_wgmma"}
