@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import sys
+from pathlib import Path
 
 from schedules.problem import SUPPORTED_DTYPES
 
@@ -31,7 +32,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
     p.add_argument("--ms", default="1,16", help="M values (bucket edges), comma separated (default: %(default)s)")
     p.add_argument("--show", type=int, default=5, help="fastest candidates printed per layer and M (default: %(default)s)")
-    p.add_argument("--json", metavar="FILE", help="write every candidate's time, error and knobs to FILE")
+    p.add_argument("--json", metavar="FILE",
+                   help="write every candidate's time, error and knobs to FILE (rewritten after every bucket)")
     p.add_argument("--workers", type=int, help="parallel compile processes (default: one per CPU core)")
     p.set_defaults(func=run)
 
@@ -99,18 +101,34 @@ def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
     if not any(s.results for s in searches):
         print("gen sweep: no valid candidate in the grid", file=sys.stderr)
         return 2
+    finished = []
+
+    def save(search=None):
+        # After every bucket, so that a sweep cut short (a time limit) keeps what it measured.
+        if search is not None:
+            finished.append(search)
+        if args.json:
+            write_records(Path(args.json), finished)
+
     try:
-        compile_and_measure_with_progress(searches, arch, args.workers, {t.problem: t.label for t in targets})
+        compile_and_measure_with_progress(searches, arch, args.workers, {t.problem: t.label for t in targets},
+                                          on_bucket=save)
     except MeasureError as exc:
         print(f"gen sweep: {exc}", file=sys.stderr)
         return 1
     print(report(targets, ms, searches, args.show, format_table))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([{"problem": dataclasses.asdict(s.problem), "m": s.bucket, "fp16_us": s.fp16_us,
-                        "results": s.timings()} for s in searches], f, indent=1)
+        write_records(Path(args.json), searches)
         print(f"wrote {args.json}")
     return 0
+
+
+def write_records(path: Path, searches) -> None:
+    """The searches' timings as `gen sweep --json` records (what --seed and gen modelcheck read)."""
+    from runtime.table import atomic_write
+
+    atomic_write(path, json.dumps([{"problem": dataclasses.asdict(s.problem), "m": s.bucket, "fp16_us": s.fp16_us,
+                                    "results": s.timings()} for s in searches], indent=1))
 
 
 def report(targets, ms, searches, show: int, format_table) -> str:

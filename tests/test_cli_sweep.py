@@ -98,3 +98,43 @@ def test_gen_compile_parses_knobs_the_same_way():
     for bad in ("warps=eight", "fold_zero_point=maybe", "wraps=4", "warps"):
         with pytest.raises(argparse.ArgumentTypeError, match="bad knob"):
             parse_knobs(stream_mma, bad)
+
+
+def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch):
+    """Without a GPU (faked): the --json file holds every finished bucket before the sweep ends, so a
+    sweep stopped by a time limit or a broken GPU still leaves its measurements."""
+    import torch
+
+    from gen import search
+    from runtime.table import GpuKey
+    from schedules.arch import get_arch
+    from schedules.cost import GpuSpec
+
+    h200 = get_arch("sm_90a")
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("schedules.arch.current_arch", lambda device=None: h200)
+    monkeypatch.setattr(GpuKey, "current", classmethod(lambda cls, device=None: GpuKey("NVIDIA H200", "sm_90a", 132)))
+    monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: GpuSpec.for_arch(h200)))
+    monkeypatch.setattr("gen.compile.compile_many",
+                        lambda jobs, arch, workers=None, progress=None: [progress(j, None) for j in jobs] and {})
+    out_json = tmp_path / "sweep.json"
+
+    def measure(problem, arch, mine, progress=None, on_bucket=None, **_):
+        if problem.n == 1024:
+            assert len(json.loads(out_json.read_text())) == 2     # the first layer's buckets are on disk already
+            raise search.MeasureError("the GPU fell off the bus")
+        for x in mine:
+            x.fp16_us = 9.0
+            for r in x.results:
+                r.us, r.rel_err = 3.0, 1e-4
+                progress(r)
+            on_bucket(x)
+
+    monkeypatch.setattr(search, "measure_problem", measure)
+    rc, _, err = call(capsys, "--family", "stream_mma", "--knobs", "warps=4,8 unroll=4", "--shapes", "4096x4096,4096x1024",
+                      "--ms", "1,16", "--json", str(out_json))
+    assert rc == 1 and "fell off the bus" in err
+    records = json.loads(out_json.read_text())
+    assert [(r["problem"]["n"], r["m"]) for r in records] == [(4096, 1), (4096, 16)]
+    assert all(res["us"] == 3.0 for r in records for res in r["results"])
