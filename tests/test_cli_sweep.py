@@ -116,8 +116,12 @@ def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch)
     monkeypatch.setattr("schedules.arch.current_arch", lambda device=None: h200)
     monkeypatch.setattr(GpuKey, "current", classmethod(lambda cls, device=None: GpuKey("NVIDIA H200", "sm_90a", 132)))
     monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: GpuSpec.for_arch(h200)))
-    monkeypatch.setattr("gen.compile.compile_many",
-                        lambda jobs, arch, workers=None, progress=None: [progress(j, None) for j in jobs] and {})
+    def compile_many(jobs, arch, workers=None, progress=None):
+        for job in jobs:
+            progress(job, None)
+        return {}
+
+    monkeypatch.setattr("gen.compile.compile_many", compile_many)
     out_json = tmp_path / "sweep.json"
 
     def measure(problem, arch, mine, progress=None, on_bucket=None, **_):
