@@ -253,12 +253,16 @@ def compile_candidates(searches: list[BucketSearch], arch: Arch, workers: int | 
     from gen.compile import compile_many
 
     jobs = compile_jobs(searches)
-    errors = compile_many(jobs, arch, workers=workers, progress=progress) if jobs else {}
+    _note_compile_errors(searches, compile_many(jobs, arch, workers=workers, progress=progress) if jobs else {})
+    return len(jobs)
+
+
+def _note_compile_errors(searches: list[BucketSearch], errors: dict) -> None:
+    """A candidate whose kernel did not compile is a result: `compile: <why>`."""
     for search in searches:
         for r in search.results:
             if errors.get((search.problem, r.schedule)):
                 r.error = f"compile: {errors[(search.problem, r.schedule)]}"
-    return len(jobs)
 
 
 def compile_and_measure(searches: list[BucketSearch], arch: Arch, workers: int | None = None, compiled=None,
@@ -285,10 +289,7 @@ def compile_and_measure(searches: list[BucketSearch], arch: Arch, workers: int |
 
         def start(problem):
             mine = [s for s in searches if s.problem == problem]
-            for search in mine:
-                for r in search.results:
-                    if errors.get((problem, r.schedule)):
-                        r.error = f"compile: {errors[(problem, r.schedule)]}"
+            _note_compile_errors(mine, errors)
             measuring.append(gpu.submit(measure, problem, arch, mine, progress=progress, on_bucket=on_bucket))
 
         def built(job, error):

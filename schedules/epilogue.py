@@ -46,20 +46,23 @@ __device__ __forceinline__ float tm_cluster_load_f32(const void* smem, int rank)
 """
 
 
-@T.macro
-def wait_for_prior_grids():
-    """First statement of every cluster-launched kernel (see CLUSTER_HELPERS): no read of the
-    activations, and no write of C, before the previous kernel's writes are visible."""
-    T.call_extern("handle", "tm_wait_for_prior_grids")
+def wait_for_prior_grids(cluster: bool, pdl: bool):
+    """A T.macro() for a kernel's first statement: no read of the activations, and no write of C,
+    before the previous kernel's writes are visible. A cluster kernel (launched with programmatic
+    stream serialization by TileLang's launcher, see CLUSTER_HELPERS) waits with griddepcontrol; with
+    the pdl knob, TileLang's pdl_sync (cudaGridDependencySynchronize) also marks the kernel, so that
+    its launcher allows that launch for it too: launched as the previous kernel drains, it waits here
+    (the kernel boundary's latency overlapped; nothing of the previous kernel's work). Otherwise
+    nothing: stream order already serializes the kernels."""
 
+    @T.macro
+    def wait():
+        if cluster:
+            T.call_extern("handle", "tm_wait_for_prior_grids")
+        elif pdl:
+            pdl_sync()
 
-@T.macro
-def launch_under_prior_grids():
-    """The pdl knob's first statement: TileLang's pdl_sync (cudaGridDependencySynchronize) also marks
-    the kernel, so that its launcher allows programmatic stream serialization for it; the kernel is
-    then launched as the previous kernel drains and waits here until that kernel's writes are
-    visible (the kernel boundary's latency overlapped; nothing of the previous kernel's work)."""
-    pdl_sync()
+    return wait
 
 
 def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str, channelwise: bool,

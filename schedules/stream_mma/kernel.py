@@ -35,7 +35,7 @@ import tilelang.language as T
 
 from templates import dequant_function_names, mma_operand_dtype, raw_decode, render_dequant
 
-from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, launch_under_prior_grids, store_tile, w4a16_prim_func, wait_for_prior_grids
+from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func, wait_for_prior_grids
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
@@ -87,6 +87,7 @@ def build(problem: Problem, knobs: Knobs):
     lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult
     prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD + (SPLIT_K_HELPERS if split else "")
                + (CLUSTER_HELPERS if cluster else ""))
+    wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster)
 
     def acc_index(sj, j, mi):
@@ -232,10 +233,7 @@ def build(problem: Problem, knobs: Knobs):
         # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=kb.threads, prelude=prelude,
                       cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
-            if cluster:
-                wait_for_prior_grids()
-            elif kb.pdl:
-                launch_under_prior_grids()
+            wait_prior()
             if kb.occupancy:
                 # Cap registers so that occupancy // warps blocks fit per SM: warps hide latency.
                 T.annotate_min_blocks_per_sm(kb.occupancy // warps)

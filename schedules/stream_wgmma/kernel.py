@@ -34,7 +34,7 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
-from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, launch_under_prior_grids, store_tile, w4a16_prim_func, wait_for_prior_grids
+from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func, wait_for_prior_grids
 from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
 from .knobs import CORE_ROWS, PRODUCER_REGISTERS, WARPGROUP, Knobs
@@ -87,6 +87,7 @@ def build(problem: Problem, knobs: Knobs):
     cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "") + \
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "")
+    wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
         if kb.split_k > 1 else None
     load_words = f"tm_ldg_words{g}"
@@ -462,10 +463,7 @@ def build(problem: Problem, knobs: Knobs):
         # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude,
                       cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
-            if cluster:
-                wait_for_prior_grids()
-            elif kb.pdl:
-                launch_under_prior_grids()
+            wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc = buffers()
 
             tx = T.get_thread_binding()
