@@ -95,6 +95,7 @@ def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = 
         ranked = rank(p, b, arch, gpu, families)
         if families is None:
             ranked = within_reach(ranked, p, b, gpu)
+        ranked = one_per_variant(ranked)
         searches.append(BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu))
                                             for s in top_of_each_family(ranked, top)]))
     return searches
@@ -109,6 +110,22 @@ def within_reach(ranked: list[Schedule], problem: Problem, m: int, gpu: GpuSpec)
         fastest.setdefault(s.family, estimate_us(problem, s, m, gpu))
     limit = FAMILY_CUTOFF * min(fastest.values())
     return [s for s in ranked if fastest[s.family] <= limit]
+
+
+def one_per_variant(ranked: list[Schedule]) -> list[Schedule]:
+    """`ranked` with one schedule per point of its family's other axes than VARIANT_AXES (the best
+    ranked): a variant axis (a launch mode, an end-of-kernel detail) shifts a kernel's time by a few
+    per cent and the model only by its measured factor, so the first round would otherwise spend its
+    places on near-copies of one kernel. The second round's neighbours move those axes too."""
+    seen, kept = set(), []
+    for s in ranked:
+        variant = getattr(s.module, "VARIANT_AXES", ())
+        key = (s.family,) + tuple(v for name, v in zip(s.module.AXES, axis_values(s.module.AXES, s.knobs))
+                                  if name not in variant)
+        if key not in seen:
+            seen.add(key)
+            kept.append(s)
+    return kept
 
 
 def top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:

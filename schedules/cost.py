@@ -230,6 +230,9 @@ KNOB_FACTORS = {
         "cluster_reduce": ((None, 0.97),),
         "x_ldmatrix": ((2, 1.4), (4, 1.25), (8, 1.05), (16, 1.0), (None, 0.93)),
         "async_weights": ((8, 0.95), (None, 0.92)),
+        # Session 7 (v25), medians of 16 pairs each at M = 1 and 8.
+        "sum_slices": ((None, 0.95),),
+        "pdl": ((None, 0.98),),
     },
     "stream_wgmma": {
         # Release barriers alone: 1.15-1.45x slower below M=256 (warp 0 waits for the release before

@@ -49,6 +49,25 @@ def test_plan_keeps_the_top_ranked():
         s.plan([(QKV, 1)], H200, _spec(), top=0)
 
 
+def test_first_round_spends_no_places_on_variants_of_one_kernel():
+    from dataclasses import replace
+
+    from schedules.registry import Schedule
+
+    s = _search()
+    (search,) = s.plan([(QKV, 1)], H200, _spec(), top=12)
+    picked = [r.schedule for r in search.results if r.schedule.family == "stream_mma"]
+    assert picked
+    rest = lambda sch: replace(sch.knobs, sum_slices=False, pdl=False)
+    assert len({rest(sch) for sch in picked}) == len(picked)
+    # the better-ranked variant goes in (both measured faster, perf-notes v25); the second round's
+    # neighbours move the variant axes like any other
+    best = picked[0]
+    assert best.knobs.sum_slices
+    moved = s.neighbours(best, QKV, H200)
+    assert Schedule("stream_mma", replace(best.knobs, sum_slices=False)) in moved
+
+
 def test_compile_jobs_are_deduplicated_across_buckets():
     s = _search()
     small = s.plan([(QKV, b) for b in (1, 2)], H200, _spec(), top=4)

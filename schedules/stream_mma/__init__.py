@@ -37,12 +37,15 @@ AXES = {
     # (M = 1) to 8 % (M = 16) faster than the same knobs without (perf-notes v13).
     "async_weights": (False, True),
     # The warps' sums meet through a slice each (two barriers, not warps + 1): the end of a ~5 us
-    # kernel (ncu at o_proj M=1: barrier stalls 1.6 per issue, perf-notes v23). CPU-checked; joins
-    # the search once measured.
-    "sum_slices": (False,),
-    # Launched as the previous kernel drains (programmatic dependent launch): CPU-checked, not measured.
-    "pdl": (False,),
+    # kernel. Faster in all 16 measured pairs at M = 1 and 8, by 3-8 % (perf-notes v25).
+    "sum_slices": (False, True),
+    # Launched as the previous kernel drains (programmatic dependent launch): 0-2.5 % faster in all
+    # 16 measured pairs at M = 1 and 8 (perf-notes v25).
+    "pdl": (False, True),
 }
+# Axes that the first search round does not spread over (gen/search.py one_per_variant): the model
+# ranks their better value first and the second round's neighbours try the other.
+VARIANT_AXES = ("sum_slices", "pdl")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order
