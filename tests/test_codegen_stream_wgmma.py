@@ -61,6 +61,15 @@ CASES = {
     # two consumer warpgroups over the same columns taking alternate k-tiles of the producer's stages.
     "tma_producer_k_split": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
                                                             release_barriers=True, producer_warp=True, k_split=True)),
+    # the output tile through the drained stages as 16-byte row chunks: the large-M form (a producer
+    # warpgroup that hands over its registers), and channelwise with block_k 128 (two atoms per stage)
+    "tma_setmaxnreg_staged_store": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True,
+                                                                   tma=True, release_barriers=True, producer_warp=True,
+                                                                   setmaxnreg=True, staged_store=True)),
+    "tma_k128_staged_store_channelwise": (Problem.make(4096, 1024, -1), Knobs(64, 1, 2, 128, 4, overlap=True,
+                                                                           smem_weights=True, tma=True,
+                                                                           release_barriers=True, producer_warp=True,
+                                                                           staged_store=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -102,6 +111,9 @@ def test_not_offered_before_hopper():
            k_split=True), "split_k=1"),
     (Knobs(64, 1, 1, 64, 2, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            k_split=True), "stages >= 3"),
+    (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, staged_store=True), "producer-warp"),
+    (Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
+           producer_warp=True, staged_store=True), "split_k=1"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -129,13 +141,15 @@ def test_wgmma_takes_the_weights_from_registers(compiled):
 
 
 def test_activations_by_cp_async_weights_by_global_loads(compiled):
-    _, knobs, src, ptx = compiled
+    problem, knobs, src, ptx = compiled
     if knobs.tma:
         # Three tile copies per k-tile (activations with the 128-byte swizzle, words, scales), waited
         # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
         assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
         assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == 0
-        assert count(r"ld\.global\.nc", ptx) == 0
+        # (channelwise scales are read once, by the epilogue)
+        assert count(r"ld\.global\.nc", ptx) == 0 or problem.channelwise
+        assert not re.search(r"= S\[", k_loop(src))
         return
     assert count(r"cp\.async\.cg\.shared\.global(\.L2::128B)?\s+\[[^\]]+\],\s*\[[^\]]+\],\s*16", ptx) > 0
     words = rf"ld\.global\.nc\.{ {1: 'u32', 2: 'v2.u32', 4: 'v4.u32'}[knobs.groups] }"
@@ -191,7 +205,8 @@ def test_tma_boxes_are_one_swizzle_atom_wide(compiled):
     copies = re.findall(r"tl::tma_load\(A_desc, [^;]*;", src)     # (in the prologue and the loop)
     assert copies
     if knobs.block_k == 128:
-        assert all(f"(h * {knobs.block_m * 64})" in c and "(h * 64)" in c for c in copies)
+        assert all(re.search(rf"\(h(_\d+)? \* {knobs.block_m * 64}\)", c) and re.search(r"\(h(_\d+)? \* 64\)", c)
+                   for c in copies)
         assert f"(u_2 >> 2) * {knobs.block_m * 8}" in src
     else:
         assert all("h *" not in c for c in copies)
@@ -289,3 +304,21 @@ def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled
                      if i >= 0)
     wait = "tm_wait_for_prior_grids();" if knobs.cluster_reduce else "cudaGridDependencySynchronize();"
     assert -1 < body.find(wait) < first_read
+
+
+def test_staged_store_leaves_in_16_byte_chunks(compiled):
+    """staged_store: the tile goes into shared memory (2-byte stores in C's order), the consumers meet
+    at their own named barrier (the producer warp does not come), and C is written with 16-byte
+    stores only; without it each thread stores its fragment's 2-byte elements (split_k 1) to C."""
+    _, knobs, src, ptx = compiled
+    if knobs.split_k > 1 or knobs.k_split:
+        assert not knobs.staged_store
+        return
+    wide, narrow = count(r"st\.global\.v4\.(u|b)32", ptx), count(r"st\.global\.(u|b)16", ptx)
+    if knobs.staged_store:
+        assert wide > 0 and narrow == 0
+        assert count(r"st\.shared\.(u|b)16", ptx) > 0
+        assert count(rf"tm_consumers_sync\({knobs.consumer_threads}\)", src) == 1
+        assert count(r"bar\.sync\s+1,", ptx) == 1
+    else:
+        assert narrow > 0 and wide == 0 and "tm_copy16" not in src

@@ -93,6 +93,16 @@ STREAM_WGMMA_KNOBS = {
     "swg_m32_tma_pdl_split2": SW(32, 1, 1, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True, pdl=True),
     "swg_m32_tma_producer_k_split_k128": SW(32, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True,
                                                release_barriers=True, producer_warp=True, k_split=True),
+    # the output tile through a shared tile of its own: the large-M form (setmaxnreg), a producer warp
+    # with one and two warpgroups (block_k 128), and block_m 8 (fewer 16-byte chunks than consumers)
+    "swg_m256_tma_setmaxnreg_staged": SW(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
+                                         release_barriers=True, producer_warp=True, setmaxnreg=True, staged_store=True),
+    "swg_m64_tma_producer_staged_s6": SW(64, 1, 1, 64, 6, overlap=True, smem_weights=True, tma=True,
+                                         release_barriers=True, producer_warp=True, staged_store=True),
+    "swg_m128_tma_producer_k128_staged": SW(128, 1, 2, 128, 4, overlap=True, smem_weights=True, tma=True,
+                                            release_barriers=True, producer_warp=True, staged_store=True),
+    "swg_m8_tma_producer_staged": SW(8, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
+                                     release_barriers=True, producer_warp=True, staged_store=True),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),
     "swg_m64_tma_release_split4": SW(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True, release_barriers=True),
 }
@@ -101,7 +111,7 @@ SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
-                  "swg_m128_g2", "swg_m256_tma")
+                  "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 
@@ -117,11 +127,12 @@ def arch():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def precompiled(arch):
-    """Compile every case in parallel once; the tests then load kernels from the disk cache."""
-    jobs = [(problem_of(layer, group), SCHEDULES[name]) for layer, group, name in CASES
-            if SCHEDULES[name].module.check(problem_of(layer, group), SCHEDULES[name].knobs, arch) is None]
-    jobs += [(problem_of("o", 128, "bfloat16"), SCHEDULES[name]) for name in BF16_SCHEDULES]
+def precompiled(arch, request):
+    """Compile the selected cases (-k) in parallel once; the tests then load kernels from the disk cache."""
+    selected = {item.callspec.params.get("name") for item in request.session.items if hasattr(item, "callspec")}
+    jobs = [(problem_of(layer, group), SCHEDULES[name]) for layer, group, name in CASES if name in selected
+            and SCHEDULES[name].module.check(problem_of(layer, group), SCHEDULES[name].knobs, arch) is None]
+    jobs += [(problem_of("o", 128, "bfloat16"), SCHEDULES[name]) for name in BF16_SCHEDULES if name in selected]
     errors = {job: err for job, err in compile_many(jobs, arch).items() if err}
     assert not errors, errors
 

@@ -47,6 +47,8 @@ AXES = {
     "k_split": (False,),
     # Launched as the previous kernel drains (programmatic dependent launch): CPU-checked, not measured.
     "pdl": (False,),
+    # The output tile through the drained stages as 16-byte row chunks: CPU-checked, not measured.
+    "staged_store": (False,),
 }
 
 

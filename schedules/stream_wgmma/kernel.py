@@ -64,6 +64,20 @@ __device__ __forceinline__ int tm_warp_index() { return __shfl_sync(0xffffffffu,
 """
 
 
+# staged_store: a 16-byte copy (the output tile's rows leave shared memory as whole 16-byte chunks),
+# and the named barrier (1; 0 is __syncthreads') that the consumer warpgroups alone meet at (the
+# producer warp or warpgroup is elsewhere), with a memory clobber so that the compiler keeps the
+# shared-memory stores and loads on their side of it (TileLang's partial barrier has none).
+COPY16 = r"""
+__device__ __forceinline__ void tm_copy16(void* dst, const void* src) {
+  *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+__device__ __forceinline__ void tm_consumers_sync(int threads) {
+  asm volatile("bar.sync 1, %0;" :: "r"(threads) : "memory");
+}
+"""
+
+
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
@@ -86,7 +100,7 @@ def build(problem: Problem, knobs: Knobs):
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
     cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "") + \
-        (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "")
+        (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + (COPY16 if kb.staged_store else "")
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
         if kb.split_k > 1 else None
@@ -420,8 +434,46 @@ def build(problem: Problem, knobs: Knobs):
                         else:
                             C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, col], "float32"), dtype)
 
+    out_chunks = bm * bn // 8          # 16-byte chunks of the output tile
+    out_rounds = -(-out_chunks // consumers)
+
     @T.macro
-    def pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx, wg, wq, lane):
+    def acc_to_global_staged(acc, Y_s, C, S, by, bx, tx, wg, wq, lane):
+        """staged_store: the consumers put their sums (as the output dtype) into a padded tile of
+        their own in C's row-major order (a warp's 2-byte stores span 4 rows 16 bytes wide, 8 banks
+        apart), then store whole rows of 16-byte chunks: 8x fewer store instructions than
+        acc_to_global's 2-byte ones, and no half-written 32-byte sectors. (The drained activation
+        stages as the tile, which would cost no shared memory, measured wrong: perf-notes v26.)"""
+        for i in T.unroll(g):
+            for c in T.unroll(bm // 8):
+                for e in T.unroll(4):
+                    row = 8 * c + 2 * (lane % 4) + e % 2
+                    col = weight_col(0, wg, wq, lane, i, e // 2)
+                    if grouped:
+                        Y_s[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e], dtype)
+                    else:
+                        Y_s[row, col] = T.cast(
+                            acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, bx * bn + col], "float32"), dtype)
+        T.call_extern("handle", "tm_consumers_sync", consumers)
+        for r in T.unroll(out_rounds):
+            chunk = r * consumers + tx
+            row = chunk // (bn // 8)
+            col = chunk % (bn // 8) * 8
+            if chunk < out_chunks and by * bm + row < m:
+                T.call_extern("handle", "tm_copy16", T.access_ptr(C[by * bm + row, bx * bn + col], "w", 8),
+                              T.access_ptr(Y_s[row, col], "r", 8))
+
+    @T.macro
+    def store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane):
+        """A consumer thread's part of storing the block's tile (split_k 1)."""
+        if kb.staged_store:
+            acc_to_global_staged(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
+        else:
+            acc_to_global(acc, C, S, by, bx, wg, wq, lane)
+
+    @T.macro
+    def pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx, wg, wq, lane,
+                                Y_s):
         """setmaxnreg: the producer warpgroup drops to PRODUCER_REGISTERS and its first warp produces;
         the consumers take the registers it left and store their own sums. The two branches never
         meet again: code after a join would be held to the registers at the kernel's entry (the
@@ -437,7 +489,7 @@ def build(problem: Problem, knobs: Knobs):
             consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, 0, by, bx, tx, wg, wq, lane)
             T.warpgroup_wait(0)
             T.warpgroup_fence_operand(acc, num_regs=acc_len)
-            acc_to_global(acc, C, S, by, bx, wg, wq, lane)
+            store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
 
     @T.macro
     def buffers():
@@ -456,7 +508,10 @@ def build(problem: Problem, knobs: Knobs):
         a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
         acc = T.alloc_local((acc_len,), "float32")
         desc = T.alloc_wgmma_desc()
-        return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc
+        if kb.staged_store:
+            Y_s = T.alloc_shared((bm, bn + 8), dtype)     # 16 bytes of padding per row: see acc_to_global_staged
+            return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s
+        return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, None
 
     @T.macro
     def body(A, B, S, C, ws, counters):
@@ -464,7 +519,7 @@ def build(problem: Problem, knobs: Knobs):
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude,
                       cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
             wait_prior()
-            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc = buffers()
+            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
 
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
@@ -478,7 +533,7 @@ def build(problem: Problem, knobs: Knobs):
 
             if kb.setmaxnreg:    # (split_k 1: the epilogue is the consumers' own, inside)
                 pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx,
-                                        wg, wq, lane)
+                                        wg, wq, lane, Y_s)
             elif tma:
                 pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             elif w_smem:
@@ -522,9 +577,9 @@ def build(problem: Problem, knobs: Knobs):
                     acc_to_global(acc, C, S, by, bx, wg, wq, lane)
             elif producer:
                 if not in_producer_warp():
-                    acc_to_global(acc, C, S, by, bx, wg, wq, lane)
+                    store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
             else:
-                acc_to_global(acc, C, S, by, bx, wg, wq, lane)
+                store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
 
     @T.macro
     def body_persistent(A, B, S, C, ws, counters):
@@ -532,7 +587,7 @@ def build(problem: Problem, knobs: Knobs):
         g = round * trips + t of a block's sequence uses stage g % stages in phase g // stages, so the
         producer warp fills the next tile's stages while the warpgroups store this one."""
         with T.Kernel(persistent, threads=threads, prelude=prelude) as pid:
-            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc = buffers()
+            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP
             wq = tx // 32 % 4

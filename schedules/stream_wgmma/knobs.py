@@ -54,6 +54,10 @@ class Knobs:
     second adds its sums into the first's through shared memory at the end. pdl (not with
     cluster_reduce, whose launches already are) launches the kernel with programmatic stream
     serialization: it starts as the previous kernel drains and waits for its writes first.
+    staged_store (producer_warp, split_k 1) stores the output tile through a shared tile of its own:
+    the sums go into it in C's row-major order and leave as 16-byte chunks of whole rows, instead of
+    each thread storing its fragment's 2-byte elements (4 rows x 16 bytes per warp store, half of
+    each 32-byte sector).
     """
 
     block_m: int = 128
@@ -73,6 +77,7 @@ class Knobs:
     cluster_reduce: bool = False
     k_split: bool = False
     pdl: bool = False
+    staged_store: bool = False
 
     @property
     def block_n(self) -> int:
@@ -124,7 +129,8 @@ class Knobs:
     def name(self) -> str:
         flags = (("_ov", self.overlap), ("_sw", self.smem_weights), ("_tma", self.tma), ("_rb", self.release_barriers),
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
-                 ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl))
+                 ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
+                 ("_st", self.staged_store))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -135,7 +141,8 @@ class Knobs:
         x = self.stages * self.block_m * self.block_k * 2
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
         c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
-        return x + w + c + 64
+        y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
+        return x + w + c + y + 64
 
     def registers_estimate(self) -> int:
         acc = self.groups * self.block_m // 2
@@ -196,6 +203,11 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
+    if kb.staged_store and not (kb.producer_warp and kb.split_k == 1 and not kb.k_split and not kb.persistent):
+        # Without a producer warp (the block's own TMA pipeline) the staged kernels measured wrong in
+        # ~0.03 % of the elements on the H200, cause not found yet (perf-notes v26).
+        return ("staged_store is wired into the producer-warp pipeline with split_k=1 only (split-K tiles meet "
+                "in the common epilogue; no k_split, no persistent loop)")
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
