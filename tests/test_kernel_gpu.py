@@ -103,6 +103,8 @@ STREAM_WGMMA_KNOBS = {
                                             release_barriers=True, producer_warp=True, staged_store=True),
     "swg_m8_tma_producer_staged": SW(8, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
                                      release_barriers=True, producer_warp=True, staged_store=True),
+    # ... and the block's own TMA pipeline, two warpgroups (wrong in session 7 before the row guard)
+    "swg_m128_tma_wg2_staged": SW(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, staged_store=True),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),
     "swg_m64_tma_release_split4": SW(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True, release_barriers=True),
 }

@@ -445,7 +445,11 @@ def build(problem: Problem, knobs: Knobs):
         acc_to_global's 2-byte ones, and no half-written 32-byte sectors. Only rows < m are
         converted: under that predicate ptxas keeps the conversions after the final wgmma wait;
         unconditional, it hoisted some above it and read accumulators still being written
-        (perf-notes v26; tests/test_sass.py checks the order)."""
+        (perf-notes v26; tests/test_sass.py checks the order). TileLang may place Y_s over the drained
+        activation stages (its liveness-based merge did on down_proj m128 two warpgroups, not on m256
+        setmaxnreg), which the other warpgroup's last wgmmas may still be reading: the consumers
+        meet before anyone writes."""
+        T.call_extern("handle", "tm_consumers_sync", consumers)
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
                 for e in T.unroll(4):

@@ -141,6 +141,7 @@ class Knobs:
         x = self.stages * self.block_m * self.block_k * 2
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
         c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
+        # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
         return x + w + c + y + 64
 
