@@ -117,11 +117,12 @@ def arch():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def precompiled(arch):
-    """Compile every case in parallel once; the tests then load kernels from the disk cache."""
-    jobs = [(problem_of(layer, group), SCHEDULES[name]) for layer, group, name in CASES
-            if SCHEDULES[name].module.check(problem_of(layer, group), SCHEDULES[name].knobs, arch) is None]
-    jobs += [(problem_of("o", 128, "bfloat16"), SCHEDULES[name]) for name in BF16_SCHEDULES]
+def precompiled(arch, request):
+    """Compile the selected cases (-k) in parallel once; the tests then load kernels from the disk cache."""
+    selected = {item.callspec.params.get("name") for item in request.session.items if hasattr(item, "callspec")}
+    jobs = [(problem_of(layer, group), SCHEDULES[name]) for layer, group, name in CASES if name in selected
+            and SCHEDULES[name].module.check(problem_of(layer, group), SCHEDULES[name].knobs, arch) is None]
+    jobs += [(problem_of("o", 128, "bfloat16"), SCHEDULES[name]) for name in BF16_SCHEDULES if name in selected]
     errors = {job: err for job, err in compile_many(jobs, arch).items() if err}
     assert not errors, errors
 
