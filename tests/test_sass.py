@@ -94,3 +94,33 @@ def test_ptxas_findings_name_registers_and_serialized_wgmmas(tmp_path):
     findings = sass.ptxas_findings((tmp_path / "k.ptx").read_text(), "sm_90a")
     assert any(line.startswith("Used ") and "registers" in line for line in findings)
     assert not any("serialized" in line for line in findings)
+
+
+def test_conversions_before_the_last_wgmma_wait_are_found():
+    listing = LISTING.replace("IADD3 R1, R1, 0x1, RZ", "HGMMA.64x128x16.F32 R24, R88, gdesc[UR12], R24, gsb0") \
+        .replace("LOP3.LUT R2, R3, 0xf, RZ, 0xc0, !PT", "F2FP.F16.F32.PACK_AB R4, R87, R86") \
+        .replace("SHF.R.U32.HI R4, RZ, 0x8, R24", "WARPGROUP.DEPBAR.LE gsb0, 0x0")
+    early = sass.conversions_before_the_last_wait(sass.parse(listing))
+    assert [ins.address for ins in early] == [0x7b0]
+    assert sass.conversions_before_the_last_wait(sass.parse(LISTING)) == []
+
+
+@needs_tools
+@pytest.mark.parametrize("knobs", [
+    # the large-M winners' forms: plain TMA pipeline with two warpgroups, and the producer warpgroup
+    dict(block_m=128, groups=1, warpgroups=2, block_k=64, stages=4, overlap=True, smem_weights=True, tma=True),
+    dict(block_m=256, groups=1, warpgroups=2, block_k=64, stages=4, overlap=True, smem_weights=True, tma=True,
+         release_barriers=True, producer_warp=True, setmaxnreg=True),
+])
+def test_the_sums_are_converted_after_the_last_wgmma_wait(knobs, tmp_path):
+    from gen.compile import compile_schedule
+    from schedules import stream_wgmma
+    from schedules.arch import get_arch
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+
+    schedule = Schedule("stream_wgmma", stream_wgmma.Knobs(**knobs))
+    compile_schedule(Problem(12288, 4096, 128), schedule, get_arch("sm_90a")).export_ptx(str(tmp_path / "k.ptx"))
+    code = sass.parse(sass.disassemble((tmp_path / "k.ptx").read_text(), "sm_90a"))
+    assert any(ins.opcode == "F2FP" for ins in code)
+    assert sass.conversions_before_the_last_wait(code) == []
