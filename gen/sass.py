@@ -122,8 +122,9 @@ def load_waits(loop: list[Instruction]) -> list[tuple[Instruction, int, Instruct
 def conversions_before_the_last_wait(code: list[Instruction]) -> list[Instruction]:
     """The F2FP (fp32 -> fp16/bf16) instructions between the kernel's last HGMMA and the first
     `WARPGROUP.DEPBAR.LE gsb0, 0x0` after it: reads of wgmma accumulators that the last wgmmas may
-    still be writing. ptxas hoisted unconditional conversions above that wait (staged_store, session
-    7: ~25 % of the outputs missed their last k-tile); under a predicate it kept them below."""
+    still be writing. ptxas hoisted unconditional conversions above that wait (staged_store on branch
+    wip/staged-store, session 7: ~25 % of the outputs missed their last k-tile); under a predicate
+    (the row guard of every epilogue here) it kept them below."""
     mma = [i for i, ins in enumerate(code) if ins.opcode == "HGMMA"]
     if not mma:
         return []

@@ -18,6 +18,7 @@ carries on with the remaining candidates; a child that dies or stops reporting i
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import multiprocessing
@@ -159,6 +160,23 @@ def add_incumbents(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec
         entry = table.entry(search.problem, search.bucket)
         if entry is not None and (families is None or entry.schedule.family in families):
             added += _add_candidate(search, entry.schedule, arch, gpu)
+    return added
+
+
+def add_variants(searches: list[BucketSearch], table, variants: dict[str, list[dict]], arch: Arch, gpu: GpuSpec,
+                 families=None) -> int:
+    """Per bucket, the current table winner with each of `variants[its family]` (knob name -> value)
+    applied, where valid and not among the candidates yet: an A/B of a prepared knob against every
+    winner in one run (`gen tune --force --variants ...`), each variant checked and timed like any
+    candidate, the winner itself measured beside it (add_incumbents). Returns how many were added."""
+    added = 0
+    for search in searches:
+        entry = table.entry(search.problem, search.bucket)
+        if entry is None or (families is not None and entry.schedule.family not in families):
+            continue
+        for change in variants.get(entry.schedule.family, ()):
+            variant = Schedule(entry.schedule.family, dataclasses.replace(entry.schedule.knobs, **change))
+            added += _add_candidate(search, variant, arch, gpu)
     return added
 
 

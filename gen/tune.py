@@ -12,6 +12,7 @@ measured, a second round (--refine, per bucket) measures their neighbours in kno
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import sys
 from dataclasses import dataclass
@@ -56,6 +57,10 @@ def register(subparsers) -> None:
     p.add_argument("--axes", metavar='"FAMILY.KNOB=V1,V2 ..."',
                    help="search these values of a family's axes in this run instead of its AXES (knob "
                         "development: e.g. stream_wgmma.setmaxnreg=0,1)")
+    p.add_argument("--variants", metavar='"FAMILY.KNOB=V1,V2 ..."',
+                   help="also measure, per bucket, the current winner with these knobs changed (any knob of "
+                        "its family, searched or not; several values: one variant each, several knobs: every "
+                        "combination): an A/B of a prepared knob in one run, e.g. with --force --top 1 --refine 0")
     p.add_argument("--families", help="schedule families to search, comma separated (default: marlin_mma, stream_mma and stream_wgmma where the arch offers them)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
@@ -116,6 +121,27 @@ def parse_axes(text: str | None) -> dict[str, dict[str, tuple]]:
     return overrides
 
 
+def parse_variants(text: str | None) -> dict[str, list[dict]]:
+    """--variants "family.knob=v1,v2 ...": per family, the knob changes to apply to its winners (every
+    combination of the values named). Any knob of the family, searched or not; an unknown family,
+    knob or value is an error naming it."""
+    from schedules.knob_space import knob_value
+    from schedules.registry import family
+
+    values: dict[str, dict[str, tuple]] = {}
+    for item in (text or "").split():
+        key, sep, listed = item.partition("=")
+        family_name, dot, knob = key.partition(".")
+        if not (sep and dot and listed):
+            raise ValueError(f"bad --variants item {item!r}: expected family.knob=value[,value...]")
+        module = family(family_name)
+        if knob in values.get(family_name, {}):
+            raise ValueError(f"--variants names {key} twice")
+        values.setdefault(family_name, {})[knob] = tuple(knob_value(module.Knobs, knob, v) for v in listed.split(","))
+    return {name: [dict(zip(knobs, combo)) for combo in itertools.product(*knobs.values())]
+            for name, knobs in values.items()}
+
+
 @contextlib.contextmanager
 def searched_axes(overrides: dict[str, dict[str, tuple]]):
     """The families' AXES with `overrides` (parse_axes) in place for the duration of a tune: the plan,
@@ -161,6 +187,9 @@ def run(args) -> int:
             raise ValueError(f"--refine must be 0 (no second round) or more, got {args.refine}")
         args.seed_records = load_sweep(args.seed) if args.seed else []
         axes = parse_axes(args.axes)
+        args.variant_changes = parse_variants(args.variants)
+        if args.variant_changes and not args.force:
+            raise ValueError("--variants changes the current winners of the buckets it re-tunes: it goes with --force")
     except ValueError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
         return 2
@@ -291,7 +320,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
 
-    from .search import MeasureError, achieved_gbps, add_incumbents, add_refinements, add_seeds, plan
+    from .search import MeasureError, achieved_gbps, add_incumbents, add_refinements, add_seeds, add_variants, plan
 
     arch = current_arch()
     if args.arch and get_arch(args.arch) != arch:
@@ -315,6 +344,9 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     spec = GpuSpec.current()
     searches = plan(pending, arch, spec, top=args.top, families=args.families)
     add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
+    if args.variant_changes:
+        varied = add_variants(searches, table, args.variant_changes, arch, spec, families=args.families)
+        print(f"{varied} variants of the current winners added (--variants {args.variants})")
     if args.seed_records:
         seeded = add_seeds(searches, args.seed_records, arch, spec, families=args.families)
         print(f"{seeded} candidates added from the sweep {args.seed}")

@@ -134,6 +134,23 @@ def test_axes_override_the_searched_values_for_one_run():
             tune.parse_axes(text)
 
 
+def test_variants_name_any_knob_of_a_family():
+    changes = tune.parse_variants("stream_mma.sum_slices=1 stream_mma.pdl=0,1 stream_wgmma.k_split=1")
+    assert changes == {"stream_mma": [{"sum_slices": True, "pdl": False}, {"sum_slices": True, "pdl": True}],
+                       "stream_wgmma": [{"k_split": True}]}
+    assert tune.parse_variants(None) == {}
+    for text, fragment in (("stream_mma.pdl", "expected family.knob"), ("nope.x=1", "nope"),
+                           ("stream_wgmma.colour=1", "no knob 'colour'"), ("stream_mma.pdl=maybe", "flag"),
+                           ("stream_mma.pdl=0 stream_mma.pdl=1", "twice")):
+        with pytest.raises(ValueError, match=fragment):
+            tune.parse_variants(text)
+
+
+def test_variants_need_force(capsys):
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--variants", "stream_mma.pdl=1")
+    assert rc == 2 and "--force" in err
+
+
 def test_restart_needs_force(capsys):
     rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--restart")
     assert rc == 2 and "--force" in err

@@ -205,6 +205,7 @@ def test_tma_boxes_are_one_swizzle_atom_wide(compiled):
     copies = re.findall(r"tl::tma_load\(A_desc, [^;]*;", src)     # (in the prologue and the loop)
     assert copies
     if knobs.block_k == 128:
+        # (the copy loop's variable is h, or h_1 where the pipeline has two of them)
         assert all(re.search(rf"\(h(_\d+)? \* {knobs.block_m * 64}\)", c) and re.search(r"\(h(_\d+)? \* 64\)", c)
                    for c in copies)
         assert f"(u_2 >> 2) * {knobs.block_m * 8}" in src

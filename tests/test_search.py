@@ -101,6 +101,31 @@ def test_retune_measures_the_incumbent_once():
     assert [r.schedule for r in one.results].count(incumbent) == 1 and len(one.results) == 4
 
 
+def test_variants_of_the_winners_join_their_buckets():
+    from dataclasses import replace
+
+    from runtime.table import TunedTable
+    from schedules import stream_mma, stream_wgmma
+    from schedules.registry import Schedule
+
+    s = _search()
+    small = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True, cluster_reduce=True))
+    large = Schedule("stream_wgmma", stream_wgmma.Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True))
+    table = TunedTable()
+    table.record(QKV, 1, small, 10.0)
+    table.record(QKV, 256, large, 40.0)
+    searches = s.plan([(QKV, 1), (QKV, 256), (QKV, 4096)], H200, _spec(), top=2)
+    changes = {"stream_mma": [{"sum_slices": True, "pdl": False}, {"sum_slices": True, "pdl": True}],
+               "stream_wgmma": [{"k_split": True}]}
+    # pdl with cluster_reduce is refused by check(), k_split needs a producer warp: only one is valid;
+    # bucket 4096 has no winner to vary
+    assert s.add_variants(searches, table, changes, H200, _spec()) == 1
+    one = next(x for x in searches if x.bucket == 1)
+    assert Schedule("stream_mma", replace(small.knobs, sum_slices=True)) in [r.schedule for r in one.results]
+    assert s.add_variants(searches, table, changes, H200, _spec()) == 0      # never twice
+    assert s.add_variants(searches, table, changes, H200, _spec(), families=["marlin_mma"]) == 0
+
+
 def test_seeds_from_a_sweep_join_the_matching_buckets():
     from schedules import stream_mma, stream_wgmma
     from schedules.registry import Schedule
