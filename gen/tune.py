@@ -99,32 +99,9 @@ def parse_families(text: str | None) -> list[str] | None:
     return names
 
 
-def parse_axes(text: str | None) -> dict[str, dict[str, tuple]]:
-    """--axes "family.knob=v1,v2 ...": the values that replace those axes of the families' AXES for
-    this run, so that a prepared knob can be searched (checked against the reference and timed like
-    any candidate) without editing the code. An unknown family, axis or value is an error naming it."""
-    from schedules.knob_space import knob_value
-    from schedules.registry import family
-
-    overrides: dict[str, dict[str, tuple]] = {}
-    for item in (text or "").split():
-        key, sep, values = item.partition("=")
-        family_name, dot, knob = key.partition(".")
-        if not (sep and dot and values):
-            raise ValueError(f"bad --axes item {item!r}: expected family.knob=value[,value...]")
-        module = family(family_name)
-        if knob not in module.AXES:
-            raise ValueError(f"{family_name} has no searched axis {knob!r}; its axes: {', '.join(module.AXES)}")
-        if knob in overrides.get(family_name, {}):
-            raise ValueError(f"--axes names {key} twice")
-        overrides.setdefault(family_name, {})[knob] = tuple(knob_value(module.Knobs, knob, v) for v in values.split(","))
-    return overrides
-
-
-def parse_variants(text: str | None) -> dict[str, list[dict]]:
-    """--variants "family.knob=v1,v2 ...": per family, the knob changes to apply to its winners (every
-    combination of the values named). Any knob of the family, searched or not; an unknown family,
-    knob or value is an error naming it."""
+def parse_knob_values(text: str | None, flag: str, searched_only: bool) -> dict[str, dict[str, tuple]]:
+    """"family.knob=v1,v2 ..." (--axes, --variants) -> {family: {knob: values}}. With `searched_only`
+    the knob must be one of the family's AXES. An unknown family, knob or value is an error naming it."""
     from schedules.knob_space import knob_value
     from schedules.registry import family
 
@@ -133,11 +110,27 @@ def parse_variants(text: str | None) -> dict[str, list[dict]]:
         key, sep, listed = item.partition("=")
         family_name, dot, knob = key.partition(".")
         if not (sep and dot and listed):
-            raise ValueError(f"bad --variants item {item!r}: expected family.knob=value[,value...]")
+            raise ValueError(f"bad {flag} item {item!r}: expected family.knob=value[,value...]")
         module = family(family_name)
+        if searched_only and knob not in module.AXES:
+            raise ValueError(f"{family_name} has no searched axis {knob!r}; its axes: {', '.join(module.AXES)}")
         if knob in values.get(family_name, {}):
-            raise ValueError(f"--variants names {key} twice")
+            raise ValueError(f"{flag} names {key} twice")
         values.setdefault(family_name, {})[knob] = tuple(knob_value(module.Knobs, knob, v) for v in listed.split(","))
+    return values
+
+
+def parse_axes(text: str | None) -> dict[str, dict[str, tuple]]:
+    """--axes "family.knob=v1,v2 ...": the values that replace those axes of the families' AXES for
+    this run, so that a prepared knob can be searched (checked against the reference and timed like
+    any candidate) without editing the code."""
+    return parse_knob_values(text, "--axes", searched_only=True)
+
+
+def parse_variants(text: str | None) -> dict[str, list[dict]]:
+    """--variants "family.knob=v1,v2 ...": per family, the knob changes to apply to its winners (every
+    combination of the values named); any knob of the family, searched or not."""
+    values = parse_knob_values(text, "--variants", searched_only=False)
     return {name: [dict(zip(knobs, combo)) for combo in itertools.product(*knobs.values())]
             for name, knobs in values.items()}
 

@@ -37,7 +37,7 @@ AXES = {
     # (M = 1) to 8 % (M = 16) faster than the same knobs without (perf-notes v13).
     "async_weights": (False, True),
     # The warps' sums meet through a slice each (two barriers, not warps + 1): the end of a ~5 us
-    # kernel. Faster in all 16 measured pairs at M = 1 and 8, by 3-8 % (perf-notes v25).
+    # kernel. Faster in all 16 measured pairs at M = 1 and 8, by 2.5-8 % (perf-notes v25).
     "sum_slices": (False, True),
     # Launched as the previous kernel drains (programmatic dependent launch): 0-2.5 % faster in all
     # 16 measured pairs at M = 1 and 8 (perf-notes v25).
