@@ -264,6 +264,8 @@ KNOB_FACTORS = {
         ("stages", 8): ((None, 0.88),),
         ("block_m", 128): ((64, 1.0), (256, 0.91), (None, 0.85)),
         ("block_m", 256): ((64, 1.0), (256, 0.82), (None, 0.74)),
+        # Session 8 (v28): medians of 23 pairs, every staged variant of a committed winner.
+        "staged_store": ((64, 0.985), (256, 0.965), (None, 0.975)),
     },
 }
 
