@@ -233,6 +233,9 @@ KNOB_FACTORS = {
         # Session 7 (v25), medians of 16 pairs each at M = 1 and 8.
         "sum_slices": ((None, 0.95),),
         "pdl": ((None, 0.98),),
+        # Session 8 (v28): 18 pairs at M = 1-32; worst where one wave of blocks fills the GPU (the
+        # next kernel's early blocks crowd the SMs that free first).
+        "early_start": ((None, 1.06),),
     },
     "stream_wgmma": {
         # Release barriers alone: 1.15-1.45x slower below M=256 (warp 0 waits for the release before
@@ -266,6 +269,9 @@ KNOB_FACTORS = {
         ("block_m", 256): ((64, 1.0), (256, 0.82), (None, 0.74)),
         # Session 8 (v28): medians of 23 pairs, every staged variant of a committed winner.
         "staged_store": ((64, 0.985), (256, 0.965), (None, 0.975)),
+        # Session 8 (v28): medians of 6 and 10 pairs at M = 16-64 (none measured above).
+        "pdl": ((None, 0.99),),
+        "early_start": ((64, 0.98), (None, 1.0)),
     },
 }
 

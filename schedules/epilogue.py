@@ -46,6 +46,21 @@ __device__ __forceinline__ float tm_cluster_load_f32(const void* smem, int rank)
 """
 
 
+# early_start: let the next kernel of the stream launch once every block of this one runs (its blocks
+# then fill the SM slots that this kernel's last blocks free; its own griddepcontrol.wait still waits
+# for all of this kernel's writes), and ask L2 for bytes that no earlier kernel writes (weights,
+# scales) before this kernel's own wait: one bulk prefetch moves up to a few KB without registers.
+EARLY_START_HELPERS = r"""
+__device__ __forceinline__ void tm_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void tm_prefetch_l2(const void* src, int bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(src), "r"(bytes) : "memory");
+}
+"""
+
+
 def wait_for_prior_grids(cluster: bool, pdl: bool):
     """A T.macro() for a kernel's first statement: no read of the activations, and no write of C,
     before the previous kernel's writes are visible. A cluster kernel (launched with programmatic

@@ -47,6 +47,10 @@ CASES = {
     # launched with programmatic stream serialization, split-K through the workspace.
     "sm90a_pdl_splitk": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                                 pdl=True)),
+    # the next kernel launched early, the first two batches' weights asked of L2 before the wait.
+    "sm90a_early_start": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=1, fold_zero_point=True,
+                                                                 cluster_reduce=True, sum_slices=True,
+                                                                 early_start=2)),
 }
 
 
@@ -127,7 +131,7 @@ def test_weights_never_go_through_shared_memory(compiled):
     if knobs.x_ldmatrix:     # only the activations do, 16 bytes per cp.async
         assert count(r"cp\.async\.ca", ptx) == 0
         return
-    assert count(r"cp\.async", ptx) == 0
+    assert count(r"cp\.async(?!\.bulk\.prefetch\.L2)", ptx) == 0    # early_start's L2 prefetch lands nowhere
     assert count(r"ldmatrix", ptx) == 0
 
 
@@ -272,6 +276,28 @@ def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled
                                  body.find("C[")) if i >= 0)
     wait = "tm_wait_for_prior_grids();" if knobs.cluster_reduce else "cudaGridDependencySynchronize();"
     assert -1 < body.find(wait) < first_read
+
+
+def test_early_start_prefetches_weights_before_the_wait_and_launches_dependents(compiled):
+    *_, knobs, _, ptx = compiled
+    prefetches = count(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)
+    if not knobs.early_start:
+        assert prefetches == 0 and "launch_dependents" not in ptx
+        return
+    # one weight row per lane and one scale row per batch: both unrolled over the batches
+    assert prefetches == 2 * knobs.early_start
+    launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+    assert launch < wait
+    assert all(m.start() < wait for m in re.finditer(r"cp\.async\.bulk\.prefetch", ptx))
+    # nothing is loaded from global memory into registers before the wait
+    assert not re.search(r"ld\.global", ptx[:wait])
+
+
+def test_early_start_needs_a_programmatic_launch():
+    problem = Problem(512, 4096, 128)
+    assert "pdl or cluster_reduce" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, early_start=1), get_arch("sm_90a"))
+    assert "must be 0" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, pdl=True, early_start=-1), get_arch("sm_90a"))
+    assert stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, pdl=True, early_start=4), get_arch("sm_90a")) is None
 
 
 def test_pdl_asks_the_launcher_for_programmatic_serialization():

@@ -70,6 +70,11 @@ CASES = {
                                                                            smem_weights=True, tma=True,
                                                                            release_barriers=True, producer_warp=True,
                                                                            staged_store=True)),
+    # the next kernel launched early, the first two k-tiles' weights and scales asked of L2 before the wait
+    "tma_producer_cluster_early_start": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2,
+                                                                        smem_weights=True, tma=True,
+                                                                        release_barriers=True, producer_warp=True,
+                                                                        cluster_reduce=True, early_start=2)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -305,6 +310,27 @@ def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled
                      if i >= 0)
     wait = "tm_wait_for_prior_grids();" if knobs.cluster_reduce else "cudaGridDependencySynchronize();"
     assert -1 < body.find(wait) < first_read
+
+
+def test_early_start_prefetches_weights_before_the_wait_and_launches_dependents(compiled):
+    problem, knobs, _, ptx = compiled
+    prefetches = count(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx)
+    if not knobs.early_start:
+        assert prefetches == 0 and "launch_dependents" not in ptx
+        return
+    assert prefetches == 2 and not problem.channelwise    # a weight row and a scale row, a lane each
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < wait
+    assert all(m.start() < wait for m in re.finditer(r"cp\.async\.bulk\.prefetch", ptx))
+    assert not re.search(r"ld\.global|cp\.async\.bulk\.tensor", ptx[:wait])
+
+
+def test_early_start_is_refused_where_it_cannot_apply():
+    problem = Problem(1024, 4096, 128)
+    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
+    assert "pdl or cluster_reduce" in stream_wgmma.check(problem, Knobs(16, 1, 1, 64, 4, early_start=1, **tma), SM90)
+    assert "32 lanes" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, pdl=True, early_start=4, **tma), SM90)
+    assert stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, pdl=True, early_start=2, **tma), SM90) is None
 
 
 def test_staged_store_leaves_in_16_byte_chunks(compiled):

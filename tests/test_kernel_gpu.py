@@ -54,6 +54,11 @@ STREAM_KNOBS = {
                                                     sum_slices=True),
     # launched with programmatic stream serialization (it waits for the previous kernel's writes first)
     "stream_m8_pdl_split4": stream_mma.Knobs(1, 1, 4, 4, 4, ahead=2, fold_zero_point=True, pdl=True),
+    # early_start: the next kernel launched early, weights asked of L2 before the wait (the M=1 winners' shape)
+    "stream_m8_early_cluster8": stream_mma.Knobs(1, 1, 4, 4, 8, ahead=1, fold_zero_point=True, cluster_reduce=True,
+                                                 sum_slices=True, early_start=2),
+    "stream_m8_early_pdl_split4": stream_mma.Knobs(1, 1, 4, 8, 4, ahead=1, fold_zero_point=True, sum_slices=True,
+                                                   pdl=True, early_start=4),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {
@@ -103,6 +108,13 @@ STREAM_WGMMA_KNOBS = {
                                             release_barriers=True, producer_warp=True, staged_store=True),
     "swg_m8_tma_producer_staged": SW(8, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
                                      release_barriers=True, producer_warp=True, staged_store=True),
+    # early_start: the next kernel launched early, weights and scales asked of L2 before the wait
+    "swg_m16_tma_producer_cluster_early": SW(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True,
+                                             release_barriers=True, producer_warp=True, cluster_reduce=True,
+                                             early_start=2),
+    "swg_m64_tma_producer_pdl_early_staged": SW(64, 1, 1, 64, 6, overlap=True, smem_weights=True, tma=True,
+                                                release_barriers=True, producer_warp=True, pdl=True, staged_store=True,
+                                                early_start=3),
     # ... and the block's own TMA pipeline, two warpgroups (wrong in session 7 before the row guard)
     "swg_m128_tma_wg2_staged": SW(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, staged_store=True),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),

@@ -35,7 +35,8 @@ import tilelang.language as T
 
 from templates import dequant_function_names, mma_operand_dtype, raw_decode, render_dequant
 
-from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func, wait_for_prior_grids
+from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func,
+                        wait_for_prior_grids)
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
@@ -86,7 +87,7 @@ def build(problem: Problem, knobs: Knobs):
     # k-step computes from a constant A fragment.
     lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult
     prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD + (SPLIT_K_HELPERS if split else "")
-               + (CLUSTER_HELPERS if cluster else ""))
+               + (CLUSTER_HELPERS if cluster else "") + (EARLY_START_HELPERS if kb.early_start else ""))
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster)
 
@@ -233,6 +234,28 @@ def build(problem: Problem, knobs: Knobs):
         # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=kb.threads, prelude=prelude,
                       cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            wk = tx // 32
+            g = lane // 4
+            t = lane % 4
+            # Batches go round-robin over all warps of all splits of this output tile.
+            first = bz * warps + wk
+            if kb.early_start:
+                T.call_extern("handle", "tm_launch_dependents")
+                for p in T.unroll(kb.early_start):
+                    batch = p * workers + first
+                    if batch < batches:
+                        # A batch is `unroll` rows of 512 bytes per slab (one lane's 16 bytes each) and
+                        # one scale row; a lane each.
+                        if lane < unroll * slabs:
+                            T.call_extern("handle", "tm_prefetch_l2",
+                                          T.access_ptr(B[batch * unroll + lane // slabs,
+                                                         (bx * slabs + lane % slabs) * 128], "r"), 512)
+                        elif grouped and lane == 31:
+                            T.call_extern("handle", "tm_prefetch_l2",
+                                          T.access_ptr(S[batch * unroll * TILE_K // group, bx * slabs * SLAB_N], "r"),
+                                          slabs * SLAB_N * 2)
             wait_prior()
             if kb.occupancy:
                 # Cap registers so that occupancy // warps blocks fit per SM: warps hide latency.
@@ -254,11 +277,6 @@ def build(problem: Problem, knobs: Knobs):
             off = T.alloc_local((m_tiles * 4,), "float32")
             a_off = T.alloc_local((8,), dtype)
 
-            tx = T.get_thread_binding()
-            lane = tx % 32
-            wk = tx // 32
-            g = lane // 4
-            t = lane % 4
             for i in T.serial(acc_len):
                 acc[i] = T.float32(0)
                 if batch_sums:
@@ -269,8 +287,6 @@ def build(problem: Problem, knobs: Knobs):
                 # A registers 0-3 meet k % 16 < 8, registers 4-7 meet k % 16 >= 8.
                 a_off[i] = T.cast(lo_off if i < 4 else hi_off, dtype)
 
-            # Batches go round-robin over all warps of all splits of this output tile.
-            first = bz * warps + wk
             for p in T.unroll(ahead - 1):
                 load(A, B, S, w, x, scale, X_s, W_s, S_s, p, p, p * workers + first, by, bx, lane, wk, g, t)
             # The loop is unrolled by `ahead`, so that every register buffer has constant indices and

@@ -39,7 +39,12 @@ class Knobs:
     element's slices (two barriers), instead of the warps adding into one tile in turn (warps + 1).
     pdl (sm_90, not with cluster_reduce, whose launches already are) launches the kernel with
     programmatic stream serialization: it starts as the previous kernel drains and waits for its
-    writes first (schedules/epilogue.py).
+    writes first (schedules/epilogue.py). early_start (n > 0, with pdl or cluster_reduce) overlaps
+    the kernel boundary from both sides: the kernel lets the next one in the stream launch as soon
+    as all of its own blocks run (griddepcontrol.launch_dependents; the next one's blocks then take
+    the SM slots that this kernel's last blocks free), and before it waits for the previous kernel
+    each warp asks L2 for the weights of its first n batches (weights never depend on an earlier
+    kernel), so that the first DRAM round trip falls under the previous kernel's tail.
     """
 
     m_tiles: int = 1
@@ -56,6 +61,7 @@ class Knobs:
     async_weights: bool = False
     sum_slices: bool = False
     pdl: bool = False
+    early_start: int = 0
 
     @property
     def block_m(self) -> int:
@@ -90,7 +96,8 @@ class Knobs:
             f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "") + (
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
-            "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "")
+            "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
+            f"_es{self.early_start}" if self.early_start else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -139,6 +146,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"pdl needs griddepcontrol (sm_90); {arch.name} has none"
     if kb.pdl and kb.cluster_reduce:
         return "cluster_reduce kernels are already launched with programmatic stream serialization; drop pdl"
+    if kb.early_start < 0:
+        return f"early_start={kb.early_start} must be 0 (off) or a number of batches"
+    if kb.early_start and not (kb.pdl or kb.cluster_reduce):
+        return "early_start overlaps a programmatic launch: it needs pdl or cluster_reduce"
     if kb.x_ldmatrix and kb.unroll % 2:
         return f"x_ldmatrix reads two k-steps per ldmatrix.x4: unroll={kb.unroll} must be even"
     if kb.async_weights and not kb.x_ldmatrix:

@@ -34,7 +34,8 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
-from ..epilogue import CLUSTER_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func, wait_for_prior_grids
+from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, store_tile, w4a16_prim_func,
+                        wait_for_prior_grids)
 from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
 from .knobs import CORE_ROWS, PRODUCER_REGISTERS, WARPGROUP, Knobs
@@ -100,7 +101,8 @@ def build(problem: Problem, knobs: Knobs):
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
     cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "") + \
-        (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + (COPY16 if kb.staged_store else "")
+        (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
+        (COPY16 if kb.staged_store else "") + (EARLY_START_HELPERS if kb.early_start else "")
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
         if kb.split_k > 1 else None
@@ -521,10 +523,27 @@ def build(problem: Problem, knobs: Knobs):
         return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, None
 
     @T.macro
+    def start_early(B, S, bx, bz):
+        """early_start: let the next kernel launch, and ask L2 for the packed rows (8 * block_n bytes
+        each, consecutive k-steps) and scale rows of this block's first k-tiles, a lane each."""
+        lane = T.get_thread_binding() % 32
+        T.call_extern("handle", "tm_launch_dependents")
+        if T.get_thread_binding() < 32:
+            rows = kb.early_start * steps
+            if lane < rows:
+                T.call_extern("handle", "tm_prefetch_l2", T.access_ptr(B[bz * trips * steps + lane, bx * 2 * bn], "r"),
+                              8 * bn)
+            elif grouped and lane < rows + kb.early_start:
+                T.call_extern("handle", "tm_prefetch_l2",
+                              T.access_ptr(S[(bz * trips + lane - rows) * bk // group, bx * bn], "r"), 2 * bn)
+
+    @T.macro
     def body(A, B, S, C, ws, counters):
         # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude,
                       cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
+            if kb.early_start:
+                start_early(B, S, bx, bz)
             wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
 

@@ -57,7 +57,9 @@ class Knobs:
     staged_store (producer_warp, split_k 1) stores the output tile through a shared tile of its own:
     the sums go into it in C's row-major order and leave as 16-byte chunks of whole rows, instead of
     each thread storing its fragment's 2-byte elements (4 rows x 16 bytes per warp store, half of
-    each 32-byte sector).
+    each 32-byte sector). early_start (n > 0, with pdl or cluster_reduce, not persistent) lets the
+    next kernel launch once all of this kernel's blocks run and asks L2 for the block's first n
+    k-tiles of weights and scales before the wait for the previous kernel (as in stream_mma).
     """
 
     block_m: int = 128
@@ -78,6 +80,7 @@ class Knobs:
     k_split: bool = False
     pdl: bool = False
     staged_store: bool = False
+    early_start: int = 0
 
     @property
     def block_n(self) -> int:
@@ -130,7 +133,7 @@ class Knobs:
         flags = (("_ov", self.overlap), ("_sw", self.smem_weights), ("_tma", self.tma), ("_rb", self.release_barriers),
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
-                 ("_st", self.staged_store))
+                 ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -200,6 +203,14 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "pdl is wired into the tiled launch only, not the persistent loop"
     if kb.pdl and kb.cluster_reduce:
         return "cluster_reduce kernels are already launched with programmatic stream serialization; drop pdl"
+    if kb.early_start < 0:
+        return f"early_start={kb.early_start} must be 0 (off) or a number of k-tiles"
+    if kb.early_start and not (kb.pdl or kb.cluster_reduce) or kb.early_start and kb.persistent:
+        return "early_start overlaps a programmatic launch of the tiled kernel: it needs pdl or cluster_reduce"
+    if kb.early_start * kb.k_steps + kb.early_start > 32:
+        return f"early_start={kb.early_start} asks for more rows than the 32 lanes of one warp prefetch"
+    if kb.early_start > kb.k_tiles(problem) // kb.split_k:
+        return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.persistent and kb.k_tiles(problem) % 2:
