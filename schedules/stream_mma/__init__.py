@@ -43,7 +43,7 @@ AXES = {
     # 16 measured pairs at M = 1 and 8 (perf-notes v25).
     "pdl": (False, True),
     # Let the next kernel launch at the start and ask L2 for the first 2 batches before the wait:
-    # 0.96-1.46x, median 1.06 over 18 pairs at M = 1-32; it won 4 buckets by 1-4 % (perf-notes v28).
+    # 0.94-1.46x, median 1.06 over 60 pairs at M = 1-32; it won 4 buckets by 1-4 % (perf-notes v28).
     "early_start": (0, 2),
 }
 # Axes that the first search round does not spread over (gen/search.py one_per_variant): the model

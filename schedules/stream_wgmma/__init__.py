@@ -45,14 +45,14 @@ AXES = {
     # Two consumer warpgroups taking alternate k-tiles of the same columns: correct, but 1.3-1.4x
     # slower (median, M = 64-256) and never the fastest (v23): not searched.
     "k_split": (False,),
-    # Launched as the previous kernel drains (programmatic dependent launch): 0.98-0.99x in all 6
-    # pairs at M = 16-64 (session 8, perf-notes v28).
+    # Launched as the previous kernel drains (programmatic dependent launch): median 0.99x at
+    # M = 16-64 (18 pairs), 0.996x above (49 pairs, 0.92-1.05) (session 8, perf-notes v28).
     "pdl": (False, True),
     # The output tile through shared memory as 16-byte row chunks instead of 2-byte fragment stores
     # (split_k 1): 0.92-1.03x, median 0.976 over 23 pairs at M = 16-4096 (session 8, v28).
     "staged_store": (False, True),
     # Let the next kernel launch at the start and ask L2 for the first 2 k-tiles before the wait:
-    # 0.92-1.43x, median 0.98 over 10 pairs at M = 16-64; it won 7 of those buckets by 1.5-8 % (v28).
+    # median 0.976x at M = 16-64 (31 pairs, 0.92-1.43), 0.989x above (61 pairs, 0.90-1.14) (v28).
     "early_start": (0, 2),
 }
 # Knobs of the launch and the epilogue: the first search round keeps one of each point's variants.
