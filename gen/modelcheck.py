@@ -6,7 +6,7 @@
 For every (layer shape, M) with at least --min correct timings (the tuned table's all_timings at each
 bucket's edge, and `gen sweep --json` records), the measured candidates are ranked by
 schedules/cost.py and compared with the measured best: the first pick's time, and the best time in
-the selection a tune would measure (`--top`, at least a third from each family). Per family and
+the selection a tune would measure (`--top`, at least half of it from each family). Per family and
 across families; also the model's mean log error (bias) per family. For refitting the model after a
 tune or a sweep: a change to cost.py is better when these ratios fall.
 """

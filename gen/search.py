@@ -130,11 +130,15 @@ def one_per_variant(ranked: list[Schedule]) -> list[Schedule]:
 
 
 def top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:
-    """The `top` best by the model, but with at least top // 3 of every family: the model
-    orders candidates within a family much better than across families, so each family's best
-    few are measured rather than trusted (measured on the H200: the model ranked hopper_wgmma first
-    at large M, where marlin_mma ran 1.5x faster)."""
-    per_family = top // 3
+    """Each family's top // 2 best by the model, then the best of the rest up to `top` in all (with
+    three families in reach that is 1.5 x top): the model orders candidates within a family much
+    better than across families, so each family's best few are measured rather than trusted
+    (measured on the H200: the model ranked hopper_wgmma first at large M, where marlin_mma ran 1.5x
+    faster). Half rather than a third (session 8, perf-notes v29): on the timings of sessions 5-8 the
+    best of a 12-candidate selection came to 1.066x / 1.127x / 1.038x of the measured best at M = 1-8
+    / 16-64 / 128-4096, against 1.110x / 1.137x / 1.095x, for 774 candidates instead of 624 on
+    llama-2-7b's 52 buckets."""
+    per_family = top // 2
     keep: list[Schedule] = []
     for fam in dict.fromkeys(s.family for s in ranked):
         keep += [s for s in ranked if s.family == fam][:per_family]
