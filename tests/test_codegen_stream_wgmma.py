@@ -75,6 +75,10 @@ CASES = {
                                                                         smem_weights=True, tma=True,
                                                                         release_barriers=True, producer_warp=True,
                                                                         cluster_reduce=True, early_start=2)),
+    # output tiles handed out in panels of 4 M tiles (the large-M form: setmaxnreg, staged store)
+    "tma_setmaxnreg_staged_panel4": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True,
+                                                                    tma=True, release_barriers=True, producer_warp=True,
+                                                                    setmaxnreg=True, staged_store=True, panel_m=4)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -323,6 +327,30 @@ def test_early_start_prefetches_weights_before_the_wait_and_launches_dependents(
     assert ptx.index("griddepcontrol.launch_dependents") < wait
     assert all(m.start() < wait for m in re.finditer(r"cp\.async\.bulk\.prefetch", ptx))
     assert not re.search(r"ld\.global|cp\.async\.bulk\.tensor", ptx[:wait])
+
+
+@pytest.mark.parametrize("panel", [2, 3, 4, 8])
+def test_panels_hand_out_every_tile_once(panel):
+    from schedules.stream_wgmma.kernel import panel_tile
+
+    for m_tiles in range(1, 20):
+        for n_tiles in (1, 3, 96):
+            order = [panel_tile(i, m_tiles, n_tiles, panel) for i in range(m_tiles * n_tiles)]
+            assert sorted(order) == [(mt, nt) for mt in range(m_tiles) for nt in range(n_tiles)]
+            # consecutive launches stay within one panel of M tiles until its N tiles are done
+            first_panel = order[:min(panel, m_tiles) * n_tiles]
+            assert {mt for mt, _ in first_panel} == set(range(min(panel, m_tiles)))
+
+
+def test_panel_order_is_computed_once_per_block(compiled):
+    # one division by the (dynamic) rows of the last panel; divisions by constants become multiplies,
+    # and the epilogue reads the block's tile from a variable instead of recomputing it per store
+    _, knobs, src, ptx = compiled
+    divisions = count(r"\b(div|rem)\.[su]32", ptx)
+    if knobs.panel_m:
+        assert divisions == 1 and "blockIdx.y" in src[:src.index("tma_load")]
+    elif not knobs.persistent:    # (persistent blocks divide their tile index in their own loop)
+        assert divisions == 0
 
 
 def test_early_start_is_refused_where_it_cannot_apply():

@@ -112,6 +112,12 @@ STREAM_WGMMA_KNOBS = {
     "swg_m16_tma_producer_cluster_early": SW(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True,
                                              release_barriers=True, producer_warp=True, cluster_reduce=True,
                                              early_start=2),
+    # output tiles in panels of M tiles (odd M: the last panel is shorter)
+    "swg_m64_tma_producer_panel3": SW(64, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True,
+                                      release_barriers=True, producer_warp=True, panel_m=3),
+    "swg_m256_tma_setmaxnreg_staged_panel2": SW(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
+                                                release_barriers=True, producer_warp=True, setmaxnreg=True,
+                                                staged_store=True, panel_m=2),
     "swg_m64_tma_producer_pdl_early_staged": SW(64, 1, 1, 64, 6, overlap=True, smem_weights=True, tma=True,
                                                 release_barriers=True, producer_warp=True, pdl=True, staged_store=True,
                                                 early_start=3),

@@ -54,6 +54,9 @@ AXES = {
     # Let the next kernel launch at the start and ask L2 for the first 2 k-tiles before the wait:
     # median 0.976x at M = 16-64 (31 pairs, 0.92-1.43), 0.989x above (61 pairs, 0.90-1.14) (v28).
     "early_start": (0, 2),
+    # Tiles handed out in panels of P M tiles, so that a wave's activations and weights fit L2:
+    # CPU-checked, not measured (perf-notes v29).
+    "panel_m": (0,),
 }
 # Knobs of the launch and the epilogue: the first search round keeps one of each point's variants.
 VARIANT_AXES = ("pdl", "staged_store", "early_start")

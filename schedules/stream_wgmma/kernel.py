@@ -28,6 +28,7 @@ Why it looks the way it does:
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
 import math
+import operator
 
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
@@ -77,6 +78,19 @@ __device__ __forceinline__ void tm_consumers_sync(int threads) {
   asm volatile("bar.sync 1, %0;" :: "r"(threads) : "memory");
 }
 """
+
+
+def panel_tile(launch, m_tiles, n_tiles, panel, minimum=min, div=operator.floordiv, mod=operator.mod):
+    """(M tile, N tile) of the block launched `launch`-th, with the tiles handed out in panels of
+    `panel` M tiles (the last panel may be shorter): within a panel the M tiles go fastest, then the
+    N tiles. Integers, or TileLang expressions with minimum=T.min and C's division (every operand is
+    non-negative, so truncating is flooring and needs no sign fix-ups); a bijection onto the grid
+    (tests/test_codegen_stream_wgmma.py)."""
+    per_panel = panel * n_tiles
+    first = div(launch, per_panel) * panel           # the panel's first M tile
+    rows = minimum(panel, m_tiles - first)
+    within = mod(launch, per_panel)
+    return first + mod(within, rows), div(within, rows)
 
 
 def build(problem: Problem, knobs: Knobs):
@@ -541,7 +555,17 @@ def build(problem: Problem, knobs: Knobs):
     def body(A, B, S, C, ws, counters):
         # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
         with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude,
-                      cluster_dims=(1, 1, kb.split_k) if cluster else None) as (by, bx, bz):
+                      cluster_dims=(1, 1, kb.split_k) if cluster else None) as (grid_y, grid_x, bz):
+            if kb.panel_m:
+                # Blocks launch in blockIdx order (x fastest): the launch index picks the tile, once
+                # per block (as inline expressions the epilogue recomputed the divisions per store).
+                m_tiles = T.ceildiv(m, bm)
+                tile_m, tile_n = panel_tile(grid_x * m_tiles + grid_y, m_tiles, grid_n, kb.panel_m, T.min,
+                                            T.truncdiv, T.truncmod)
+                by = T.alloc_var("int32", init=tile_m)
+                bx = T.alloc_var("int32", init=tile_n)
+            else:
+                by, bx = grid_y, grid_x
             if kb.early_start:
                 start_early(B, S, bx, bz)
             wait_prior()

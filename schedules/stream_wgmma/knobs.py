@@ -60,6 +60,11 @@ class Knobs:
     each 32-byte sector). early_start (n > 0, with pdl or cluster_reduce, not persistent) lets the
     next kernel launch once all of this kernel's blocks run and asks L2 for the block's first n
     k-tiles of weights and scales before the wait for the previous kernel (as in stream_mma).
+    panel_m (P >= 2) hands out the output tiles in panels of P M tiles: the blocks launched one after
+    another walk the P M tiles of a panel, then the next N tile, so that a wave of blocks reads P
+    M tiles' activations and 132 / P N tiles' weights (about 16 MB at P = 4, block 256 x 128, K =
+    4096), which L2 holds, instead of every M tile's activations (32 MB at M = 4096, 90 MB for
+    down_proj) once per wave; 0 keeps the grid's order (M tiles fastest).
     """
 
     block_m: int = 128
@@ -81,6 +86,7 @@ class Knobs:
     pdl: bool = False
     staged_store: bool = False
     early_start: int = 0
+    panel_m: int = 0
 
     @property
     def block_n(self) -> int:
@@ -133,7 +139,8 @@ class Knobs:
         flags = (("_ov", self.overlap), ("_sw", self.smem_weights), ("_tma", self.tma), ("_rb", self.release_barriers),
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
-                 ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start))
+                 ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
+                 (f"_pm{self.panel_m}", self.panel_m))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -211,6 +218,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"early_start={kb.early_start} asks for more rows than the 32 lanes of one warp prefetch"
     if kb.early_start > kb.k_tiles(problem) // kb.split_k:
         return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
+    if kb.panel_m < 0 or kb.panel_m == 1:
+        return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
+    if kb.panel_m and kb.persistent:
+        return "panel_m orders the tiled launch; persistent blocks walk their tiles in their own order"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.persistent and kb.k_tiles(problem) % 2:
