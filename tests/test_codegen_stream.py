@@ -51,6 +51,10 @@ CASES = {
     "sm90a_early_start": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=1, fold_zero_point=True,
                                                                  cluster_reduce=True, sum_slices=True,
                                                                  early_start=2)),
+    # ... with the next kernel's launch after the k-loop (a workspace split, launched by pdl)
+    "sm90a_early_start_late_trigger": ("sm_90a", Problem(512, 4096, 128),
+                                       Knobs(1, 1, 4, 8, 2, ahead=1, fold_zero_point=True, sum_slices=True, pdl=True,
+                                             early_start=2, late_trigger=True)),
 }
 
 
@@ -287,7 +291,10 @@ def test_early_start_prefetches_weights_before_the_wait_and_launches_dependents(
     # one weight row per lane and one scale row per batch: both unrolled over the batches
     assert prefetches == 2 * knobs.early_start
     launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-    assert launch < wait
+    assert count(r"griddepcontrol\.launch_dependents", ptx) == 1
+    # first, or with late_trigger after the k-loop: behind the last weight load, before the sums meet
+    last_weight_load = max(m.start() for m in re.finditer(r"ld\.global\.nc\.L1::no_allocate", ptx))
+    assert (launch > last_weight_load) if knobs.late_trigger else (launch < wait)
     assert all(m.start() < wait for m in re.finditer(r"cp\.async\.bulk\.prefetch", ptx))
     # nothing is loaded from global memory into registers before the wait
     assert not re.search(r"ld\.global", ptx[:wait])
@@ -298,6 +305,8 @@ def test_early_start_needs_a_programmatic_launch():
     assert "pdl or cluster_reduce" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, early_start=1), get_arch("sm_90a"))
     assert "must be 0" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, pdl=True, early_start=-1), get_arch("sm_90a"))
     assert stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, pdl=True, early_start=4), get_arch("sm_90a")) is None
+    assert "needs early_start" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, pdl=True, late_trigger=True),
+                                                   get_arch("sm_90a"))
 
 
 def test_pdl_asks_the_launcher_for_programmatic_serialization():

@@ -57,6 +57,9 @@ STREAM_KNOBS = {
     # early_start: the next kernel launched early, weights asked of L2 before the wait (the M=1 winners' shape)
     "stream_m8_early_cluster8": stream_mma.Knobs(1, 1, 4, 4, 8, ahead=1, fold_zero_point=True, cluster_reduce=True,
                                                  sum_slices=True, early_start=2),
+    "stream_m8_early_late_trigger_cluster4": stream_mma.Knobs(1, 1, 4, 8, 4, ahead=1, fold_zero_point=True,
+                                                              cluster_reduce=True, sum_slices=True, early_start=2,
+                                                              late_trigger=True),
     "stream_m8_early_pdl_split4": stream_mma.Knobs(1, 1, 4, 8, 4, ahead=1, fold_zero_point=True, sum_slices=True,
                                                    pdl=True, early_start=4),
 }

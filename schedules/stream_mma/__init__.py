@@ -45,10 +45,12 @@ AXES = {
     # Let the next kernel launch at the start and ask L2 for the first 2 batches before the wait:
     # 0.94-1.46x, median 1.06 over 60 pairs at M = 1-32; it won 4 buckets by 1-4 % (perf-notes v28).
     "early_start": (0, 2),
+    # early_start's launch of the next kernel after the k-loop instead of first: CPU-checked, not measured.
+    "late_trigger": (False,),
 }
 # Axes that the first search round does not spread over (gen/search.py one_per_variant): the model
 # ranks their better value first and the second round's neighbours try the other.
-VARIANT_AXES = ("sum_slices", "pdl", "early_start")
+VARIANT_AXES = ("sum_slices", "pdl", "early_start", "late_trigger")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order

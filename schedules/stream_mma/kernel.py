@@ -242,7 +242,8 @@ def build(problem: Problem, knobs: Knobs):
             # Batches go round-robin over all warps of all splits of this output tile.
             first = bz * warps + wk
             if kb.early_start:
-                T.call_extern("handle", "tm_launch_dependents")
+                if not kb.late_trigger:
+                    T.call_extern("handle", "tm_launch_dependents")
                 for p in T.unroll(kb.early_start):
                     batch = p * workers + first
                     if batch < batches:
@@ -300,6 +301,8 @@ def build(problem: Problem, knobs: Knobs):
                     compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, r, it % ahead, it * workers + first,
                             lane, wk)
 
+            if kb.late_trigger:
+                T.call_extern("handle", "tm_launch_dependents")     # the weight stream is done
             # The block's warps add their sums into one shared tile, a warp at a time or (sum_slices)
             # through a slice each (the first barrier also keeps a warp from writing shared memory while
             # another still reads activation slots that may share it).

@@ -44,7 +44,9 @@ class Knobs:
     as all of its own blocks run (griddepcontrol.launch_dependents; the next one's blocks then take
     the SM slots that this kernel's last blocks free), and before it waits for the previous kernel
     each warp asks L2 for the weights of its first n batches (weights never depend on an earlier
-    kernel), so that the first DRAM round trip falls under the previous kernel's tail.
+    kernel), so that the first DRAM round trip falls under the previous kernel's tail. late_trigger
+    (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
+    blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
     """
 
     m_tiles: int = 1
@@ -62,6 +64,7 @@ class Knobs:
     sum_slices: bool = False
     pdl: bool = False
     early_start: int = 0
+    late_trigger: bool = False
 
     @property
     def block_m(self) -> int:
@@ -97,7 +100,7 @@ class Knobs:
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
-            f"_es{self.early_start}" if self.early_start else "")
+            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -150,6 +153,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"early_start={kb.early_start} must be 0 (off) or a number of batches"
     if kb.early_start and not (kb.pdl or kb.cluster_reduce):
         return "early_start overlaps a programmatic launch: it needs pdl or cluster_reduce"
+    if kb.late_trigger and not kb.early_start:
+        return "late_trigger moves early_start's launch of the next kernel: it needs early_start"
     if kb.x_ldmatrix and kb.unroll % 2:
         return f"x_ldmatrix reads two k-steps per ldmatrix.x4: unroll={kb.unroll} must be even"
     if kb.async_weights and not kb.x_ldmatrix:
