@@ -75,6 +75,10 @@ CASES = {
                                                                         smem_weights=True, tma=True,
                                                                         release_barriers=True, producer_warp=True,
                                                                         cluster_reduce=True, early_start=2)),
+    # block_m 88 (wgmma n88): tile heights between the powers of two, against wave quantization
+    "tma_producer_m88_staged": (Problem(1024, 4096, 128), Knobs(88, 1, 1, 64, 4, overlap=True, smem_weights=True,
+                                                               tma=True, release_barriers=True, producer_warp=True,
+                                                               staged_store=True)),
     # output tiles handed out in panels of 4 M tiles (the large-M form: setmaxnreg, staged store)
     "tma_setmaxnreg_staged_panel4": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True,
                                                                     tma=True, release_barriers=True, producer_warp=True,

@@ -115,6 +115,9 @@ STREAM_WGMMA_KNOBS = {
     "swg_m16_tma_producer_cluster_early": SW(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True,
                                              release_barriers=True, producer_warp=True, cluster_reduce=True,
                                              early_start=2),
+    # a block_m that is not a power of two (wgmma n88): finer steps against wave quantization
+    "swg_m88_tma_producer_staged": SW(88, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True,
+                                      release_barriers=True, producer_warp=True, staged_store=True),
     # output tiles in panels of M tiles (odd M: the last panel is shorter)
     "swg_m64_tma_producer_panel3": SW(64, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True,
                                       release_barriers=True, producer_warp=True, panel_m=3),
