@@ -75,6 +75,10 @@ CASES = {
                                                                         smem_weights=True, tma=True,
                                                                         release_barriers=True, producer_warp=True,
                                                                         cluster_reduce=True, early_start=2)),
+    # stream-K: 40 blocks share 16 tiles' 64 k-tiles, partial tiles through the workspace
+    "tma_producer_stream_k": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 64, 4, overlap=True, smem_weights=True,
+                                                             tma=True, release_barriers=True, producer_warp=True,
+                                                             stream_k=40)),
     # block_m 88 (wgmma n88): tile heights between the powers of two, against wave quantization
     "tma_producer_m88_staged": (Problem(1024, 4096, 128), Knobs(88, 1, 1, 64, 4, overlap=True, smem_weights=True,
                                                                tma=True, release_barriers=True, producer_warp=True,
@@ -159,7 +163,9 @@ def test_activations_by_cp_async_weights_by_global_loads(compiled):
         # Three tile copies per k-tile (activations with the 128-byte swizzle, words, scales), waited
         # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
         assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
-        assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == 0
+        # (stream_k: TileLang fences the consumers' generic shared-memory write of the tile counter's
+        # answer once per segment, before its k-loop)
+        assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == (1 if knobs.stream_k else 0)
         # (channelwise scales are read once, by the epilogue)
         assert count(r"ld\.global\.nc", ptx) == 0 or problem.channelwise
         assert not re.search(r"= S\[", k_loop(src))
@@ -245,7 +251,9 @@ def test_split_k_through_the_cluster_or_the_workspace(compiled):
     _, knobs, src, ptx = compiled
     remote = count(r"ld\.shared::cluster", ptx)
     atomics = count(r"\b(red|atom)\.global", ptx)
-    if knobs.split_k == 1:
+    if knobs.stream_k:             # partial tiles through the workspace, whole ones stored directly
+        assert remote == 0 and atomics > 0 and knobs.uses_workspace
+    elif knobs.split_k == 1:
         assert remote == 0 and atomics == 0
     elif knobs.cluster_reduce:     # partial tiles read from the other blocks' shared memory, nothing global
         assert remote > 0 and count(r"barrier\.cluster\.arrive", ptx) >= 2 and atomics == 0
@@ -260,6 +268,8 @@ def test_barriers_in_the_k_loops(compiled):
     loops = k_loops(src)
     consumers = [loop for loop in loops if "wgmma_rs" in loop]
     assert consumers, "no k-loop issues wgmmas"
+    if knobs.stream_k:      # the outermost loop walks the segments; the k-loop is the one inside
+        consumers = [loop[loop.index("for (int t0"):] for loop in consumers]
     syncs = r"__syncthreads\(\)"
     empty_wait, empty_arrive = r"empty\[[^\]]+\]\.wait\(", r"empty\[[^\]]+\]\.arrive\(\)"
     if not knobs.tma:
@@ -353,8 +363,30 @@ def test_panel_order_is_computed_once_per_block(compiled):
     divisions = count(r"\b(div|rem)\.[su]32", ptx)
     if knobs.panel_m:
         assert divisions == 1 and "blockIdx.y" in src[:src.index("tma_load")]
-    elif not knobs.persistent:    # (persistent blocks divide their tile index in their own loop)
+    elif not (knobs.persistent or knobs.stream_k):   # (those divide their tile index in their own loop)
         assert divisions == 0
+
+
+def test_stream_k_partial_tiles_meet_in_the_workspace(compiled):
+    _, knobs, src, ptx = compiled
+    if not knobs.stream_k:
+        return
+    # a launch of P blocks; a segment that covers its whole tile stores it, the others add into the
+    # workspace with atomics and count in (the last contributor writes the tile and zeroes both)
+    assert count(r"atom\.global\.add\.f32|red\.global\.add\.f32", ptx) > 0
+    assert "tm_split_k_arrive" in src and "__ldcg" in src
+    # the consumers meet at their own barrier: the producer warp runs on into the next segment
+    assert "tm_consumers_sync" in src
+
+
+def test_stream_k_shares_units_of_two_k_tiles_among_at_most_a_row_of_tiles():
+    problem = Problem(1024, 4096, 128)       # 16 N tiles of 64, 64 k-tiles: 512 units per row of tiles
+    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
+    assert stream_wgmma.check(problem, Knobs(64, 1, 1, 64, 4, stream_k=512, **tma), SM90) is None
+    assert "exceed" in stream_wgmma.check(problem, Knobs(64, 1, 1, 64, 4, stream_k=513, **tma), SM90)
+    assert "odd" in stream_wgmma.check(Problem(1024, 4160, 64), Knobs(64, 1, 1, 64, 4, stream_k=8, **tma), SM90)
+    assert "wired" in stream_wgmma.check(problem, Knobs(64, 1, 1, 64, 4, stream_k=8, staged_store=True, **tma), SM90)
+    assert Knobs(64, 1, 1, 64, 4, stream_k=8, **tma).uses_workspace
 
 
 def test_early_start_is_refused_where_it_cannot_apply():

@@ -115,6 +115,12 @@ STREAM_WGMMA_KNOBS = {
     "swg_m16_tma_producer_cluster_early": SW(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True,
                                              release_barriers=True, producer_warp=True, cluster_reduce=True,
                                              early_start=2),
+    # stream-K: P blocks share the tiles' k-tiles, partial tiles meet in the workspace (odd M: partial
+    # M tiles; the counts of contributors differ from tile to tile)
+    "swg_m64_tma_producer_stream_k40": SW(64, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True,
+                                          release_barriers=True, producer_warp=True, stream_k=40),
+    "swg_m128_wg2_tma_producer_stream_k7": SW(128, 1, 2, 64, 6, overlap=True, smem_weights=True, tma=True,
+                                              release_barriers=True, producer_warp=True, stream_k=7),
     # a block_m that is not a power of two (wgmma n88): finer steps against wave quantization
     "swg_m88_tma_producer_staged": SW(88, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True,
                                       release_barriers=True, producer_warp=True, staged_store=True),

@@ -57,6 +57,9 @@ AXES = {
     # Tiles handed out in panels of P M tiles, so that a wave's activations and weights fit L2:
     # CPU-checked, not measured (perf-notes v29).
     "panel_m": (0,),
+    # P blocks share every tile's k-tiles evenly (stream-K), partial tiles meeting in the split-K
+    # workspace: no wave quantization. CPU-checked, not measured (perf-notes v29).
+    "stream_k": (0,),
 }
 # Knobs of the launch and the epilogue: the first search round keeps one of each point's variants.
 VARIANT_AXES = ("pdl", "staged_store", "early_start")

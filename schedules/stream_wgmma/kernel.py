@@ -66,14 +66,16 @@ __device__ __forceinline__ int tm_warp_index() { return __shfl_sync(0xffffffffu,
 """
 
 
-# staged_store: a 16-byte copy (the output tile's rows leave shared memory as whole 16-byte chunks),
-# and the named barrier (1; 0 is __syncthreads') that the consumer warpgroups alone meet at (the
-# producer warp or warpgroup is elsewhere), with a memory clobber so that the compiler keeps the
-# shared-memory stores and loads on their side of it (TileLang's partial barrier has none).
+# staged_store: a 16-byte copy (the output tile's rows leave shared memory as whole 16-byte chunks).
 COPY16 = r"""
 __device__ __forceinline__ void tm_copy16(void* dst, const void* src) {
   *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
 }
+"""
+# staged_store, stream_k: the named barrier (1; 0 is __syncthreads') that the consumer warpgroups alone
+# meet at (the producer warp or warpgroup is elsewhere), with a memory clobber so that the compiler
+# keeps the shared-memory stores and loads on their side of it (TileLang's partial barrier has none).
+CONSUMERS_SYNC = r"""
 __device__ __forceinline__ void tm_consumers_sync(int threads) {
   asm volatile("bar.sync 1, %0;" :: "r"(threads) : "memory");
 }
@@ -116,7 +118,8 @@ def build(problem: Problem, knobs: Knobs):
     cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "") + \
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
-        (COPY16 if kb.staged_store else "") + (EARLY_START_HELPERS if kb.early_start else "")
+        (COPY16 if kb.staged_store else "") + (CONSUMERS_SYNC if kb.staged_store or kb.stream_k else "") + \
+        (EARLY_START_HELPERS if kb.early_start else "")
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
         if kb.split_k > 1 else None
@@ -139,6 +142,7 @@ def build(problem: Problem, knobs: Knobs):
     producer = kb.producer_warp         # ... and refilled by a warp of its own
     persistent = kb.persistent          # blocks that loop over the tiles (0: one block per tile)
     ksplit = 2 if kb.k_split else 1     # consumer warpgroups that share a block's k-tiles (same columns)
+    stream_k = kb.stream_k              # blocks that share all tiles' k-tiles evenly (0: one block per tile)
 
     def in_producer_warp():
         """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
@@ -286,12 +290,12 @@ def build(problem: Problem, knobs: Knobs):
                 T.barrier_arrive(full[tile % stages])
 
     @T.macro
-    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, g0, by, bx, tx):
+    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, g0, count, by, bx, tx):
         """producer_warp: the extra warp fills every stage as soon as the consumers have released its
         previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx.
-        K-tile t of this tile is number g0 + t of the block's sequence (g0 > 0 only for persistent
-        blocks), which picks its stage and barrier phase."""
-        for t in T.serial(trips):
+        K-tile t (of `count`, from k-tile k0) of this tile is number g0 + t of the block's sequence
+        (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase."""
+        for t in T.serial(count):
             g = g0 + t
             if g >= stages:
                 T.mbarrier_wait_parity(empty[g % stages], (g // stages - 1) % 2)
@@ -331,16 +335,19 @@ def build(problem: Problem, knobs: Knobs):
             load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
 
     @T.macro
-    def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, g0, by, bx, tx, wg, wq, lane):
+    def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, g0, by, bx, tx, wg, wq, lane,
+                    count):
         """The consumers' k-loop of the tma pipeline (k-tile t is number g0 + t of the block's
         sequence), unrolled by two so that the fragment buffers have constant register indices. An
         odd k-tile count runs its first k-tile before the loop (in buffer 1): under a condition inside
         the loop, or after it, ptxas waited for every wgmma before the next (its warning C7513, found
         on down_proj with 43 k-tiles per split)."""
         mine = trips // ksplit          # k-tiles of this warpgroup; with k_split its own are kw, kw + 2, ...
+        if stream_k:
+            mine = count                # this segment's k-tiles, a runtime multiple of two: no peel
         if ksplit > 1:
             g0 = g0 + tx // (WARPGROUP * kb.warpgroups)
-        odd = mine % unrolled
+        odd = 0 if stream_k else mine % unrolled
         for r in T.unroll(odd):
             consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
                            g0 + r * ksplit, r, r + 1)
@@ -356,15 +363,17 @@ def build(problem: Problem, knobs: Knobs):
         producer_warp the extra warp produces while the warpgroups consume (warp specialization)."""
         if producer:
             if in_producer_warp():
-                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, by, bx, tx)
+                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, trips, by, bx, tx)
             else:
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
-                consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane)
+                consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
+                            trips)
         else:
             for p in T.unroll(stages - 1):
                 load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
-            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane)
+            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
+                        trips)
 
     @T.macro
     def pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
@@ -504,12 +513,13 @@ def build(problem: Problem, knobs: Knobs):
         if in_producer_warp():
             T.set_max_nreg(PRODUCER_REGISTERS, 0)
             if T.call_extern("int32", "tm_warp_index") == consumers // 32:
-                produce(A, B, S, X_s, W_s, S_s, full, empty, 0, 0, by, bx, tx)
+                produce(A, B, S, X_s, W_s, S_s, full, empty, 0, 0, trips, by, bx, tx)
         else:
             T.set_max_nreg(kb.max_registers, 1)
             for i in T.unroll(acc_len):
                 acc[i] = T.float32(0)
-            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, 0, by, bx, tx, wg, wq, lane)
+            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, 0, by, bx, tx, wg, wq, lane,
+                        trips)
             T.warpgroup_wait(0)
             T.warpgroup_fence_operand(acc, num_regs=acc_len)
             store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
@@ -650,7 +660,7 @@ def build(problem: Problem, knobs: Knobs):
                 for i in T.serial(my_tiles):
                     tile_at[0] = (pid + i * persistent) % m_tiles
                     tile_at[1] = (pid + i * persistent) // m_tiles
-                    produce(A, B, S, X_s, W_s, S_s, full, empty, 0, i * trips, tile_at[0], tile_at[1], tx)
+                    produce(A, B, S, X_s, W_s, S_s, full, empty, 0, i * trips, trips, tile_at[0], tile_at[1], tx)
             else:
                 for i in T.serial(my_tiles):
                     tile_at[0] = (pid + i * persistent) % m_tiles
@@ -658,15 +668,116 @@ def build(problem: Problem, knobs: Knobs):
                     for j in T.unroll(acc_len):
                         acc[j] = T.float32(0)
                     consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, i * trips,
-                                tile_at[0], tile_at[1], tx, wg, wq, lane)
+                                tile_at[0], tile_at[1], tx, wg, wq, lane, trips)
                     T.warpgroup_wait(0)
                     T.warpgroup_fence_operand(acc, num_regs=acc_len)
                     if overlap:     # the tile's last k-tile is done too: release its stage
                         T.barrier_arrive(empty[(i * trips + trips - 1) % stages])
                     acc_to_global(acc, C, S, tile_at[0], tile_at[1], wg, wq, lane)
 
-    return w4a16_prim_func(body_persistent if persistent else body, m, tiles, n, problem.k, group, dtype,
-                           workspace=split)
+    half = kb.k_tiles(problem) // 2     # stream_k: a unit is two k-tiles, so every segment is even
+
+    @T.macro
+    def partial_to_workspace(acc, C, S, ws, counters, flag, tile, contributors, by, bx, tx, wg, wq, lane):
+        """stream_k: a segment that covers part of its tile adds its fp32 sums into the zeroed
+        workspace, and the consumers count the block in on the tile's counter (the producer warp runs
+        on and never joins their barriers); the tile's last contributor writes it out and zeroes the
+        workspace and the counter for the next call, as split-K does with a fixed count."""
+        for i in T.unroll(g):
+            for c in T.unroll(bm // 8):
+                for e in T.unroll(4):
+                    row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
+                    col = weight_col(bx, wg, wq, lane, i, e // 2)
+                    if row < m:
+                        T.atomic_add(ws[row, col], acc[i * (bm // 2) + c * 4 + e])
+        T.call_extern("handle", "__threadfence")
+        T.call_extern("handle", "tm_consumers_sync", consumers)
+        if tx == 0:
+            flag[0] = T.call_extern("int32", "tm_split_k_arrive", T.access_ptr(counters[tile], "rw"), contributors)
+        T.call_extern("handle", "tm_consumers_sync", consumers)
+        if flag[0] == 1:
+            for i in T.unroll(g):
+                for c in T.unroll(bm // 8):
+                    for e in T.unroll(4):
+                        row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
+                        col = weight_col(bx, wg, wq, lane, i, e // 2)
+                        if row < m:
+                            total = T.call_extern("float32", "__ldcg", T.access_ptr(ws[row, col], "r"))
+                            C[row, col] = T.cast(total if grouped else total * T.cast(S[0, col], "float32"), dtype)
+                            ws[row, col] = T.float32(0)
+            if tx == 0:
+                counters[tile] = 0
+        # flag is read before the next segment's partial may set it again
+        T.call_extern("handle", "tm_consumers_sync", consumers)
+
+    @T.macro
+    def segment(seg, tile, begin, end, m_tiles):
+        """stream_k: seg[1:7] for the block's segment of `tile` (seg[0], the stage sequence, stays)."""
+        seg[1] = tile
+        seg[2] = T.truncmod(tile, m_tiles)
+        seg[3] = T.truncdiv(tile, m_tiles)
+        seg[4] = T.max(begin, tile * half)                          # first unit
+        seg[5] = (T.min(end, tile * half + half) - seg[4]) * 2      # k-tiles
+        seg[6] = T.if_then_else(seg[5] == 2 * half, 1, 0)
+        seg[4] = (seg[4] - tile * half) * 2                         # first k-tile within the tile
+
+    @T.macro
+    def body_stream_k(A, B, S, C, ws, counters):
+        """stream_k: P blocks share the U = tiles * half units (two k-tiles each; tiles in grid order, M
+        tiles fastest) evenly: block b takes units [b U / P, (b + 1) U / P), one segment per tile it
+        touches. Wave quantization goes: every block has the same work whatever the tile count (qkv
+        at M=128 has 96 tiles of 128 x 128 for 132 SMs). As with persistent blocks, k-tile number g of
+        the block's sequence picks stage g % stages, so the producer warp fills the next segment's
+        stages while the consumers store this one's."""
+        with T.Kernel(stream_k, threads=threads, prelude=prelude) as pid:
+            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
+            flag = T.alloc_shared((1,), "int32")
+            tx = T.get_thread_binding()
+            wg = tx // WARPGROUP
+            wq = tx // 32 % 4
+            lane = tx % 32
+            m_tiles = T.ceildiv(m, bm)
+            units = m_tiles * grid_n * half
+            begin = T.truncdiv(pid * units, stream_k)
+            end = T.truncdiv((pid + 1) * units, stream_k)
+            first_tile = T.truncdiv(begin, half)
+            segments = T.if_then_else(end > begin, T.truncdiv(end - 1, half) - first_tile + 1, 0)
+            # Per segment, computed once (inline, every use would divide again): the stage sequence
+            # number of its first k-tile, its tile, M tile, N tile, first k-tile, k-tile count, and
+            # whether it covers the whole tile. Producer and consumers walk the segments in loops of
+            # their own, as persistent blocks do (one loop around both branches made ptxas serialize
+            # the wgmmas, C7515).
+            seg = T.alloc_local((7,), "int32")
+            T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
+            seg[0] = 0
+            if in_producer_warp():
+                for i in T.serial(segments):
+                    segment(seg, first_tile + i, begin, end, m_tiles)
+                    produce(A, B, S, X_s, W_s, S_s, full, empty, seg[4], seg[0], seg[5], seg[2], seg[3], tx)
+                    seg[0] = seg[0] + seg[5]
+            else:
+                for i in T.serial(segments):
+                    segment(seg, first_tile + i, begin, end, m_tiles)
+                    for j in T.unroll(acc_len):
+                        acc[j] = T.float32(0)
+                    consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, seg[4], seg[0], seg[2],
+                                seg[3], tx, wg, wq, lane, seg[5])
+                    T.warpgroup_wait(0)
+                    T.warpgroup_fence_operand(acc, num_regs=acc_len)
+                    if overlap:     # the segment's last k-tile is done too: release its stage
+                        T.barrier_arrive(empty[(seg[0] + seg[5] - 1) % stages])
+                    if seg[6] == 1:
+                        acc_to_global(acc, C, S, seg[2], seg[3], wg, wq, lane)
+                    else:
+                        # Blocks whose units meet this tile: the block of its first unit to that of its last.
+                        first_block = T.truncdiv((seg[1] * half + 1) * stream_k - 1, units)
+                        last_block = T.truncdiv((seg[1] * half + half) * stream_k - 1, units)
+                        partial_to_workspace(acc, C, S, ws, counters, flag, seg[1], last_block - first_block + 1,
+                                             seg[2], seg[3], tx, wg, wq, lane)
+                    seg[0] = seg[0] + seg[5]
+
+    return w4a16_prim_func(body_stream_k if stream_k else body_persistent if persistent else body, m, tiles, n,
+                           problem.k, group, dtype, workspace=split)
 
 
 PASS_CONFIGS = {

@@ -87,6 +87,7 @@ class Knobs:
     staged_store: bool = False
     early_start: int = 0
     panel_m: int = 0
+    stream_k: int = 0
 
     @property
     def block_n(self) -> int:
@@ -132,7 +133,7 @@ class Knobs:
 
     @property
     def uses_workspace(self) -> bool:
-        return self.split_k > 1 and not self.cluster_reduce
+        return self.split_k > 1 and not self.cluster_reduce or self.stream_k > 0
 
     @property
     def name(self) -> str:
@@ -140,7 +141,7 @@ class Knobs:
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
-                 (f"_pm{self.panel_m}", self.panel_m))
+                 (f"_pm{self.panel_m}", self.panel_m), (f"_sk{self.stream_k}s", self.stream_k))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -218,6 +219,18 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"early_start={kb.early_start} asks for more rows than the 32 lanes of one warp prefetch"
     if kb.early_start > kb.k_tiles(problem) // kb.split_k:
         return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
+    if kb.stream_k < 0:
+        return f"stream_k={kb.stream_k}: 0 (one block per tile) or the number of blocks"
+    if kb.stream_k:
+        if not (kb.tma and kb.producer_warp and kb.split_k == 1) or kb.setmaxnreg or kb.staged_store or \
+                kb.k_split or kb.persistent or kb.cluster_reduce or kb.pdl or kb.early_start or kb.panel_m:
+            return ("stream_k is wired into the producer warp's tma pipeline with split_k=1 and the direct store "
+                    "(no setmaxnreg, staged_store, k_split, persistent, cluster_reduce, pdl, early_start or panel_m)")
+        if kb.k_tiles(problem) % 2:
+            return f"stream_k shares units of two k-tiles: {kb.k_tiles(problem)} k-tiles is odd"
+        if kb.stream_k > problem.n // kb.block_n * kb.k_tiles(problem) // 2:
+            return (f"stream_k={kb.stream_k} blocks exceed the {problem.n // kb.block_n * kb.k_tiles(problem) // 2} "
+                    "units of one row of tiles (some would have no work at small M)")
     if kb.panel_m < 0 or kb.panel_m == 1:
         return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
     if kb.panel_m and kb.persistent:
