@@ -446,18 +446,25 @@ def build(problem: Problem, knobs: Knobs):
                     acc[i * (bm // 2) + c * 4 + e] = acc[i * (bm // 2) + c * 4 + e] + \
                         C_s[8 * c + 2 * (lane % 4) + e % 2, weight_col(0, wg, wq, lane, i, e // 2)]
 
+    def fragment_element(by, bx, wg, wq, lane, i, c, e):
+        """(row of C, column of C, index in acc) of a lane's accumulator element e of row block c of
+        group i: the wgmma's C^T fragment, transposed back."""
+        row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
+        return row, weight_col(bx, wg, wq, lane, i, e // 2), i * (bm // 2) + c * 4 + e
+
+    def output_value(total, S, col):
+        """An output element from its fp32 sum: group scales are in the sums already, channelwise ones
+        come here."""
+        return T.cast(total if grouped else total * T.cast(S[0, col], "float32"), dtype)
+
     @T.macro
     def acc_to_global(acc, C, S, by, bx, wg, wq, lane):
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
                 for e in T.unroll(4):
-                    row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
-                    col = weight_col(bx, wg, wq, lane, i, e // 2)
+                    row, col, k = fragment_element(by, bx, wg, wq, lane, i, c, e)
                     if row < m:
-                        if grouped:
-                            C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e], dtype)
-                        else:
-                            C[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, col], "float32"), dtype)
+                        C[row, col] = output_value(acc[k], S, col)
 
     out_chunks = bm * bn // 8          # 16-byte chunks of the output tile
     out_rounds = -(-out_chunks // consumers)
@@ -686,10 +693,9 @@ def build(problem: Problem, knobs: Knobs):
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
                 for e in T.unroll(4):
-                    row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
-                    col = weight_col(bx, wg, wq, lane, i, e // 2)
+                    row, col, k = fragment_element(by, bx, wg, wq, lane, i, c, e)
                     if row < m:
-                        T.atomic_add(ws[row, col], acc[i * (bm // 2) + c * 4 + e])
+                        T.atomic_add(ws[row, col], acc[k])
         T.call_extern("handle", "__threadfence")
         T.call_extern("handle", "tm_consumers_sync", consumers)
         if tx == 0:
@@ -699,11 +705,10 @@ def build(problem: Problem, knobs: Knobs):
             for i in T.unroll(g):
                 for c in T.unroll(bm // 8):
                     for e in T.unroll(4):
-                        row = by * bm + 8 * c + 2 * (lane % 4) + e % 2
-                        col = weight_col(bx, wg, wq, lane, i, e // 2)
+                        row, col, _ = fragment_element(by, bx, wg, wq, lane, i, c, e)
                         if row < m:
-                            total = T.call_extern("float32", "__ldcg", T.access_ptr(ws[row, col], "r"))
-                            C[row, col] = T.cast(total if grouped else total * T.cast(S[0, col], "float32"), dtype)
+                            C[row, col] = output_value(
+                                T.call_extern("float32", "__ldcg", T.access_ptr(ws[row, col], "r")), S, col)
                             ws[row, col] = T.float32(0)
             if tx == 0:
                 counters[tile] = 0
