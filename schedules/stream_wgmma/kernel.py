@@ -429,23 +429,6 @@ def build(problem: Problem, knobs: Knobs):
 
     # wgmma accumulator: per group i and 8 rows of M (c), rows g / g + 8 of the warp's 16 weight
     # columns, columns (rows of M) 2t and 2t + 1.
-    @T.macro
-    def acc_to_shared(acc, C_s, wg, wq, lane):
-        for i in T.unroll(g):
-            for c in T.unroll(bm // 8):
-                for e in T.unroll(4):
-                    C_s[8 * c + 2 * (lane % 4) + e % 2, weight_col(0, wg, wq, lane, i, e // 2)] = \
-                        acc[i * (bm // 2) + c * 4 + e]
-
-    @T.macro
-    def shared_to_acc_add(acc, C_s, wg, wq, lane):
-        """k_split: add the other k warpgroup's sums, stored by acc_to_shared, to this thread's."""
-        for i in T.unroll(g):
-            for c in T.unroll(bm // 8):
-                for e in T.unroll(4):
-                    acc[i * (bm // 2) + c * 4 + e] = acc[i * (bm // 2) + c * 4 + e] + \
-                        C_s[8 * c + 2 * (lane % 4) + e % 2, weight_col(0, wg, wq, lane, i, e // 2)]
-
     def fragment_element(by, bx, wg, wq, lane, i, c, e):
         """(row of C, column of C, index in acc) of a lane's accumulator element e of row block c of
         group i: the wgmma's C^T fragment, transposed back."""
@@ -456,6 +439,23 @@ def build(problem: Problem, knobs: Knobs):
         """An output element from its fp32 sum: group scales are in the sums already, channelwise ones
         come here."""
         return T.cast(total if grouped else total * T.cast(S[0, col], "float32"), dtype)
+
+    @T.macro
+    def acc_to_shared(acc, C_s, wg, wq, lane):
+        for i in T.unroll(g):
+            for c in T.unroll(bm // 8):
+                for e in T.unroll(4):
+                    row, col, k = fragment_element(0, 0, wg, wq, lane, i, c, e)
+                    C_s[row, col] = acc[k]
+
+    @T.macro
+    def shared_to_acc_add(acc, C_s, wg, wq, lane):
+        """k_split: add the other k warpgroup's sums, stored by acc_to_shared, to this thread's."""
+        for i in T.unroll(g):
+            for c in T.unroll(bm // 8):
+                for e in T.unroll(4):
+                    row, col, k = fragment_element(0, 0, wg, wq, lane, i, c, e)
+                    acc[k] = acc[k] + C_s[row, col]
 
     @T.macro
     def acc_to_global(acc, C, S, by, bx, wg, wq, lane):
@@ -485,14 +485,9 @@ def build(problem: Problem, knobs: Knobs):
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
                 for e in T.unroll(4):
-                    row = 8 * c + 2 * (lane % 4) + e % 2
-                    col = weight_col(0, wg, wq, lane, i, e // 2)
+                    row, col, k = fragment_element(0, 0, wg, wq, lane, i, c, e)     # within the tile
                     if by * bm + row < m:
-                        if grouped:
-                            Y_s[row, col] = T.cast(acc[i * (bm // 2) + c * 4 + e], dtype)
-                        else:
-                            Y_s[row, col] = T.cast(
-                                acc[i * (bm // 2) + c * 4 + e] * T.cast(S[0, bx * bn + col], "float32"), dtype)
+                        Y_s[row, col] = output_value(acc[k], S, bx * bn + col)
         T.call_extern("handle", "tm_consumers_sync", consumers)
         for r in T.unroll(out_rounds):
             chunk = r * consumers + tx

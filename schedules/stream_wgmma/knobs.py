@@ -64,7 +64,9 @@ class Knobs:
     another walk the P M tiles of a panel, then the next N tile, so that a wave of blocks reads P
     M tiles' activations and 132 / P N tiles' weights (about 16 MB at P = 4, block 256 x 128, K =
     4096), which L2 holds, instead of every M tile's activations (32 MB at M = 4096, 90 MB for
-    down_proj) once per wave; 0 keeps the grid's order (M tiles fastest).
+    down_proj) once per wave; 0 keeps the grid's order (M tiles fastest). stream_k (P > 0, the
+    producer warp's tma pipeline, split_k 1) launches P blocks that share all tiles' k-tiles evenly
+    in units of two k-tiles; partial tiles meet in the split-K workspace (stream-K).
     """
 
     block_m: int = 128
@@ -141,7 +143,7 @@ class Knobs:
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
-                 (f"_pm{self.panel_m}", self.panel_m), (f"_sk{self.stream_k}s", self.stream_k))
+                 (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
