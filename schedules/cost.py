@@ -236,6 +236,8 @@ KNOB_FACTORS = {
         # Session 8 (v28): median of 60 pairs at M = 1-32 (0.94-1.46x); worst where one wave of blocks
         # fills the GPU (the next kernel's early blocks crowd the SMs that free first).
         "early_start": ((None, 1.06),),
+        # Session 9 (v30): with early_start, 13 pairs at M = 1-8 against early_start alone.
+        "late_trigger": ((None, 0.96),),
     },
     "stream_wgmma": {
         # Release barriers alone: 1.15-1.45x slower below M=256 (warp 0 waits for the release before
@@ -273,6 +275,10 @@ KNOB_FACTORS = {
         # (pdl 18 and 49 pairs, early_start 31 and 61, at M <= 64 and above).
         "pdl": ((64, 0.99), (None, 0.996)),
         "early_start": ((64, 0.976), (None, 0.99)),
+        # Session 9 (v30): medians of 4 pairs per M (every large-M winner with and without panels);
+        # at M <= 1024 a block-256 grid has at most 4 M tiles, so panels only add instructions.
+        ("panel_m", 2): ((1024, 1.007), (2048, 1.0), (None, 0.95)),
+        ("panel_m", 4): ((1024, 1.005), (2048, 1.0), (None, 0.952)),
     },
 }
 

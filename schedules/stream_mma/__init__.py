@@ -45,8 +45,9 @@ AXES = {
     # Let the next kernel launch at the start and ask L2 for the first 2 batches before the wait:
     # 0.94-1.46x, median 1.06 over 60 pairs at M = 1-32; it won 4 buckets by 1-4 % (perf-notes v28).
     "early_start": (0, 2),
-    # early_start's launch of the next kernel after the k-loop instead of first: CPU-checked, not measured.
-    "late_trigger": (False,),
+    # early_start's launch of the next kernel after the k-loop instead of first: median 0.96x of
+    # early_start alone (13 pairs at M = 1-8, 0.83-1.03), 1.02x of neither (session 9, perf-notes v30).
+    "late_trigger": (False, True),
 }
 # Axes that the first search round does not spread over (gen/search.py one_per_variant): the model
 # ranks their better value first and the second round's neighbours try the other.

@@ -55,14 +55,15 @@ AXES = {
     # median 0.976x at M = 16-64 (31 pairs, 0.92-1.43), 0.989x above (61 pairs, 0.90-1.14) (v28).
     "early_start": (0, 2),
     # Tiles handed out in panels of P M tiles, so that a wave's activations and weights fit L2:
-    # CPU-checked, not measured (perf-notes v29).
-    "panel_m": (0,),
+    # 0.93-0.99x at M = 4096 (8 pairs), 0.90-1.13x at 2048, 1.0-1.02x at 512-1024 (session 9, v30).
+    # 8 is left out: never better than 2 or 4 where there are more than 8 M tiles.
+    "panel_m": (0, 2, 4),
     # P blocks share every tile's k-tiles evenly (stream-K), partial tiles meeting in the split-K
     # workspace: no wave quantization. CPU-checked, not measured (perf-notes v29).
     "stream_k": (0,),
 }
 # Knobs of the launch and the epilogue: the first search round keeps one of each point's variants.
-VARIANT_AXES = ("pdl", "staged_store", "early_start")
+VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order
