@@ -46,6 +46,67 @@ __device__ __forceinline__ float tm_cluster_load_f32(const void* smem, int rank)
 """
 
 
+# cluster_v4: the cluster's partial tiles summed with 16-byte loads from every block's shared tile, all of
+# a thread's loads issued before its first add (one distributed-shared-memory round trip per thread
+# instead of one per element: the scalar loop above waits for each), and 4 outputs per 8-byte store.
+# Rank r takes the 4-column chunks q with q % ranks == r of every row, so that at small M (rows past m
+# skipped) all blocks of the cluster still share the work. Generated per kernel: the tile's shape,
+# the threads and C's row length are constants, so the loops unroll into straight-line code.
+CLUSTER_V4_TEMPLATE = r"""
+template <typename Out>    // (TileLang's half_t / bfloat16_t are declared after the prelude)
+__device__ __forceinline__ void tm_cluster_sum_store(const float* tile, Out* out, int rows, {scale_arg}int rank,
+                                                     int tid) {{
+  constexpr int kChunksPerRow = {bn} / 4 / {ranks};     // this rank's 4-column chunks per row
+  constexpr int kChunks = {bm} * kChunksPerRow;
+  constexpr int kIters = (kChunks + {threads} - 1) / {threads};
+  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(tile));
+  float4 sum[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) sum[it] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int r = 0; r < {ranks}; ++r) {{
+    unsigned base;
+    asm("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(base) : "r"(local), "r"(r));
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {{
+      int c = it * {threads} + tid;
+      int row = c / kChunksPerRow;
+      if (c < kChunks && row < rows) {{
+        int col = (c % kChunksPerRow * {ranks} + rank) * 4;
+        float4 v;
+        asm volatile("ld.shared::cluster.v4.f32 {{%0, %1, %2, %3}}, [%4];\n"
+                     : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(base + (row * {bn} + col) * 4));
+        sum[it].x += v.x; sum[it].y += v.y; sum[it].z += v.z; sum[it].w += v.w;
+      }}
+    }}
+  }}
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {{
+    int c = it * {threads} + tid;
+    int row = c / kChunksPerRow;
+    if (c < kChunks && row < rows) {{
+      int col = (c % kChunksPerRow * {ranks} + rank) * 4;
+      uint2 packed;
+      Out* h = reinterpret_cast<Out*>(&packed);
+      h[0] = Out(sum[it].x{s0}); h[1] = Out(sum[it].y{s1}); h[2] = Out(sum[it].z{s2}); h[3] = Out(sum[it].w{s3});
+      *reinterpret_cast<uint2*>(out + row * {ldc} + col) = packed;
+    }}
+  }}
+}}
+"""
+
+
+def cluster_v4_helper(block_m: int, block_n: int, ranks: int, threads: int, n: int, channelwise: bool) -> str:
+    """CUDA source of tm_cluster_sum_store for one kernel (see CLUSTER_V4_TEMPLATE)."""
+    if block_n % (4 * ranks):
+        raise ValueError(f"cluster_v4 gives each of {ranks} blocks 4-column chunks: block_n={block_n} "
+                         f"is not a multiple of {4 * ranks}")
+    scales = [f" * static_cast<float>(scale[col + {i}])" if channelwise else "" for i in range(4)]
+    return CLUSTER_V4_TEMPLATE.format(scale_arg="const Out* scale, " if channelwise else "",
+                                      bn=block_n, bm=block_m, ranks=ranks, threads=threads, ldc=n,
+                                      s0=scales[0], s1=scales[1], s2=scales[2], s3=scales[3])
+
+
 # early_start: let the next kernel of the stream launch once every block of this one runs (its blocks
 # then fill the SM slots that this kernel's last blocks free; its own griddepcontrol.wait still waits
 # for all of this kernel's writes), and ask L2 for bytes that no earlier kernel writes (weights,
@@ -81,11 +142,12 @@ def wait_for_prior_grids(cluster: bool, pdl: bool):
 
 
 def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str, channelwise: bool,
-               cluster: bool = False):
+               cluster: bool = False, cluster_v4: bool = False):
     """A T.macro(C_s, C, S, ws, counters, m, by, bx, tx) that stores the block tile C_s [block_m,
     block_n] (fp32, complete for this block, threads synchronized) at rows by * block_m, columns
     bx * block_n of C [m, N]; ws and counters are used only when split_k > 1 without `cluster`
-    (then the kernel must launch the split_k blocks of a tile as one cluster, see CLUSTER_HELPERS)."""
+    (then the kernel must launch the split_k blocks of a tile as one cluster, see CLUSTER_HELPERS;
+    with `cluster_v4` its prelude has cluster_v4_helper's function too)."""
     bm, bn = block_m, block_n
 
     def channel_scale(S, col):
@@ -93,7 +155,17 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
 
     @T.macro
     def store(C_s, C, S, ws, counters, m, by, bx, tx):
-        if split_k > 1 and cluster:
+        if split_k > 1 and cluster_v4:
+            T.cluster_sync()                  # every split's tile is complete and visible
+            if channelwise:
+                T.call_extern("handle", "tm_cluster_sum_store", T.access_ptr(C_s[0, 0], "r"),
+                              T.access_ptr(C[by * bm, bx * bn], "w"), m - by * bm, T.access_ptr(S[0, bx * bn], "r"),
+                              T.block_rank_in_cluster(), tx)
+            else:
+                T.call_extern("handle", "tm_cluster_sum_store", T.access_ptr(C_s[0, 0], "r"),
+                              T.access_ptr(C[by * bm, bx * bn], "w"), m - by * bm, T.block_rank_in_cluster(), tx)
+            T.cluster_sync()                  # no block leaves while others still read its tile
+        elif split_k > 1 and cluster:
             T.cluster_sync()                  # every split's tile is complete and visible
             rank = T.block_rank_in_cluster()
             for i, j in T.Parallel(bm, bn):

@@ -44,6 +44,9 @@ CASES = {
     # the warps' sums meet through a slice each, then the cluster's split-K.
     "sm90a_sum_slices": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                                 cluster_reduce=True, sum_slices=True)),
+    # ... and summed with 16-byte loads, all of a thread's in flight (8 ranks, 2 chunks of a row each)
+    "sm90a_cluster8_v4": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 8, ahead=1, cluster_reduce=True,
+                                                                cluster_v4=True)),
     # launched with programmatic stream serialization, split-K through the workspace.
     "sm90a_pdl_splitk": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                                 pdl=True)),
@@ -265,6 +268,16 @@ def test_warps_sums_meet_in_turn_or_through_slices(compiled):
         assert "P_s" in stores
     else:
         assert in_turn and "P_s" not in after
+
+
+def test_cluster_v4_reads_every_partial_as_whole_vectors(compiled):
+    _, _, knobs, _, ptx = compiled
+    vectors = count(r"ld\.shared::cluster\.v4\.f32", ptx)
+    if not knobs.cluster_v4:
+        assert vectors == 0
+        return
+    chunks = knobs.block_m * knobs.block_n // 4 // knobs.split_k
+    assert vectors == count(r"ld\.shared::cluster", ptx) == -(-chunks // knobs.threads) * knobs.split_k
 
 
 def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled):
