@@ -46,13 +46,14 @@ __device__ __forceinline__ float tm_cluster_load_f32(const void* smem, int rank)
 """
 
 
-# cluster_v4: the cluster's partial tiles summed with 16-byte loads from every block's shared tile, all of
-# a thread's loads issued before its first add (one distributed-shared-memory round trip per thread
-# instead of one per element: the scalar loop above waits for each), and 4 outputs per 8-byte store.
-# Rank r takes the 4-column chunks q with q % ranks == r of every row, so that at small M (rows past m
-# skipped) all blocks of the cluster still share the work. Generated per kernel: the tile's shape,
-# the threads and C's row length are constants, so the loops unroll into straight-line code.
-CLUSTER_V4_TEMPLATE = r"""
+# split_v4: split-K's partial tiles summed with 16-byte accesses, each thread's loads all issued before
+# the first is used. The scalar loops below wait for one round trip per element (a remote shared load
+# in the cluster, an L2 load in the workspace: ~6-7 per thread at block 16 x 64, 57 at 128 x 128).
+# Generated per kernel: the tile's shape, the threads and C's row length are constants, so the loops
+# unroll into straight-line code.
+# In a cluster, rank r takes the 4-column chunks q with q % ranks == r of every row, so that at small M
+# (rows past m skipped) all blocks of the cluster still share the work.
+CLUSTER_SUM_V4 = r"""
 template <typename Out>    // (TileLang's half_t / bfloat16_t are declared after the prelude)
 __device__ __forceinline__ void tm_cluster_sum_store(const float* tile, Out* out, int rows, {scale_arg}int rank,
                                                      int tid) {{
@@ -86,25 +87,88 @@ __device__ __forceinline__ void tm_cluster_sum_store(const float* tile, Out* out
     int row = c / kChunksPerRow;
     if (c < kChunks && row < rows) {{
       int col = (c % kChunksPerRow * {ranks} + rank) * 4;
-      uint2 packed;
-      Out* h = reinterpret_cast<Out*>(&packed);
-      h[0] = Out(sum[it].x{s0}); h[1] = Out(sum[it].y{s1}); h[2] = Out(sum[it].z{s2}); h[3] = Out(sum[it].w{s3});
-      *reinterpret_cast<uint2*>(out + row * {ldc} + col) = packed;
+      float4 v = sum[it];{scale}
+      tm_store4(out + row * {ldc} + col, v);
     }}
   }}
 }}
 """
+# Through the workspace: the block adds its tile with 16-byte reductions (sm_90; four 4-byte ones
+# before), and the last block of the tile reads all of its share of the sums at once, bypassing L1
+# (other blocks' reductions went to L2), then stores the outputs and zeroes the workspace tile.
+# Channelwise scales are in the tile already (the workspace holds scaled sums).
+WORKSPACE_SUM_V4 = r"""
+__device__ __forceinline__ void tm_workspace_add(const float* tile, float* ws, int rows, int tid) {{
+  constexpr int kChunksPerRow = {bn} / 4;
+  constexpr int kChunks = {bm} * kChunksPerRow;
+  constexpr int kIters = (kChunks + {threads} - 1) / {threads};
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {{
+    int c = it * {threads} + tid;
+    int row = c / kChunksPerRow;
+    if (c < kChunks && row < rows) {{
+      int col = c % kChunksPerRow * 4;
+      float4 v = *reinterpret_cast<const float4*>(tile + row * {bn} + col);
+      float* dst = ws + row * {ldc} + col;
+#if __CUDA_ARCH__ >= 900
+      atomicAdd(reinterpret_cast<float4*>(dst), v);
+#else
+      atomicAdd(dst, v.x); atomicAdd(dst + 1, v.y); atomicAdd(dst + 2, v.z); atomicAdd(dst + 3, v.w);
+#endif
+    }}
+  }}
+}}
+
+template <typename Out>
+__device__ __forceinline__ void tm_workspace_store(float* ws, Out* out, int rows, int tid) {{
+  constexpr int kChunksPerRow = {bn} / 4;
+  constexpr int kChunks = {bm} * kChunksPerRow;
+  constexpr int kIters = (kChunks + {threads} - 1) / {threads};
+  float4 sum[kIters];
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {{
+    int c = it * {threads} + tid;
+    if (c < kChunks && c / kChunksPerRow < rows)
+      sum[it] = __ldcg(reinterpret_cast<const float4*>(ws + c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4));
+  }}
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {{
+    int c = it * {threads} + tid;
+    if (c < kChunks && c / kChunksPerRow < rows) {{
+      int at = c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4;
+      tm_store4(out + at, sum[it]);
+      *reinterpret_cast<float4*>(ws + at) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }}
+  }}
+}}
+"""
+# Four outputs from four fp32 sums in one 8-byte store.
+STORE4 = r"""
+template <typename Out>
+__device__ __forceinline__ void tm_store4(Out* dst, float4 v) {
+  uint2 packed;
+  Out* h = reinterpret_cast<Out*>(&packed);
+  h[0] = Out(v.x); h[1] = Out(v.y); h[2] = Out(v.z); h[3] = Out(v.w);
+  *reinterpret_cast<uint2*>(dst) = packed;
+}
+"""
 
 
-def cluster_v4_helper(block_m: int, block_n: int, ranks: int, threads: int, n: int, channelwise: bool) -> str:
-    """CUDA source of tm_cluster_sum_store for one kernel (see CLUSTER_V4_TEMPLATE)."""
-    if block_n % (4 * ranks):
-        raise ValueError(f"cluster_v4 gives each of {ranks} blocks 4-column chunks: block_n={block_n} "
-                         f"is not a multiple of {4 * ranks}")
-    scales = [f" * static_cast<float>(scale[col + {i}])" if channelwise else "" for i in range(4)]
-    return CLUSTER_V4_TEMPLATE.format(scale_arg="const Out* scale, " if channelwise else "",
-                                      bn=block_n, bm=block_m, ranks=ranks, threads=threads, ldc=n,
-                                      s0=scales[0], s1=scales[1], s2=scales[2], s3=scales[3])
+def split_v4_helpers(block_m: int, block_n: int, split_k: int, threads: int, n: int, channelwise: bool,
+                     cluster: bool) -> str:
+    """CUDA source of split_v4's functions for one kernel: tm_cluster_sum_store (with `cluster`) or
+    tm_workspace_add and tm_workspace_store."""
+    if cluster and block_n % (4 * split_k):
+        raise ValueError(f"split_v4 gives each of {split_k} blocks of a cluster 4-column chunks: "
+                         f"block_n={block_n} is not a multiple of {4 * split_k}")
+    shape = dict(bm=block_m, bn=block_n, threads=threads, ldc=n)
+    if not cluster:
+        return STORE4 + WORKSPACE_SUM_V4.format(**shape)
+    scale = ("\n      v.x *= static_cast<float>(scale[col]); v.y *= static_cast<float>(scale[col + 1]);"
+             "\n      v.z *= static_cast<float>(scale[col + 2]); v.w *= static_cast<float>(scale[col + 3]);"
+             ) if channelwise else ""
+    return STORE4 + CLUSTER_SUM_V4.format(ranks=split_k, scale_arg="const Out* scale, " if channelwise else "",
+                                          scale=scale, **shape)
 
 
 # early_start: let the next kernel of the stream launch once every block of this one runs (its blocks
@@ -142,12 +206,12 @@ def wait_for_prior_grids(cluster: bool, pdl: bool):
 
 
 def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str, channelwise: bool,
-               cluster: bool = False, cluster_v4: bool = False):
+               cluster: bool = False, split_v4: bool = False):
     """A T.macro(C_s, C, S, ws, counters, m, by, bx, tx) that stores the block tile C_s [block_m,
     block_n] (fp32, complete for this block, threads synchronized) at rows by * block_m, columns
     bx * block_n of C [m, N]; ws and counters are used only when split_k > 1 without `cluster`
     (then the kernel must launch the split_k blocks of a tile as one cluster, see CLUSTER_HELPERS;
-    with `cluster_v4` its prelude has cluster_v4_helper's function too)."""
+    with `split_v4` the kernel's prelude has split_v4_helpers' functions too)."""
     bm, bn = block_m, block_n
 
     def channel_scale(S, col):
@@ -155,7 +219,7 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
 
     @T.macro
     def store(C_s, C, S, ws, counters, m, by, bx, tx):
-        if split_k > 1 and cluster_v4:
+        if split_k > 1 and cluster and split_v4:
             T.cluster_sync()                  # every split's tile is complete and visible
             if channelwise:
                 T.call_extern("handle", "tm_cluster_sum_store", T.access_ptr(C_s[0, 0], "r"),
@@ -183,8 +247,13 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
                 for i, j in T.Parallel(bm, bn):
                     C_s[i, j] = C_s[i, j] * channel_scale(S, bx * bn + j)
                 T.sync_threads()
-            # Tile-wide: 16-byte vector atomics (red.global.add.v4.f32) on sm_90, rows past m skipped.
-            T.atomic_add(ws[by * bm:(by + 1) * bm, bx * bn:(bx + 1) * bn], C_s)
+            if split_v4:
+                T.call_extern("handle", "tm_workspace_add", T.access_ptr(C_s[0, 0], "r"),
+                              T.access_ptr(ws[by * bm, bx * bn], "rw"), m - by * bm, tx)
+            else:
+                # Tile-wide atomics (16-byte ones on sm_90 where the tile spreads evenly over the
+                # threads, else 4-byte), rows past m skipped.
+                T.atomic_add(ws[by * bm:(by + 1) * bm, bx * bn:(bx + 1) * bn], C_s)
             last = T.alloc_shared((1,), "int32")
             T.call_extern("handle", "__threadfence")
             T.sync_threads()
@@ -193,11 +262,16 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
                                         T.access_ptr(counters[by * grid_n + bx], "rw"), split_k)
             T.sync_threads()
             if last[0] == 1:
-                for i, j in T.Parallel(bm, bn):
-                    if by * bm + i < m:
-                        C[by * bm + i, bx * bn + j] = T.cast(
-                            T.call_extern("float32", "__ldcg", T.access_ptr(ws[by * bm + i, bx * bn + j], "r")), dtype)
-                        ws[by * bm + i, bx * bn + j] = T.float32(0)
+                if split_v4:
+                    T.call_extern("handle", "tm_workspace_store", T.access_ptr(ws[by * bm, bx * bn], "rw"),
+                                  T.access_ptr(C[by * bm, bx * bn], "w"), m - by * bm, tx)
+                else:
+                    for i, j in T.Parallel(bm, bn):
+                        if by * bm + i < m:
+                            C[by * bm + i, bx * bn + j] = T.cast(
+                                T.call_extern("float32", "__ldcg", T.access_ptr(ws[by * bm + i, bx * bn + j], "r")),
+                                dtype)
+                            ws[by * bm + i, bx * bn + j] = T.float32(0)
                 if tx == 0:
                     counters[by * grid_n + bx] = 0
 

@@ -47,8 +47,8 @@ class Knobs:
     kernel), so that the first DRAM round trip falls under the previous kernel's tail. late_trigger
     (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
-    cluster_v4 (with cluster_reduce) sums the cluster's tiles with 16-byte loads, all of a thread's
-    in flight at once (schedules/epilogue.py).
+    split_v4 (split_k > 1) adds the partial tiles with 16-byte accesses, each thread's loads all
+    in flight at once (the cluster's or the workspace's, schedules/epilogue.py).
     """
 
     m_tiles: int = 1
@@ -67,7 +67,7 @@ class Knobs:
     pdl: bool = False
     early_start: int = 0
     late_trigger: bool = False
-    cluster_v4: bool = False
+    split_v4: bool = False
 
     @property
     def block_m(self) -> int:
@@ -104,7 +104,7 @@ class Knobs:
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
             f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "") + (
-            "_v4" if self.cluster_v4 else "")
+            "_v4" if self.split_v4 else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -153,10 +153,11 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"pdl needs griddepcontrol (sm_90); {arch.name} has none"
     if kb.pdl and kb.cluster_reduce:
         return "cluster_reduce kernels are already launched with programmatic stream serialization; drop pdl"
-    if kb.cluster_v4 and not kb.cluster_reduce:
-        return "cluster_v4 is a way of cluster_reduce's sum: it needs cluster_reduce"
-    if kb.cluster_v4 and kb.block_n % (4 * kb.split_k):
-        return f"cluster_v4 gives each of {kb.split_k} blocks 4-column chunks: block_n={kb.block_n} is not a multiple"
+    if kb.split_v4 and kb.split_k < 2:
+        return "split_v4 is a way of adding split-K's partial tiles: it needs split_k > 1"
+    if kb.split_v4 and kb.cluster_reduce and kb.block_n % (4 * kb.split_k):
+        return (f"split_v4 gives each of the {kb.split_k} blocks of a cluster 4-column chunks: block_n={kb.block_n} "
+                f"is not a multiple of {4 * kb.split_k}")
     if kb.early_start < 0:
         return f"early_start={kb.early_start} must be 0 (off) or a number of batches"
     if kb.early_start and not (kb.pdl or kb.cluster_reduce):
