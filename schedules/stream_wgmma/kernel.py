@@ -699,13 +699,20 @@ def build(problem: Problem, knobs: Knobs):
             flag[0] = T.call_extern("int32", "tm_split_k_arrive", T.access_ptr(counters[tile], "rw"), contributors)
         T.call_extern("handle", "tm_consumers_sync", consumers)
         if flag[0] == 1:
+            # Every sum read back (into acc, whose own share is in them) before the first store: loads
+            # and stores in turn wait for one L2 round trip per element (perf-notes v31).
             for i in T.unroll(g):
                 for c in T.unroll(bm // 8):
                     for e in T.unroll(4):
-                        row, col, _ = fragment_element(by, bx, wg, wq, lane, i, c, e)
+                        row, col, k = fragment_element(by, bx, wg, wq, lane, i, c, e)
                         if row < m:
-                            C[row, col] = output_value(
-                                T.call_extern("float32", "__ldcg", T.access_ptr(ws[row, col], "r")), S, col)
+                            acc[k] = T.call_extern("float32", "__ldcg", T.access_ptr(ws[row, col], "r"))
+            for i in T.unroll(g):
+                for c in T.unroll(bm // 8):
+                    for e in T.unroll(4):
+                        row, col, k = fragment_element(by, bx, wg, wq, lane, i, c, e)
+                        if row < m:
+                            C[row, col] = output_value(acc[k], S, col)
                             ws[row, col] = T.float32(0)
             if tx == 0:
                 counters[tile] = 0
