@@ -50,6 +50,8 @@ CASES = {
     # ... and through the workspace with 16-byte reductions and read-back (two m-tiles)
     "sm90a_split4_v4": ("sm_90a", Problem(512, 4096, 128), Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True,
                                                                split_v4=True)),
+    "sm80_split4_v4": ("sm_80", Problem(512, 4096, 128), Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True,
+                                                             split_v4=True)),
     # launched with programmatic stream serialization, split-K through the workspace.
     "sm90a_pdl_splitk": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                                 pdl=True)),
@@ -275,13 +277,14 @@ def test_warps_sums_meet_in_turn_or_through_slices(compiled):
 
 
 def test_split_v4_moves_whole_vectors(compiled):
-    _, _, knobs, _, ptx = compiled
-    assert_split_v4_vectors(knobs, ptx)
+    arch, _, knobs, _, ptx = compiled
+    assert_split_v4_vectors(knobs, ptx, hopper=arch == "sm_90a")
 
 
-def assert_split_v4_vectors(knobs, ptx: str):
+def assert_split_v4_vectors(knobs, ptx: str, hopper: bool = True):
     """split_v4 (both stream families): every access to the other blocks' partial sums is 16 bytes
-    wide and unrolled, a thread's share of the tile in ceil(chunks / threads) accesses."""
+    wide and unrolled, a thread's share of the tile in ceil(chunks / threads) accesses (before sm_90
+    the workspace's reductions are four 4-byte ones: no 16-byte float reduction there)."""
     remote = count(r"ld\.shared::cluster\.v4\.f32", ptx)
     reduced = count(r"(atom|red)\.global(\.\w+)*\.v4\.f32", ptx)
     read_back = count(r"ld\.global\.cg\.v4\.f32", ptx)
@@ -295,8 +298,9 @@ def assert_split_v4_vectors(knobs, ptx: str):
         assert reduced == read_back == 0
     else:                          # the workspace: added and (by the tile's last block) read back
         per_thread = -(-chunks // knobs.threads)
-        assert remote == 0 and reduced == read_back == per_thread
-        assert count(r"(atom|red)\.global(\.\w+)*\.add\.f32", ptx) == 0      # no 4-byte reductions
+        scalar = count(r"(atom|red)\.global(\.\w+)*\.add\.f32", ptx)
+        assert remote == 0 and read_back == per_thread
+        assert (reduced, scalar) == ((per_thread, 0) if hopper else (0, 4 * per_thread))
 
 
 def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled):
