@@ -460,13 +460,17 @@ def build(problem: Problem, knobs: Knobs):
                     acc[k] = acc[k] + C_s[row, col]
 
     @T.macro
-    def acc_to_global(acc, C, S, by, bx, wg, wq, lane):
+    def acc_to_global(acc, C, S, by, bx, wg, wq, lane, zero):
+        """The lane's sums to C (2-byte fragment stores, rows past m skipped); with a `zero` buffer
+        (stream_k's workspace, else None) the same elements of it are zeroed for the next call."""
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
                 for e in T.unroll(4):
                     row, col, k = fragment_element(by, bx, wg, wq, lane, i, c, e)
                     if row < m:
                         C[row, col] = output_value(acc[k], S, col)
+                        if zero is not None:
+                            zero[row, col] = T.float32(0)
 
     out_chunks = bm * bn // 8          # 16-byte chunks of the output tile
     out_rounds = -(-out_chunks // consumers)
@@ -505,7 +509,7 @@ def build(problem: Problem, knobs: Knobs):
         if kb.staged_store:
             acc_to_global_staged(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
         else:
-            acc_to_global(acc, C, S, by, bx, wg, wq, lane)
+            acc_to_global(acc, C, S, by, bx, wg, wq, lane, None)
 
     @T.macro
     def pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx, wg, wq, lane,
@@ -638,7 +642,7 @@ def build(problem: Problem, knobs: Knobs):
                 T.sync_threads()
                 if tx < consumers // 2:
                     shared_to_acc_add(acc, R_s, wg, wq, lane)
-                    acc_to_global(acc, C, S, by, bx, wg, wq, lane)
+                    acc_to_global(acc, C, S, by, bx, wg, wq, lane, None)
             elif producer:
                 if not in_producer_warp():
                     store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
@@ -677,7 +681,7 @@ def build(problem: Problem, knobs: Knobs):
                     T.warpgroup_fence_operand(acc, num_regs=acc_len)
                     if overlap:     # the tile's last k-tile is done too: release its stage
                         T.barrier_arrive(empty[(i * trips + trips - 1) % stages])
-                    acc_to_global(acc, C, S, tile_at[0], tile_at[1], wg, wq, lane)
+                    acc_to_global(acc, C, S, tile_at[0], tile_at[1], wg, wq, lane, None)
 
     half = kb.k_tiles(problem) // 2     # stream_k: a unit is two k-tiles, so every segment is even
 
@@ -707,13 +711,7 @@ def build(problem: Problem, knobs: Knobs):
                         row, col, k = fragment_element(by, bx, wg, wq, lane, i, c, e)
                         if row < m:
                             acc[k] = T.call_extern("float32", "__ldcg", T.access_ptr(ws[row, col], "r"))
-            for i in T.unroll(g):
-                for c in T.unroll(bm // 8):
-                    for e in T.unroll(4):
-                        row, col, k = fragment_element(by, bx, wg, wq, lane, i, c, e)
-                        if row < m:
-                            C[row, col] = output_value(acc[k], S, col)
-                            ws[row, col] = T.float32(0)
+            acc_to_global(acc, C, S, by, bx, wg, wq, lane, ws)
             if tx == 0:
                 counters[tile] = 0
         # flag is read before the next segment's partial may set it again
@@ -776,7 +774,7 @@ def build(problem: Problem, knobs: Knobs):
                     if overlap:     # the segment's last k-tile is done too: release its stage
                         T.barrier_arrive(empty[(seg[0] + seg[5] - 1) % stages])
                     if seg[6] == 1:
-                        acc_to_global(acc, C, S, seg[2], seg[3], wg, wq, lane)
+                        acc_to_global(acc, C, S, seg[2], seg[3], wg, wq, lane, None)
                     else:
                         # Blocks whose units meet this tile: the block of its first unit to that of its last.
                         first_block = T.truncdiv((seg[1] * half + 1) * stream_k - 1, units)
