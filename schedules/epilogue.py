@@ -14,6 +14,8 @@ Channelwise scales (one row, S[0, n]) are applied here, to the fp32 sums.
 import tilelang.language as T
 from tilelang.cuda.language.pdl import pdl_sync
 
+from .knob_space import split_v4_reason
+
 # Split-K arrival: every thread fences its workspace atomics, then one thread counts the block in.
 SPLIT_K_HELPERS = r"""
 __device__ __forceinline__ int tm_split_k_arrive(int* counter, int parts) {
@@ -158,9 +160,9 @@ def split_v4_helpers(block_m: int, block_n: int, split_k: int, threads: int, n: 
                      cluster: bool) -> str:
     """CUDA source of split_v4's functions for one kernel: tm_cluster_sum_store (with `cluster`) or
     tm_workspace_add and tm_workspace_store."""
-    if cluster and block_n % (4 * split_k):
-        raise ValueError(f"split_v4 gives each of {split_k} blocks of a cluster 4-column chunks: "
-                         f"block_n={block_n} is not a multiple of {4 * split_k}")
+    reason = split_v4_reason(split_k, cluster, block_n)
+    if reason:
+        raise ValueError(reason)
     shape = dict(bm=block_m, bn=block_n, threads=threads, ldc=n)
     if not cluster:
         return STORE4 + WORKSPACE_SUM_V4.format(**shape)

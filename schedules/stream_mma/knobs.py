@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import Arch
+from ..knob_space import split_v4_reason
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 
@@ -153,11 +154,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"pdl needs griddepcontrol (sm_90); {arch.name} has none"
     if kb.pdl and kb.cluster_reduce:
         return "cluster_reduce kernels are already launched with programmatic stream serialization; drop pdl"
-    if kb.split_v4 and kb.split_k < 2:
-        return "split_v4 is a way of adding split-K's partial tiles: it needs split_k > 1"
-    if kb.split_v4 and kb.cluster_reduce and kb.block_n % (4 * kb.split_k):
-        return (f"split_v4 gives each of the {kb.split_k} blocks of a cluster 4-column chunks: block_n={kb.block_n} "
-                f"is not a multiple of {4 * kb.split_k}")
+    if kb.split_v4 and (reason := split_v4_reason(kb.split_k, kb.cluster_reduce, kb.block_n)):
+        return reason
     if kb.early_start < 0:
         return f"early_start={kb.early_start} must be 0 (off) or a number of batches"
     if kb.early_start and not (kb.pdl or kb.cluster_reduce):

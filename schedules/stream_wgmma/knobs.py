@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..arch import Arch
 from ..marlin_mma.layout import SLAB_N, TILE_K
-from ..knob_space import tiling_reason
+from ..knob_space import split_v4_reason, tiling_reason
 from ..problem import Problem
 
 WARPGROUP = 128
@@ -243,11 +243,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "panel_m orders the tiled launch; persistent blocks walk their tiles in their own order"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
-    if kb.split_v4 and kb.split_k < 2:
-        return "split_v4 is a way of adding split-K's partial tiles: it needs split_k > 1"
-    if kb.split_v4 and kb.cluster_reduce and kb.block_n % (4 * kb.split_k):
-        return (f"split_v4 gives each of the {kb.split_k} blocks of a cluster 4-column chunks: block_n={kb.block_n} "
-                f"is not a multiple of {4 * kb.split_k}")
+    if kb.split_v4 and (reason := split_v4_reason(kb.split_k, kb.cluster_reduce, kb.block_n)):
+        return reason
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
     if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
