@@ -54,14 +54,3 @@ def knob_value(knobs_cls, name: str, text: str):
         return int(text)
     except ValueError:
         raise ValueError(f"knob {name!r} takes integers, not {text!r}") from None
-
-
-def split_v4_reason(split_k: int, cluster: bool, block_n: int) -> str | None:
-    """Why split_v4 (schedules/epilogue.py) cannot add this kernel's partial tiles, or None: it needs
-    split-K, and in a cluster every block takes whole 4-column chunks of each row."""
-    if split_k < 2:
-        return "split_v4 is a way of adding split-K's partial tiles: it needs split_k > 1"
-    if cluster and block_n % (4 * split_k):
-        return (f"split_v4 gives each of the {split_k} blocks of a cluster 4-column chunks: block_n={block_n} "
-                f"is not a multiple of {4 * split_k}")
-    return None

@@ -44,14 +44,13 @@ CASES = {
     # the warps' sums meet through a slice each, then the cluster's split-K.
     "sm90a_sum_slices": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                                 cluster_reduce=True, sum_slices=True)),
-    # ... and summed with 16-byte loads, all of a thread's in flight (split_v4: 8 ranks, 2 chunks of a row each)
-    "sm90a_cluster8_v4": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 8, ahead=1, cluster_reduce=True,
-                                                                split_v4=True)),
-    # ... and through the workspace with 16-byte reductions and read-back (two m-tiles)
-    "sm90a_split4_v4": ("sm_90a", Problem(512, 4096, 128), Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True,
-                                                               split_v4=True)),
-    "sm80_split4_v4": ("sm_80", Problem(512, 4096, 128), Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True,
-                                                             split_v4=True)),
+    # ... with 8 ranks, 2 chunks of a row each; with 3, whose chunks do not divide a row
+    "sm90a_cluster8": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 8, ahead=1, cluster_reduce=True)),
+    "sm90a_cluster3": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 8, 3, ahead=1, fold_zero_point=True,
+                                                             cluster_reduce=True, sum_slices=True)),
+    # ... and through the workspace (two m-tiles)
+    "sm90a_split4": ("sm_90a", Problem(512, 4096, 128), Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True)),
+    "sm80_split4": ("sm_80", Problem(512, 4096, 128), Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True)),
     # launched with programmatic stream serialization, split-K through the workspace.
     "sm90a_pdl_splitk": ("sm_90a", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                                 pdl=True)),
@@ -237,8 +236,7 @@ def test_split_k_reduction_present_only_when_split(compiled):
         else:
             assert cluster_ops == (0, 0)
         return
-    # (split_v4: the last block's read-back and its __ldcg are in tm_workspace_store)
-    assert "tm_split_k_arrive(" in body and ("__ldcg" in body or knobs.split_v4 and "tm_workspace_store(" in body)
+    assert "tm_split_k_arrive(" in body and "tm_workspace_store(" in body   # the last block's read-back
     assert global_f32_adds > 0     # fp32 partials into the global workspace
     assert counter_adds > 0        # the per-tile arrival counter
 
@@ -276,24 +274,24 @@ def test_warps_sums_meet_in_turn_or_through_slices(compiled):
         assert in_turn and "P_s" not in after
 
 
-def test_split_v4_moves_whole_vectors(compiled):
+def test_split_k_sums_move_whole_vectors(compiled):
     arch, _, knobs, _, ptx = compiled
-    assert_split_v4_vectors(knobs, ptx, hopper=arch == "sm_90a")
+    assert_split_sums_move_vectors(knobs, ptx, hopper=arch == "sm_90a")
 
 
-def assert_split_v4_vectors(knobs, ptx: str, hopper: bool = True):
-    """split_v4 (both stream families): every access to the other blocks' partial sums is 16 bytes
+def assert_split_sums_move_vectors(knobs, ptx: str, hopper: bool = True):
+    """Split-K (the three mma families): every access to the other blocks' partial sums is 16 bytes
     wide and unrolled, a thread's share of the tile in ceil(chunks / threads) accesses (before sm_90
     the workspace's reductions are four 4-byte ones: no 16-byte float reduction there)."""
     remote = count(r"ld\.shared::cluster\.v4\.f32", ptx)
     reduced = count(r"(atom|red)\.global(\.\w+)*\.v4\.f32", ptx)
     read_back = count(r"ld\.global\.cg\.v4\.f32", ptx)
-    if not knobs.split_v4:
+    if knobs.split_k == 1:
         assert remote == read_back == 0
         return
     chunks = knobs.block_m * knobs.block_n // 4
-    if knobs.cluster_reduce:       # per rank, its share of the 4-column chunks
-        per_thread = -(-chunks // knobs.split_k // knobs.threads)
+    if getattr(knobs, "cluster_reduce", False):    # per rank, its share of the 4-column chunks
+        per_thread = -(-(-(-chunks // knobs.split_k)) // knobs.threads)
         assert remote == count(r"ld\.shared::cluster", ptx) == per_thread * knobs.split_k
         assert reduced == read_back == 0
     else:                          # the workspace: added and (by the tile's last block) read back

@@ -9,10 +9,9 @@ import pytest
 from gen.compile import compile_schedule
 from schedules import stream_wgmma
 from schedules.arch import get_arch
-from schedules.epilogue import split_v4_helpers
 from schedules.problem import Problem
 from schedules.registry import Schedule
-from tests.test_codegen_stream import assert_split_v4_vectors, count, ptxas_output, ptxas_spills
+from tests.test_codegen_stream import assert_split_sums_move_vectors, count, ptxas_output, ptxas_spills
 
 Knobs = stream_wgmma.Knobs
 SM90 = get_arch("sm_90a")
@@ -88,20 +87,20 @@ CASES = {
     "tma_setmaxnreg_staged_panel4": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True,
                                                                     tma=True, release_barriers=True, producer_warp=True,
                                                                     setmaxnreg=True, staged_store=True, panel_m=4)),
-    # split_v4: the cluster's sum with 16-byte loads, all of a thread's in flight: small M with four ranks, and
-    # bf16 channelwise at block 128 x 128 with two (qkv M=128's winner split in two)
-    # ... and through the workspace: 16-byte reductions, the last block's reads all at once
-    "tma_producer_split4_v4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=4,
-                                                              smem_weights=True, tma=True, release_barriers=True,
-                                                              producer_warp=True, pdl=True, split_v4=True)),
-    "tma_producer_cluster_v4_split4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=4,
-                                                                      smem_weights=True, tma=True,
-                                                                      release_barriers=True, producer_warp=True,
-                                                                      cluster_reduce=True, split_v4=True)),
-    "tma_producer_cluster_v4_bf16_channelwise": (Problem.make(1024, 4096, -1, dtype="bfloat16"),
-                                                 Knobs(128, 1, 2, 128, 4, overlap=True, split_k=2, smem_weights=True,
-                                                       tma=True, release_barriers=True, producer_warp=True,
-                                                       cluster_reduce=True, split_v4=True)),
+    # split-K's sums with 16-byte accesses, all of a thread's loads in flight: through the workspace, and
+    # bf16 channelwise at block 128 x 128 through a cluster of two (qkv M=128's winner split in two); and
+    # three ranks, whose 4-column chunks do not divide a row of 64 columns
+    "tma_producer_split4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=4,
+                                                           smem_weights=True, tma=True, release_barriers=True,
+                                                           producer_warp=True, pdl=True)),
+    "tma_producer_cluster_bf16_channelwise": (Problem.make(1024, 4096, -1, dtype="bfloat16"),
+                                              Knobs(128, 1, 2, 128, 4, overlap=True, split_k=2, smem_weights=True,
+                                                    tma=True, release_barriers=True, producer_warp=True,
+                                                    cluster_reduce=True)),
+    "tma_producer_cluster_split3": (Problem(1024, 3072, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=3,
+                                                                   smem_weights=True, tma=True,
+                                                                   release_barriers=True, producer_warp=True,
+                                                                   cluster_reduce=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
 }
@@ -277,17 +276,9 @@ def test_split_k_through_the_cluster_or_the_workspace(compiled):
         assert remote == 0 and atomics > 0 and knobs.uses_workspace
 
 
-def test_split_v4_moves_whole_vectors(compiled):
+def test_split_k_sums_move_whole_vectors(compiled):
     _, knobs, _, ptx = compiled
-    assert_split_v4_vectors(knobs, ptx)
-
-
-def test_split_v4_needs_a_split_and_whole_chunks():
-    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
-    problem = Problem(4096, 4096, 128)
-    assert "needs split_k > 1" in stream_wgmma.check(problem, Knobs(16, 1, 1, 64, 8, split_v4=True, **tma), SM90)
-    with pytest.raises(ValueError, match="not a multiple of 32"):
-        split_v4_helpers(16, 16, 8, 160, 4096, False, cluster=True)
+    assert_split_sums_move_vectors(knobs, ptx)
 
 
 def test_barriers_in_the_k_loops(compiled):

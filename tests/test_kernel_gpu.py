@@ -62,12 +62,12 @@ STREAM_KNOBS = {
                                                               late_trigger=True),
     "stream_m8_early_pdl_split4": stream_mma.Knobs(1, 1, 4, 8, 4, ahead=1, fold_zero_point=True, sum_slices=True,
                                                    pdl=True, early_start=4),
-    # split_v4: the workspace's sums and the cluster's with 16-byte accesses (8 ranks of 2 chunks per
-    # row; two m-tiles with 4 ranks)
-    "stream_m16_fold_split4_v4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, split_v4=True),
-    "stream_m8_cluster8_v4": stream_mma.Knobs(1, 1, 4, 4, 8, ahead=1, cluster_reduce=True, split_v4=True),
-    "stream_m16_early_cluster4_v4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True,
-                                                     sum_slices=True, early_start=2, split_v4=True),
+    # the cluster's sum where a row's 16 4-column chunks do not divide by the 3 ranks (o_proj M=1's
+    # runner-up), and with two m-tiles
+    "stream_m1_cluster3": stream_mma.Knobs(1, 1, 4, 8, 3, ahead=1, fold_zero_point=True, cluster_reduce=True,
+                                           sum_slices=True),
+    "stream_m16_early_cluster4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True,
+                                                  sum_slices=True, early_start=2),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {
@@ -143,16 +143,13 @@ STREAM_WGMMA_KNOBS = {
     "swg_m128_tma_wg2_staged": SW(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, staged_store=True),
     "swg_m128_tma_release_overlap": SW(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True),
     "swg_m64_tma_release_split4": SW(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True, release_barriers=True),
-    # split_v4: the workspace's sums with 16-byte accesses (down_proj M=16's winner), and the cluster's:
-    # small M with 4 ranks, and qkv M=128's winner split in two
-    "swg_m16_tma_producer_pdl_split4_v4": SW(16, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True, tma=True,
-                                             release_barriers=True, producer_warp=True, pdl=True, split_v4=True),
-    "swg_m16_tma_producer_cluster_split4_v4": SW(16, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True,
-                                                 tma=True, release_barriers=True, producer_warp=True,
-                                                 cluster_reduce=True, split_v4=True),
-    "swg_m128_wg2_k128_producer_cluster_split2_v4": SW(128, 1, 2, 128, 4, overlap=True, split_k=2, smem_weights=True,
-                                                       tma=True, release_barriers=True, producer_warp=True,
-                                                       cluster_reduce=True, split_v4=True),
+    # split-K through the workspace (down_proj M=16's winner) and through a cluster at block 128 x 128
+    # (qkv M=128's winner split in two)
+    "swg_m16_tma_producer_pdl_split4": SW(16, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True, tma=True,
+                                          release_barriers=True, producer_warp=True, pdl=True),
+    "swg_m128_wg2_k128_producer_cluster_split2": SW(128, 1, 2, 128, 4, overlap=True, split_k=2, smem_weights=True,
+                                                    tma=True, release_barriers=True, producer_warp=True,
+                                                    cluster_reduce=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},

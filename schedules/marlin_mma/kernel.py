@@ -24,7 +24,7 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
-from ..epilogue import SPLIT_K_HELPERS, store_tile, w4a16_prim_func
+from ..epilogue import split_k_prelude, store_tile, w4a16_prim_func
 from ..problem import Problem
 from .knobs import Knobs
 from .layout import SLAB_N
@@ -52,7 +52,8 @@ def build(problem: Problem, knobs: Knobs):
     split = kb.split_k > 1
     mma_dtype = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits)
-    prelude = render_dequant(dtype, problem.bits) + (SPLIT_K_HELPERS if split else "")
+    prelude = render_dequant(dtype, problem.bits) + split_k_prelude(bm, bn, kb.split_k, kb.threads, n,
+                                                                    problem.channelwise, cluster=False)
     acc_len = m_tiles * slabs * 8 * 4        # per slab: 8 n8 tiles x 4 fp32 accumulators
     grid_n = n // bn
     max_iters = -(-units // kb.split_k) * unit

@@ -48,9 +48,6 @@ AXES = {
     # early_start's launch of the next kernel after the k-loop instead of first: median 0.96x of
     # early_start alone (13 pairs at M = 1-8, 0.83-1.03), 1.02x of neither (session 9, perf-notes v30).
     "late_trigger": (False, True),
-    # split-K's partial tiles added with 16-byte accesses, each thread's loads all in flight at once
-    # (cluster and workspace): CPU-checked, not measured (perf-notes v31).
-    "split_v4": (False,),
 }
 # Axes that the first search round does not spread over (gen/search.py one_per_variant): the model
 # ranks their better value first and the second round's neighbours try the other.

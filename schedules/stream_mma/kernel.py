@@ -35,7 +35,7 @@ import tilelang.language as T
 
 from templates import dequant_function_names, mma_operand_dtype, raw_decode, render_dequant
 
-from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, split_v4_helpers, store_tile,
+from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, split_k_prelude, store_tile,
                         w4a16_prim_func, wait_for_prior_grids)
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
@@ -86,13 +86,11 @@ def build(problem: Problem, knobs: Knobs):
     # hi_off * sum(x / hi_mult, k % 16 >= 8) with the zero point 8 included, which one more MMA per
     # k-step computes from a constant A fragment.
     lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult
-    prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD + (SPLIT_K_HELPERS if split else "")
+    prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD
                + (CLUSTER_HELPERS if cluster else "") + (EARLY_START_HELPERS if kb.early_start else "")
-               + (split_v4_helpers(bm, bn, kb.split_k, kb.threads, problem.n, problem.channelwise, cluster)
-                  if kb.split_v4 else ""))
+               + split_k_prelude(bm, bn, kb.split_k, kb.threads, problem.n, problem.channelwise, cluster))
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
-    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster,
-                       split_v4=kb.split_v4)
+    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster)
 
     def acc_index(sj, j, mi):
         return ((sj * 4 + j) * m_tiles + mi) * 4

@@ -4,7 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arch import Arch
-from ..knob_space import split_v4_reason
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 
@@ -48,8 +47,6 @@ class Knobs:
     kernel), so that the first DRAM round trip falls under the previous kernel's tail. late_trigger
     (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
-    split_v4 (split_k > 1) adds the partial tiles with 16-byte accesses, each thread's loads all
-    in flight at once (the cluster's or the workspace's, schedules/epilogue.py).
     """
 
     m_tiles: int = 1
@@ -68,7 +65,6 @@ class Knobs:
     pdl: bool = False
     early_start: int = 0
     late_trigger: bool = False
-    split_v4: bool = False
 
     @property
     def block_m(self) -> int:
@@ -104,8 +100,7 @@ class Knobs:
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
-            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "") + (
-            "_v4" if self.split_v4 else "")
+            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -154,8 +149,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"pdl needs griddepcontrol (sm_90); {arch.name} has none"
     if kb.pdl and kb.cluster_reduce:
         return "cluster_reduce kernels are already launched with programmatic stream serialization; drop pdl"
-    if kb.split_v4 and (reason := split_v4_reason(kb.split_k, kb.cluster_reduce, kb.block_n)):
-        return reason
     if kb.early_start < 0:
         return f"early_start={kb.early_start} must be 0 (off) or a number of batches"
     if kb.early_start and not (kb.pdl or kb.cluster_reduce):

@@ -61,9 +61,6 @@ AXES = {
     # P blocks share every tile's k-tiles evenly (stream-K), partial tiles meeting in the split-K
     # workspace: no wave quantization. CPU-checked, not measured (perf-notes v29).
     "stream_k": (0,),
-    # split-K's partial tiles added with 16-byte accesses, each thread's loads all in flight at once
-    # (cluster and workspace): CPU-checked, not measured (perf-notes v31).
-    "split_v4": (False,),
 }
 # Knobs of the launch and the epilogue: the first search round keeps one of each point's variants.
 VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m")

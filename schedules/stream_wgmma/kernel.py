@@ -35,7 +35,7 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
-from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, split_v4_helpers, store_tile,
+from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, split_k_prelude, store_tile,
                         w4a16_prim_func, wait_for_prior_grids)
 from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
@@ -116,14 +116,13 @@ def build(problem: Problem, knobs: Knobs):
     ab = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
     cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
-    prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if split else "") + \
+    prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if kb.stream_k else "") + \
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
         (COPY16 if kb.staged_store else "") + (CONSUMERS_SYNC if kb.staged_store or kb.stream_k else "") + \
         (EARLY_START_HELPERS if kb.early_start else "") + \
-        (split_v4_helpers(bm, bn, kb.split_k, threads, n, problem.channelwise, cluster) if kb.split_v4 else "")
+        split_k_prelude(bm, bn, kb.split_k, threads, n, problem.channelwise, cluster)
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
-    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster,
-                       split_v4=kb.split_v4) \
+    store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
         if kb.split_k > 1 else None
     load_words = f"tm_ldg_words{g}"
     w_smem = kb.smem_weights

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..arch import Arch
 from ..marlin_mma.layout import SLAB_N, TILE_K
-from ..knob_space import split_v4_reason, tiling_reason
+from ..knob_space import tiling_reason
 from ..problem import Problem
 
 WARPGROUP = 128
@@ -66,9 +66,7 @@ class Knobs:
     4096), which L2 holds, instead of every M tile's activations (32 MB at M = 4096, 90 MB for
     down_proj) once per wave; 0 keeps the grid's order (M tiles fastest). stream_k (P > 0, the
     producer warp's tma pipeline, split_k 1) launches P blocks that share all tiles' k-tiles evenly
-    in units of two k-tiles; partial tiles meet in the split-K workspace (stream-K). split_v4 (split_k >
-    1) adds the partial tiles with 16-byte accesses, each thread's loads all in flight at once (the
-    cluster's or the workspace's, schedules/epilogue.py).
+    in units of two k-tiles; partial tiles meet in the split-K workspace (stream-K).
     """
 
     block_m: int = 128
@@ -92,7 +90,6 @@ class Knobs:
     early_start: int = 0
     panel_m: int = 0
     stream_k: int = 0
-    split_v4: bool = False
 
     @property
     def block_n(self) -> int:
@@ -146,8 +143,7 @@ class Knobs:
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
-                 (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
-                 ("_v4", self.split_v4))
+                 (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -243,8 +239,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "panel_m orders the tiled launch; persistent blocks walk their tiles in their own order"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
-    if kb.split_v4 and (reason := split_v4_reason(kb.split_k, kb.cluster_reduce, kb.block_n)):
-        return reason
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
     if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
