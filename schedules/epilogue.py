@@ -36,6 +36,15 @@ CLUSTER_HELPERS = r"""
 __device__ __forceinline__ void tm_wait_for_prior_grids() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
+
+// The cluster barrier after the split-K sum, before a block may exit: the other blocks only had to
+// finish reading this block's tile, and they used every value they read before they arrive, so the
+// arrive needs no release (TileLang's cluster_sync is arrive.release + wait.acquire, which ptxas
+// turns into MEMBAR.ALL.GPU: every thread waits for its global stores of C to be acknowledged).
+__device__ __forceinline__ void tm_cluster_sync_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n"
+               "barrier.cluster.wait.aligned;\n" ::: "memory");
+}
 """
 
 
@@ -220,7 +229,7 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
             else:
                 T.call_extern("handle", "tm_cluster_sum_store", T.access_ptr(C_s[0, 0], "r"),
                               T.access_ptr(C[by * bm, bx * bn], "w"), m - by * bm, T.block_rank_in_cluster(), tx)
-            T.cluster_sync()                  # no block leaves while others still read its tile
+            T.call_extern("handle", "tm_cluster_sync_relaxed")    # no block leaves while others read its tile
         elif split_k == 1:
             for i, j in T.Parallel(bm, bn):
                 if by * bm + i < m:
