@@ -167,6 +167,18 @@ def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
     return buckets
 
 
+def with_earlier_timings(timings: list[dict], earlier) -> list[dict]:
+    """This run's timings of a bucket, then the timings that the bucket's table entry (`earlier`, an
+    Entry or None) holds for kernels this run did not time, marked "earlier_run": a forced re-tune
+    adds to a bucket's record instead of erasing it. The winner is chosen from this run's alone (times
+    from another run are not comparable to a few per cent)."""
+    if earlier is None:
+        return timings
+    timed = {json.dumps(t.get("schedule"), sort_keys=True) for t in timings}
+    return timings + [dict(t, earlier_run=True) for t in earlier.all_timings
+                      if json.dumps(t.get("schedule"), sort_keys=True) not in timed]
+
+
 def run(args) -> int:
     try:
         targets = targets_from_args(args)
@@ -348,8 +360,9 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     def record(search):
         best = search.winner()
         if best is not None:
+            timings = with_earlier_timings(search.timings(), table.entry(search.problem, search.bucket))
             table.record(search.problem, search.bucket, best.schedule, best.us, fp16_us=search.fp16_us,
-                         gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=search.timings())
+                         gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=timings)
             table.save(path)   # after every bucket: an interrupted run resumes from here
         if forced and last_round:
             forced.finished(search.problem, search.bucket)

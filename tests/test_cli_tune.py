@@ -296,6 +296,20 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
             assert len(entry.all_timings) > 4        # round two measured more than the plan's top 4
     assert len(compiled) == 2 and all(len(jobs) == len(set(jobs)) for jobs in compiled)   # two rounds
     assert not list(cache_dir.rglob("*.force-progress"))
+    # A forced re-tune of the winners alone keeps the first run's other timings, marked as earlier.
+    first = {(n, b): TunedTable.load(table_path(GPU), GPU).entry(Problem.make(n=n, k=4096), b).all_timings
+             for n in (4096, 1024) for b in (1, 128)}
+    rc, out, err = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--top", "1",
+                        "--refine", "0", "--force", "--restart")
+    assert rc == 0, err
+    table = TunedTable.load(table_path(GPU), GPU)
+    for (n, bucket), before in first.items():
+        entry = table.entry(Problem.make(n=n, k=4096), bucket)
+        now = [t for t in entry.all_timings if not t.get("earlier_run")]
+        kept = [t for t in entry.all_timings if t.get("earlier_run")]
+        assert 1 <= len(now) <= 2 and entry.us == min(t["us"] for t in now)
+        assert sorted(t["name"] for t in entry.all_timings) == sorted(t["name"] for t in before)
+        assert kept and not {t["name"] for t in kept} & {t["name"] for t in now}
     compiled.clear()
     rc, out, _ = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128")
     assert rc == 0 and "0 to tune" in out and not compiled
