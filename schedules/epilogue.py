@@ -28,10 +28,11 @@ __device__ __forceinline__ int tm_split_k_arrive(int* counter, int parts) {
 """
 
 
-# The wait for the previous kernel in the stream, in every cluster kernel: TileLang 0.1.15's launcher (TVM's cuda_module.cc)
-# launches every cluster kernel with programmatic stream serialization allowed, so such a kernel can
-# start once the previous kernel's blocks have exited, before their writes are guaranteed visible;
-# `griddepcontrol.wait` waits for that (a no-op when nothing is pending). Cluster kernels run it first.
+# The wait for the previous kernel in the stream, in every cluster kernel: TileLang 0.1.15's launcher
+# (TVM's cuda_module.cc) launches every cluster kernel with programmatic stream serialization allowed,
+# so such a kernel can start once the previous kernel's blocks have exited, before their writes are
+# guaranteed visible; `griddepcontrol.wait` waits for that (a no-op when nothing is pending). Cluster
+# kernels run it first.
 CLUSTER_HELPERS = r"""
 __device__ __forceinline__ void tm_wait_for_prior_grids() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -172,7 +173,7 @@ def split_k_prelude(block_m: int, block_n: int, split_k: int, threads: int, n: i
              "\n      v.z *= static_cast<float>(scale[col + 2]); v.w *= static_cast<float>(scale[col + 3]);"
              ) if channelwise else ""
     return STORE4 + CLUSTER_SUM.format(ranks=split_k, scale_arg="const Out* scale, " if channelwise else "",
-                                          scale=scale, **shape)
+                                       scale=scale, **shape)
 
 
 # early_start: let the next kernel of the stream launch once every block of this one runs (its blocks
