@@ -247,7 +247,7 @@ def neighbours(schedule: Schedule, problem: Problem, arch: Arch) -> list[Schedul
 def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_bucket: int = 6,
                     from_best: int = 2) -> int:
     """The second round of a search, after the first is measured: per bucket, the winners of the
-    neighbouring buckets of the same problem (already compiled; one kernel serves any M) and the
+    two buckets on either side of the same problem (already compiled; one kernel serves any M) and the
     unmeasured neighbours of its `from_best` fastest correct candidates (the fastest one's first,
     each one's by estimate), up to `per_bucket` new candidates. The cost model orders a family's
     knobs well but not exactly (stages, the producer warp and split-K moved the H200's winners by
@@ -263,8 +263,9 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
             continue
         buckets = sorted(by_problem[search.problem])
         i = buckets.index(search.bucket)
-        adjacent = [by_problem[search.problem][b].winner() for b in buckets[max(0, i - 1):i + 2]
-                    if b != search.bucket]
+        # Nearest buckets first; two on each side: a shape that wins at M = 4 can win at M = 1 too.
+        near_buckets = sorted(buckets[max(0, i - 2):i + 3], key=lambda b: abs(buckets.index(b) - i))
+        adjacent = [by_problem[search.problem][b].winner() for b in near_buckets if b != search.bucket]
         pool = [w.schedule for w in adjacent if w is not None]
         near = []
         for r in timed[:from_best]:      # the best one's neighbours first, each list best estimate first

@@ -139,11 +139,27 @@ def test_weights_never_go_through_shared_memory(compiled):
     if knobs.async_weights:   # they do, by design
         assert count(r"cp\.async\.cg\.shared\.global", ptx) > 0
         return
-    if knobs.x_ldmatrix:     # only the activations do, 16 bytes per cp.async
-        assert count(r"cp\.async\.ca", ptx) == 0
+    if knobs.x_ldmatrix:     # only the activations do: 16 bytes per cp.async, through L1
+        assert count(r"cp\.async\.cg", ptx) == 0
+        assert count(r"cp\.async\.ca\.shared\.global \[%r\d+\], \[%rd\d+\], 16, %r\d+;", ptx) > 0
         return
     assert count(r"cp\.async(?!\.bulk\.prefetch\.L2)", ptx) == 0    # early_start's L2 prefetch lands nowhere
     assert count(r"ldmatrix", ptx) == 0
+
+
+def test_activation_slots_zero_fill_rows_past_m(compiled):
+    # Rows past M that repeated row M-1 made every warp ask L2 for the same lines (at M = 1 eight
+    # times over; perf-notes v35). They are zero-filled instead: every activation chunk's copy
+    # takes a condition on m (its source size is 0 when false).
+    *_, knobs, src, _ = compiled
+    if not knobs.x_ldmatrix:
+        return
+    body = kernel_body(src)
+    copies = re.findall(r"tm_cp_async_l1_16B\([^;]*;", body)
+    assert copies
+    for copy in copies:
+        assert "X_s" in copy and re.search(r"< m\)\);$", copy), copy
+    assert not re.search(r"cp_async_gs[^;]*X_s", body)
 
 
 def test_register_buffers_stay_in_registers(compiled):

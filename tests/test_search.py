@@ -229,6 +229,26 @@ def test_refinement_adds_neighbours_of_the_fastest_and_the_winners_beside():
     assert s.add_refinements(searches, H200, _spec(), per_bucket=0) == 0
 
 
+def test_refinement_reaches_winners_two_buckets_away_nearest_first():
+    # o_proj's M = 4 winner (warps' cp.async slots) also won M = 1 once measured there (perf-notes v35)
+    s = _search()
+    searches = s.plan([(QKV, b) for b in (1, 2, 4, 8)], H200, _spec(), top=4)
+    planned = {r.schedule for x in searches for r in x.results}
+    spare = iter(sorted({n for r in searches[0].results for n in s.neighbours(r.schedule, QKV, H200)
+                         if n not in planned}, key=lambda n: n.name))
+    for x in searches:                      # each bucket's winner: a schedule no other bucket planned
+        for i, r in enumerate(x.results):
+            r.us = 5.0 + i
+        x.results.append(s.Result(next(spare), 1.0, us=1.0))
+    winners = [x.winner().schedule for x in searches]
+    before = {x.bucket: [r.schedule for r in x.results] for x in searches}
+    s.add_refinements(searches, H200, _spec(), per_bucket=3)
+    fresh = {x.bucket: [r.schedule for r in x.results[len(before[x.bucket]):]] for x in searches}
+    assert fresh[1] == [winners[1], winners[2], *fresh[1][2:]]          # M = 2's, then M = 4's
+    assert fresh[2] == [winners[0], winners[2], winners[3]]            # one step away first, then two
+    assert fresh[8][:2] == [winners[2], winners[1]]
+
+
 def test_round_two_measures_only_the_new_candidates():
     s = _search()
     x = _bucket(s, 1, ["ok:5", "ok:4"])

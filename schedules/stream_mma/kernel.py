@@ -16,8 +16,9 @@ Why it looks the way it does:
 - A lane's activation fragment (row g, k 2t..2t+1 and 2t+8..2t+9) is two 4-byte loads from global
   memory (L1/L2 hits: every block reads the same rows), or with x_ldmatrix one ldmatrix.x4 per two
   k-steps from the warp's own shared slots, filled by coalesced 16-byte cp.async (fewer load-pipe
-  wavefronts at M >= 16). Rows past M repeat row M-1 instead of being predicated: they only feed
-  output columns that are never stored.
+  wavefronts at M >= 16). Rows past M only feed output columns that are never stored: the register
+  loads repeat row M-1 (L1 hits), the shared slots are zero-filled (cp.async skips L1, and at M = 1
+  eight copies of one row were eight L2 requests for the same lines from every warp).
 - Group scales multiply the decoded weights (one half2 multiply per pair); with scale_on_acc they
   scale each batch's fp32 sums instead, and with fold_zero_point the MMA gets raw magic-number codes
   while the offsets (magic number and zero point) come off each batch's sums before the scale: the
@@ -41,12 +42,19 @@ from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
 
-# Weights are read exactly once: 16-byte non-coherent loads that do not allocate in L1.
+# Weights are read exactly once: 16-byte non-coherent loads that do not allocate in L1. Activations
+# (x_ldmatrix) are read by every block of an SM for the same k-steps: their cp.async allocates in L1
+# (.ca; TileLang's 16-byte cp.async is .cg, L2 only), and rows past M are zero-filled, not read.
 STREAM_LOAD = r"""
 __device__ __forceinline__ void tm_load_stream_16B(const void* src, void* dst) {
   unsigned* d = reinterpret_cast<unsigned*>(dst);
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "l"(src));
+}
+__device__ __forceinline__ void tm_cp_async_l1_16B(void* dst, const void* src, bool row_exists) {
+  unsigned slot = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(slot), "l"(src), "r"(row_exists ? 16 : 0) : "memory");
 }
 """
 
@@ -141,12 +149,15 @@ def build(problem: Problem, knobs: Knobs):
                             for v in T.vectorized(2):
                                 x[buf * per_x + x_index(u, mi) + h * 2 + v] = A[row, (kt0 + u) * TILE_K + 2 * t + 8 * h + v]
             if x_smem:
-                # The batch's rows of A as 16-byte chunks, coalesced: 2 * unroll chunks per row.
+                # The batch's rows of A as 16-byte chunks, coalesced: 2 * unroll chunks per row. Rows past
+                # M are zero-filled, not read: at M = 1 every warp of the GPU asked L2 for the same few
+                # lines 8 times over (1.6-2x slower than at M = 8, perf-notes v35).
                 for c in T.unroll(x_chunks):
                     r = (c * 32 + lane) // (2 * unroll)
                     col = (c * 32 + lane) % (2 * unroll) * 8
-                    T.ptx_cp_async(T.access_ptr(X_s[wk, slot, r, col], "w", 8),
-                                   T.access_ptr(A[T.min(by * bm + r, m - 1), kt0 * TILE_K + col], "r", 8), 8)
+                    T.call_extern("handle", "tm_cp_async_l1_16B", T.access_ptr(X_s[wk, slot, r, col], "w", 8),
+                                  T.access_ptr(A[T.min(by * bm + r, m - 1), kt0 * TILE_K + col], "r", 8),
+                                  by * bm + r < m)
             if grouped and w_smem:
                 # The block's scale row of the batch's group: 8 halves per lane, slabs * 8 lanes.
                 if lane < slabs * 8:
