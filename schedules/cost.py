@@ -228,7 +228,9 @@ KNOB_FACTORS = {
     "stream_mma": {
         "fold_zero_point": ((16, 0.95), (None, 1.35)),
         "cluster_reduce": ((None, 0.97),),
-        "x_ldmatrix": ((2, 1.4), (4, 1.25), (8, 1.05), (16, 1.0), (None, 0.93)),
+        # The penalties up to M = 8 (1.4x at M <= 2) were measured while rows past M repeated row M-1
+        # and every warp fetched them from L2 (perf-notes v35); zero-filled and through L1 they are gone.
+        "x_ldmatrix": ((None, 0.93),),
         "async_weights": ((8, 0.95), (None, 0.92)),
         # Session 7 (v25), medians of 16 pairs each at M = 1 and 8.
         "sum_slices": ((None, 0.95),),
