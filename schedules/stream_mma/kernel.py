@@ -17,8 +17,9 @@ Why it looks the way it does:
   memory (L1/L2 hits: every block reads the same rows), or with x_ldmatrix one ldmatrix.x4 per two
   k-steps from the warp's own shared slots, filled by coalesced 16-byte cp.async (fewer load-pipe
   wavefronts at M >= 16). Rows past M only feed output columns that are never stored: the register
-  loads repeat row M-1 (L1 hits), the shared slots are zero-filled (cp.async skips L1, and at M = 1
-  eight copies of one row were eight L2 requests for the same lines from every warp).
+  loads repeat row M-1 (L1 hits), the shared slots are zero-filled (at M = 1 eight copies of one
+  row, fetched by L2-only cp.async, were eight requests for the same lines from every warp); their
+  copies allocate in L1, since the blocks of an SM read the same k-steps of A.
 - Group scales multiply the decoded weights (one half2 multiply per pair); with scale_on_acc they
   scale each batch's fp32 sums instead, and with fold_zero_point the MMA gets raw magic-number codes
   while the offsets (magic number and zero point) come off each batch's sums before the scale: the
