@@ -264,8 +264,8 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
         buckets = sorted(by_problem[search.problem])
         i = buckets.index(search.bucket)
         # Nearest buckets first; two on each side: a shape that wins at M = 4 can win at M = 1 too.
-        near_buckets = sorted(buckets[max(0, i - 2):i + 3], key=lambda b: abs(buckets.index(b) - i))
-        adjacent = [by_problem[search.problem][b].winner() for b in near_buckets if b != search.bucket]
+        near_buckets = [buckets[j] for d in (1, 2) for j in (i - d, i + d) if 0 <= j < len(buckets)]
+        adjacent = [by_problem[search.problem][b].winner() for b in near_buckets]
         pool = [w.schedule for w in adjacent if w is not None]
         near = []
         for r in timed[:from_best]:      # the best one's neighbours first, each list best estimate first
