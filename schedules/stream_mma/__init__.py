@@ -23,7 +23,9 @@ AXES = {
     "warps": (4, 8),        # 2 warps never won a sweep or a tune
     "unroll": (4, 8),       # nor did unroll 2
     "split_k": (1, 2, 3, 4, 6, 8, 16),
-    "ahead": (1, 2),        # 3 batches in flight never won (perf-notes v6); 1 won most in session 3
+    # Batches in flight per warp. 3 and 4 lost while the loads went into registers (perf-notes v6); through
+    # async_weights' shared slots they won 20 of the 24 buckets up to M = 32 (session 11, v35).
+    "ahead": (1, 2, 3, 4),
     # Measured on the H200 (docs/perf-notes.md v6) and left out of the search: capping registers for
     # occupancy gained nothing, and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
     "occupancy": (0,),
