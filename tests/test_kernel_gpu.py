@@ -68,6 +68,9 @@ STREAM_KNOBS = {
                                            sum_slices=True),
     "stream_m16_early_cluster4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True,
                                                   sum_slices=True, early_start=2),
+    # four batches in flight through the cp.async slots, two m-tiles (the M = 16-32 winners' shape)
+    "stream_m16_aw_ahead4_slices": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=4, fold_zero_point=True, x_ldmatrix=True,
+                                                    async_weights=True, sum_slices=True, pdl=True),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {
@@ -150,6 +153,10 @@ STREAM_WGMMA_KNOBS = {
     "swg_m128_wg2_k128_producer_cluster_split2": SW(128, 1, 2, 128, 4, overlap=True, split_k=2, smem_weights=True,
                                                     tma=True, release_barriers=True, producer_warp=True,
                                                     cluster_reduce=True),
+    # o_proj and down_proj M=128's winners (session 12): one warpgroup, 128 rows, split in a cluster
+    "swg_m128_k128_producer_cluster_split2_early": SW(128, 1, 1, 128, 4, overlap=True, split_k=2, smem_weights=True,
+                                                      tma=True, release_barriers=True, producer_warp=True,
+                                                      cluster_reduce=True, early_start=2),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
