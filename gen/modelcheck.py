@@ -9,6 +9,13 @@ schedules/cost.py and compared with the measured best: the first pick's time, an
 the selection a tune would measure (`--top`, at least half of it from each family). Per family and
 across families; also the model's mean log error (bias) per family. For refitting the model after a
 tune or a sweep: a change to cost.py is better when these ratios fall.
+
+    gen modelcheck --reach cache/tuned/nvidia-h200_sm_90a_132sm.json
+
+--reach asks the other question, whether a cold tune would find a table's winners at all: for every
+entry, is its winner (up to the family's variant axes, which the first round does not spread over)
+among the first round's candidates (gen.search.plan with --top), and where does the model rank it
+within its family? A winner outside the knob space (reached by `gen tune --variants`) has no rank.
 """
 from __future__ import annotations
 
@@ -94,6 +101,43 @@ def ranking_quality(groups: dict, arch, gpu, top: int, family: str | None = None
                    statistics.mean(logs), math.sqrt(statistics.mean(x * x for x in logs)))
 
 
+@dataclass
+class Reach:
+    """One tuned-table entry as a cold tune's first round sees it."""
+
+    problem: object
+    bucket: int
+    winner: object
+    in_first_round: bool
+    family_rank: int | None      # 0 = the model's first pick of the winner's family; None = outside the space
+
+
+def first_round_reach(table_path: str, arch, gpu, top: int) -> list[Reach]:
+    """Per entry of the tuned table at `table_path`: whether the first round of a cold tune measures the
+    entry's winner and the winner's place in its family's ranking; a malformed table is a ValueError."""
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+
+    from .search import first_round_ranking, top_of_each_family, without_variants
+
+    try:
+        with open(table_path) as f:
+            entries = [(Problem(**e["problem"]), int(e["bucket"]), Schedule.from_dict(e["schedule"]))
+                       for e in json.load(f)["entries"]]
+    except OSError as exc:
+        raise ValueError(f"{table_path}: {exc.strerror}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{table_path} is not a tuned table ({exc!r})") from None
+    reach = []
+    for problem, bucket, winner in entries:
+        ranked = first_round_ranking(problem, bucket, arch, gpu)
+        key = without_variants(winner)
+        first = {without_variants(s) for s in top_of_each_family(ranked, top)}
+        family = [without_variants(s) for s in ranked if s.family == winner.family]
+        reach.append(Reach(problem, bucket, winner, key in first, family.index(key) if key in family else None))
+    return reach
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("modelcheck", help="how well the cost model ranks recorded timings (no GPU)",
                               description=__doc__.split("\n\n")[0])
@@ -101,7 +145,10 @@ def register(subparsers) -> None:
     p.add_argument("--sweep", action="append", default=[], metavar="JSON",
                    help="a `gen sweep --json` file (repeatable)")
     p.add_argument("--arch", default="sm_90a", help="the arch the timings were taken on (default sm_90a)")
-    p.add_argument("--top", type=int, default=6, help="the selection a tune would measure (default 6)")
+    p.add_argument("--top", type=int, default=None,
+                   help="the selection a tune would measure (default 6; with --reach the tune's first round, 12)")
+    p.add_argument("--reach", metavar="JSON", help="instead: which of this tuned table's winners a cold tune's "
+                   "first round measures")
     p.set_defaults(func=run)
 
 
@@ -111,13 +158,18 @@ def run(args) -> int:
 
     from .tune import format_table
 
+    from .search import DEFAULT_TOP
+
     try:
-        if not args.table and not args.sweep:
-            raise ValueError("give recorded timings: --table T.json and/or --sweep S.json")
-        if args.top < 1:
-            raise ValueError(f"--top must be at least 1, got {args.top}")
+        top = args.top if args.top is not None else (DEFAULT_TOP if args.reach else 6)
+        if top < 1:
+            raise ValueError(f"--top must be at least 1, got {top}")
         arch = get_arch(args.arch)
         gpu = GpuSpec.for_arch(arch)
+        if args.reach:
+            return print_reach(first_round_reach(args.reach, arch, gpu, top), top)
+        if not args.table and not args.sweep:
+            raise ValueError("give recorded timings: --table T.json and/or --sweep S.json (or --reach T.json)")
         groups = load_timings(args.table, args.sweep)
     except ValueError as exc:
         print(f"gen modelcheck: {exc}", file=sys.stderr)
@@ -125,7 +177,7 @@ def run(args) -> int:
     families = sorted({s.family for timed in groups.values() for s in timed})
     rows = []
     for family in [None] + families:
-        q = ranking_quality(groups, arch, gpu, args.top, family)
+        q = ranking_quality(groups, arch, gpu, top, family)
         if q is not None:
             rows.append([family or "all families", q.groups, f"{q.first_mean:.3f}", f"{q.first_worst:.2f}",
                          f"{q.top_mean:.3f}", f"{q.log_bias:+.3f}", f"{q.log_rms:.3f}"])
@@ -135,6 +187,20 @@ def run(args) -> int:
         return 1
     print(f"cost model ({gpu.name}) against {sum(len(t) for t in groups.values())} timings; times relative to "
           "the measured best of each layer and M")
-    print(format_table(["family", "layer-Ms", "first pick", "worst", f"best of top {args.top}", "log bias",
+    print(format_table(["family", "layer-Ms", "first pick", "worst", f"best of top {top}", "log bias",
                         "log rms"], rows))
+    return 0
+
+
+def print_reach(reach: list[Reach], top: int) -> int:
+    """The entries whose winner the first round misses, and how many it measures."""
+    from .tune import format_table
+
+    missed = [r for r in reach if not r.in_first_round]
+    print(f"a cold tune's first round (top {top}) measures {len(reach) - len(missed)} of {len(reach)} winners "
+          "(up to variant axes)")
+    if missed:
+        print(format_table(["KxN", "bucket", "winner", "rank in family"],
+                           [[f"{r.problem.k}x{r.problem.n}", r.bucket, r.winner.name,
+                             "outside the space" if r.family_rank is None else r.family_rank + 1] for r in missed]))
     return 0

@@ -93,13 +93,19 @@ def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = 
         raise ValueError(f"--top must be at least 1, got {top}")
     searches = []
     for p, b in pairs:
-        ranked = rank(p, b, arch, gpu, families)
-        if families is None:
-            ranked = within_reach(ranked, p, b, gpu)
-        ranked = one_per_variant(ranked)
+        ranked = first_round_ranking(p, b, arch, gpu, families)
         searches.append(BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu))
                                             for s in top_of_each_family(ranked, top)]))
     return searches
+
+
+def first_round_ranking(problem: Problem, m: int, arch: Arch, gpu: GpuSpec, families=None) -> list[Schedule]:
+    """What the first round chooses from, fastest estimate first: the families in reach, one schedule
+    per point of their non-variant axes."""
+    ranked = rank(problem, m, arch, gpu, families)
+    if families is None:
+        ranked = within_reach(ranked, problem, m, gpu)
+    return one_per_variant(ranked)
 
 
 def within_reach(ranked: list[Schedule], problem: Problem, m: int, gpu: GpuSpec) -> list[Schedule]:
@@ -120,13 +126,19 @@ def one_per_variant(ranked: list[Schedule]) -> list[Schedule]:
     places on near-copies of one kernel. The second round's neighbours move those axes too."""
     seen, kept = set(), []
     for s in ranked:
-        variant = getattr(s.module, "VARIANT_AXES", ())
-        key = (s.family,) + tuple(v for name, v in zip(s.module.AXES, axis_values(s.module.AXES, s.knobs))
-                                  if name not in variant)
+        key = without_variants(s)
         if key not in seen:
             seen.add(key)
             kept.append(s)
     return kept
+
+
+def without_variants(schedule: Schedule) -> tuple:
+    """The schedule's family and its values on the family's AXES other than VARIANT_AXES."""
+    variant = getattr(schedule.module, "VARIANT_AXES", ())
+    return (schedule.family,) + tuple(v for name, v in zip(schedule.module.AXES,
+                                                           axis_values(schedule.module.AXES, schedule.knobs))
+                                      if name not in variant)
 
 
 def top_of_each_family(ranked: list[Schedule], top: int) -> list[Schedule]:

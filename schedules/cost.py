@@ -286,6 +286,10 @@ KNOB_FACTORS = {
         ("stages", 8): ((None, 0.88),),
         ("block_m", 128): ((64, 1.0), (256, 0.91), (None, 0.85)),
         ("block_m", 256): ((64, 1.0), (256, 0.82), (None, 0.74)),
+        # Session 12 (v36): 176-row tiles (fewer waves where 22016 columns leave the last one short,
+        # v33) measured 0.69-0.94x of the model's estimate at M = 512-1024 (medians per layer, 2-4
+        # timings each, against the other tiles of the same layer and M); unmeasured beyond.
+        ("block_m", 176): ((256, 1.0), (1024, 0.77), (None, 1.0)),
         # Session 8 (v28): medians of 23 pairs, every staged variant of a committed winner.
         "staged_store": ((64, 0.985), (256, 0.965), (None, 0.975)),
         # Session 8 (v28): medians of every pair with and without the knob in the session's tunes

@@ -64,3 +64,33 @@ def test_cli_prints_per_family_and_rejects_bad_input(tmp_path, capsys):
     assert "missing.json" in capsys.readouterr().err
     assert main(["modelcheck", "--sweep", table]) == 2          # a table is not a sweep
     assert "not a `gen sweep --json` file" in capsys.readouterr().err
+
+
+def test_reach_tells_which_winners_a_cold_tune_would_measure(tmp_path, capsys):
+    from gen.modelcheck import first_round_reach
+    from gen.search import first_round_ranking
+    from schedules import stream_wgmma
+    from schedules.registry import Schedule
+
+    ranked = first_round_ranking(O_PROJ, 1, H200, SPEC)
+    first_pick = ranked[0]
+    stream_picks = [s for s in ranked if s.family == "stream_wgmma"]
+    far = stream_picks[200]                      # deep in its family's ranking: not in a top-2 round
+    outside = Schedule("stream_wgmma", stream_wgmma.Knobs(88, 1, 1, 64, 4, overlap=True, smem_weights=True,
+                                                          tma=True))     # block_m 88 is not on the axis
+    assert stream_wgmma.check(O_PROJ, outside.knobs, H200) is None
+    table = TunedTable(GpuKey("NVIDIA H200", "sm_90a", 132))
+    for bucket, winner in ((1, first_pick), (2, far), (4, outside)):
+        table.record(O_PROJ, bucket, winner, 1.0)
+    path = tmp_path / "table.json"
+    table.save(path)
+
+    reach = {r.bucket: r for r in first_round_reach(str(path), H200, SPEC, top=2)}
+    assert reach[1].in_first_round
+    assert not reach[2].in_first_round and reach[2].family_rank == 200
+    assert not reach[4].in_first_round and reach[4].family_rank is None
+    assert main(["modelcheck", "--reach", str(path), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "measures 1 of 3 winners" in out and "outside the space" in out and far.name in out
+    assert main(["modelcheck", "--reach", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err

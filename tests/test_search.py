@@ -201,7 +201,7 @@ def test_neighbours_move_one_knob_or_a_coupled_pair():
     assert seeded.module.check(o_proj, seeded.knobs, H200) is None
     around = s.neighbours(seeded, o_proj, H200)
     assert Schedule("stream_wgmma", dataclasses.replace(seeded.knobs, stages=6)) in around
-    assert Schedule("stream_wgmma", dataclasses.replace(seeded.knobs, block_m=128, setmaxnreg=False)) in around
+    assert Schedule("stream_wgmma", dataclasses.replace(seeded.knobs, block_m=176, setmaxnreg=False)) in around
 
 
 def test_refinement_adds_neighbours_of_the_fastest_and_the_winners_beside():

@@ -20,7 +20,7 @@ workspace_elems, kernel_args = marlin_mma.workspace_elems, marlin_mma.kernel_arg
 AXES = {
     # Only the TMA pipeline is searched: on the H200 it ran 1.2-2.6x faster than the register and
     # cp.async pipelines at every M measured (perf-notes v13), which stay as knobs for comparison.
-    "block_m": (8, 16, 32, 64, 128, 256),     # 8 and 16: small M, a TMA-fed weight stream
+    "block_m": (8, 16, 32, 64, 128, 176, 256),     # 8 and 16: small M, a TMA-fed weight stream
     "groups": (1, 2),
     "warpgroups": (1, 2),
     # 128: two 64-wide boxes (one 128-byte swizzle atom each) per stage, twice the work per barrier
