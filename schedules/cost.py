@@ -305,12 +305,11 @@ KNOB_FACTORS = {
 
 
 def measured_factor(family: str, knobs, m: int) -> float:
-    """The measured corrections to the terms above at M = m: the KNOB_FACTORS of the techniques
-    `knobs` switches on and, for stream_mma, its shape knobs, fitted on 1066 H200 sweep timings of
-    session 3 (M = 1-64, four Llama-2-7B layers; perf-notes v12): wider M tiles cost more than the
-    weight bytes they save (more registers and loads per warp), unroll 8 less at M <= 16 (one fold
-    and one scale row per group), and split 8 less than its workspace traffic suggests. With them the
-    best of the model's top 5 is 1.021x the measured best on average (1.088x without)."""
+    """The measured corrections to the terms above at M = m: the KNOB_FACTORS of the techniques and
+    shape knobs that `knobs` has and, for stream_mma above M = 8, m_tiles ** 0.25 (session 3, perf-notes
+    v12: wider M tiles cost more than the weight bytes they save, more registers and loads per warp).
+    stream_mma's shape rows were refitted in session 12 (v36): `gen modelcheck` on its timings, best
+    of the top 6 1.005x of the measured best (1.112x before)."""
     factor = 1.0
     for key, rows in KNOB_FACTORS.get(family, {}).items():
         # A knob name applies when the knob is on; a (name, value) pair when the knob has that value.

@@ -24,10 +24,11 @@ AXES = {
     "unroll": (4, 8),       # nor did unroll 2
     "split_k": (1, 2, 3, 4, 6, 8, 16),
     # Batches in flight per warp. 3 and 4 lost while the loads went into registers (perf-notes v6); through
-    # async_weights' shared slots they won 20 of the 24 buckets up to M = 32 (session 11, v35).
+    # async_weights' shared slots they win 18 of the 24 buckets up to M = 32 (sessions 11-12, v35-v36).
     "ahead": (1, 2, 3, 4),
-    # Measured on the H200 (docs/perf-notes.md v6) and left out of the search: capping registers for
-    # occupancy gained nothing, and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
+    # Measured on the H200 (docs/perf-notes.md v6, v36) and left out of the search: capping registers for
+    # occupancy gained nothing (v36: two m-tiles at 142 instead of 229 registers, 3 blocks per SM instead
+    # of 2, 1.03-1.7x slower), and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
     "occupancy": (0,),
     "scale_on_acc": (False,),
     # Measured correct and each faster somewhere (perf-notes v7-v9): raw codes into the MMA at
