@@ -311,16 +311,26 @@ def measured_factor(family: str, knobs, m: int) -> float:
     stream_mma's shape rows were refitted in session 12 (v36): `gen modelcheck` on its timings, best
     of the top 6 1.005x of the measured best (1.112x before)."""
     factor = 1.0
-    for key, rows in KNOB_FACTORS.get(family, {}).items():
-        # A knob name applies when the knob is on; a (name, value) pair when the knob has that value.
-        name, value = key if isinstance(key, tuple) else (key, None)
+    for name, value, knob_factor in _factor_rows(family, m):
         if getattr(knobs, name) == value if value is not None else getattr(knobs, name):
-            factor *= next(f for up_to, f in rows if up_to is None or m <= up_to)
+            factor *= knob_factor
     if family != "stream_mma":
         return factor
     if m > 8:
         factor *= knobs.m_tiles ** 0.25
     return factor
+
+
+@functools.lru_cache(maxsize=None)
+def _factor_rows(family: str, m: int) -> tuple[tuple[str, object, float], ...]:
+    """KNOB_FACTORS of `family` at M = m as (knob, value, factor): a knob name applies when the knob is
+    on (value None), a (name, value) pair when the knob has that value. Built once per family and M:
+    the ranking calls measured_factor for every candidate of the space."""
+    rows = []
+    for key, by_m in KNOB_FACTORS.get(family, {}).items():
+        name, value = key if isinstance(key, tuple) else (key, None)
+        rows.append((name, value, next(f for up_to, f in by_m if up_to is None or m <= up_to)))
+    return tuple(rows)
 
 
 @functools.lru_cache(maxsize=256)
