@@ -208,16 +208,24 @@ def build(problem: Problem, knobs: Knobs):
                       a_off.data, 0, x.data, xb + x_index(u, mi), off.data, mi * 4, False)
 
     @T.macro
-    def weight_mma_from_offsets(a, x, acc, off, xb, u, sj, j, mi):
-        """offsets_first: a sum's MMA of k-step u, the batch's first (u = 0) starting from the negated
-        offsets' sums instead of the sum itself."""
-        if u == 0:
-            T.call_extern("handle", mma_from_c, T.access_ptr(acc[acc_index(sj, j, mi)], "w"),
-                          T.access_ptr(a[j * 8], "r"), T.access_ptr(x[xb + x_index(u, mi)], "r"),
-                          T.access_ptr(off[mi * 4], "r"))
+    def accumulate(a, x, acc, xb, u, sj, j, mi):
+        """Word j of slab sj (decoded into a) against k-step u of m-tile mi, into its sum."""
+        T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
+                  a.data, j * 8, x.data, xb + x_index(u, mi), acc.data, acc_index(sj, j, mi), False)
+
+    @T.macro
+    def weight_mma(a, x, acc, off, xb, u, sj, j, mi):
+        """accumulate; with offsets_first the batch's first (u = 0) starts from the negated offsets' sums
+        instead of the sum itself."""
+        if ofirst:
+            if u == 0:
+                T.call_extern("handle", mma_from_c, T.access_ptr(acc[acc_index(sj, j, mi)], "w"),
+                              T.access_ptr(a[j * 8], "r"), T.access_ptr(x[xb + x_index(u, mi)], "r"),
+                              T.access_ptr(off[mi * 4], "r"))
+            else:
+                accumulate(a, x, acc, xb, u, sj, j, mi)
         else:
-            T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                      a.data, j * 8, x.data, xb + x_index(u, mi), acc.data, acc_index(sj, j, mi), False)
+            accumulate(a, x, acc, xb, u, sj, j, mi)
 
     @T.macro
     def compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, buf, slot, batch, lane, wk):
@@ -269,12 +277,7 @@ def build(problem: Problem, knobs: Knobs):
                             T.call_extern("handle", decode, T.access_ptr(w[wb + (u * slabs + sj) * 4 + j], "r"),
                                           T.access_ptr(a[j * 8], "w"))
                         for mi in T.unroll(m_tiles):
-                            if ofirst:
-                                weight_mma_from_offsets(a, x, acc, off, xb, u, sj, j, mi)
-                            else:
-                                T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                                          a.data, j * 8, x.data, xb + x_index(u, mi),
-                                          acc.data, acc_index(sj, j, mi), False)
+                            weight_mma(a, x, acc, off, xb, u, sj, j, mi)
             if batch_sums:
                 # The batch lies in one group: its sums (less the offsets) take the group's scale once.
                 for sj in T.unroll(slabs):
