@@ -156,9 +156,8 @@ def run(args) -> int:
     from schedules.arch import get_arch
     from schedules.cost import GpuSpec
 
-    from .tune import format_table
-
     from .search import DEFAULT_TOP
+    from .tune import format_table
 
     try:
         top = args.top if args.top is not None else (DEFAULT_TOP if args.reach else 6)
