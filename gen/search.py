@@ -38,7 +38,11 @@ DEFAULT_TOP = 12
 # was 1.5x (perf-notes v5). At M >= 64 this skips stream_mma (3-4.6x) and mostly marlin_mma (2.1-2.9x),
 # the slowest candidates to time.
 FAMILY_CUTOFF = 2.5
-DEFAULT_REFINE = 6     # candidates per bucket in the second, local round (add_refinements)
+DEFAULT_REFINE = 6     # candidates per bucket in each local round (add_refinements)
+# Local rounds after the first: round two refines every bucket, each later one only the buckets whose
+# winner the round before changed (a hill climb from the new winner, which ends where nothing moves).
+REFINE_ROUNDS = 3
+PEERS_PER_BUCKET = 2   # other layers' winners at the same M that a local round measures (add_refinements)
 # fp16 outputs carry ~5e-4 of rounding error; bf16 has an 8-bit mantissa, so its rounding alone is ~2e-3.
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 STALL_TIMEOUT_S = 300.0   # no word from the measuring child for this long: the kernel is presumed hung
@@ -257,28 +261,39 @@ def neighbours(schedule: Schedule, problem: Problem, arch: Arch) -> list[Schedul
 
 
 def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_bucket: int = 6,
-                    from_best: int = 2) -> int:
-    """The second round of a search, after the first is measured: per bucket, the winners of the
-    two buckets on either side of the same problem (already compiled; one kernel serves any M) and the
-    unmeasured neighbours of its `from_best` fastest correct candidates (the fastest one's first,
-    each one's by estimate), up to `per_bucket` new candidates. The cost model orders a family's
-    knobs well but not exactly (stages, the producer warp and split-K moved the H200's winners by
-    5-20 %, perf-notes v16): a local search around what was measured fixes what it misranks.
-    Returns how many were added."""
+                    from_best: int = 2, only: list[BucketSearch] | None = None) -> int:
+    """A local round of a search, after the one before is measured: per bucket (of `only`, default
+    all), the winners of the buckets beside on the same problem (already compiled; one kernel serves
+    any M), the winners of the same bucket on the other problems, and the unmeasured neighbours of its
+    `from_best` fastest correct candidates (the fastest one's first, each one's by estimate), up to
+    `per_bucket` new candidates. The cost model orders a family's knobs well but not exactly (stages,
+    the producer warp and split-K moved the H200's winners by 5-20 %, perf-notes v16): a local search
+    around what was measured fixes what it misranks. Returns how many were added."""
     added = 0
     by_problem: dict[Problem, dict[int, BucketSearch]] = {}
+    peers: dict[tuple, list[BucketSearch]] = {}
     for search in searches:
         by_problem.setdefault(search.problem, {})[search.bucket] = search
-    for search in searches:
+        peers.setdefault(_peer_key(search), []).append(search)
+    for search in searches if only is None else only:
         timed = sorted((r for r in search.results if r.us is not None and r.error is None), key=lambda r: r.us)
         if not timed:
             continue
         buckets = sorted(by_problem[search.problem])
         i = buckets.index(search.bucket)
+
+        def beside(d):
+            return [by_problem[search.problem][buckets[j]].winner() for j in (i - d, i + d) if 0 <= j < len(buckets)]
+
+        # Another layer's winner at the same M: the layers of a model share M and often a kernel shape
+        # (11 of the 52 H200 winners of session 12 are another layer's, knob for knob), and a cold
+        # tune's first round may not have ranked it high enough for this layer.
+        others = [o.winner() for o in peers[_peer_key(search)] if o is not search]
+        others = sorted({w.schedule for w in others if w is not None},
+                        key=lambda s: (estimate_us(search.problem, s, search.bucket, gpu), s.name))[:PEERS_PER_BUCKET]
         # Nearest buckets first; two on each side: a shape that wins at M = 4 can win at M = 1 too.
-        near_buckets = [buckets[j] for d in (1, 2) for j in (i - d, i + d) if 0 <= j < len(buckets)]
-        adjacent = [by_problem[search.problem][b].winner() for b in near_buckets]
-        pool = [w.schedule for w in adjacent if w is not None]
+        pool = [w.schedule for w in beside(1) if w is not None] + others + \
+            [w.schedule for w in beside(2) if w is not None]
         near = []
         for r in timed[:from_best]:      # the best one's neighbours first, each list best estimate first
             near += sorted(neighbours(r.schedule, search.problem, arch),
@@ -291,6 +306,12 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
                 count += 1
         added += count
     return added
+
+
+def _peer_key(search: BucketSearch) -> tuple:
+    """Buckets whose winners may serve each other: the same M, quantization and activation dtype."""
+    p = search.problem
+    return search.bucket, "channelwise" if p.channelwise else p.group, p.bits, p.dtype
 
 
 def compile_jobs(searches: list[BucketSearch]) -> list[tuple[Problem, Schedule]]:

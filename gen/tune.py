@@ -7,7 +7,8 @@
 
 Results go to this GPU's tuned table (runtime/table.py) after every bucket, so an interrupted run
 resumes where it stopped; --force re-tunes what is already there. After the cost model's picks are
-measured, a second round (--refine, per bucket) measures their neighbours in knob space.
+measured, local rounds (--refine candidates per bucket) measure their neighbours in knob space and the
+winners of nearby buckets and of the other layers, until the winners stop moving (REFINE_ROUNDS).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pathlib import Path
 from runtime.table import BUCKETS
 from schedules.problem import SUPPORTED_DTYPES, Problem
 
-from .search import DEFAULT_REFINE, DEFAULT_TOP
+from .search import DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS
 
 
 @dataclass
@@ -47,8 +48,10 @@ def register(subparsers) -> None:
     p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure")
     p.add_argument("--refine", type=int, default=DEFAULT_REFINE,
-                   help="candidates per bucket in a second round around the first round's fastest (one knob "
-                        "a step away, the winners of the buckets beside); 0 = one round only")
+                   help="candidates per bucket in each local round around the fastest so far (one knob a step "
+                        "away, the winners of the buckets beside and of the other layers at the same M); up to "
+                        f"{REFINE_ROUNDS} rounds after the first, each after round two only where the winner "
+                        "moved; 0 = one round only")
     p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table (an "
                    "interrupted forced run of the same buckets resumes where it stopped)")
     p.add_argument("--restart", action="store_true", help="with --force: start over, ignoring an interrupted run")
@@ -355,7 +358,6 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     if args.seed_records:
         seeded = add_seeds(searches, args.seed_records, arch, spec, families=args.families)
         print(f"{seeded} candidates added from the sweep {args.seed}")
-    last_round = False      # a bucket is finished once its last round is measured
 
     def record(search):
         best = search.winner()
@@ -364,20 +366,32 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
             table.record(search.problem, search.bucket, best.schedule, best.us, fp16_us=search.fp16_us,
                          gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=timings)
             table.save(path)   # after every bucket: an interrupted run resumes from here
-        if forced and last_round:
-            forced.finished(search.problem, search.bucket)
+
+    def finished(done):
+        if forced:
+            for search in done:
+                forced.finished(search.problem, search.bucket)
 
     labels = {t.problem: t.label for t in targets}
     try:
-        last_round = not args.refine
         compile_and_measure_with_progress(searches, arch, args.workers, labels, on_bucket=record)
-        if args.refine and searches:
-            # Round two: the neighbours of what measured fastest, and the winners of the buckets beside.
-            added = add_refinements(searches, arch, spec, per_bucket=args.refine)
-            print(f"{added} candidates added around the measured winners (--refine {args.refine})")
-            last_round = True
-            compile_and_measure_with_progress(searches, arch, args.workers, labels, "check + time, round 2",
-                                              on_bucket=record)
+        # Local rounds: the neighbours of what measured fastest, the winners of the buckets beside and of
+        # the other layers at the same M; after round two only where the round before moved the winner.
+        active = list(searches) if args.refine else []
+        for round_no in range(2, 2 + REFINE_ROUNDS):
+            if not active:
+                break
+            before = {id(s): s.winner() for s in active}
+            added = add_refinements(searches, arch, spec, per_bucket=args.refine, only=active)
+            print(f"round {round_no}: {added} candidates added around the measured winners (--refine {args.refine})")
+            if not added:
+                break
+            compile_and_measure_with_progress(searches, arch, args.workers, labels,
+                                              f"check + time, round {round_no}", on_bucket=record)
+            moved = [s for s in active if s.winner() is not before[id(s)]]
+            finished([s for s in active if s not in moved])
+            active = moved
+        finished(searches)
     except MeasureError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
         return 1

@@ -249,6 +249,30 @@ def test_refinement_reaches_winners_two_buckets_away_nearest_first():
     assert fresh[8][:2] == [winners[2], winners[1]]
 
 
+def test_a_local_round_measures_the_other_layers_winners_at_the_same_m_and_only_where_asked():
+    s = _search()
+    o_proj, bf16 = Problem.make(n=4096, k=4096), Problem.make(n=4096, k=4096, dtype="bfloat16")
+    searches = s.plan([(QKV, 16), (o_proj, 16), (o_proj, 32), (bf16, 16)], H200, _spec(), top=3)
+    qkv16, o16, o32, bf16_16 = searches
+    planned = {r.schedule for x in searches for r in x.results}
+    spare = iter(sorted({n for r in o16.results for n in s.neighbours(r.schedule, o_proj, H200)
+                         if n not in planned and n.module.check(QKV, n.knobs, H200) is None
+                         and n.module.check(bf16, n.knobs, H200) is None}, key=lambda n: n.name))
+    for x in searches:                      # each bucket's winner: a schedule no other bucket planned
+        for i, r in enumerate(x.results):
+            r.us = 5.0 + i
+        x.results.append(s.Result(next(spare), 1.0, us=1.0))
+    winners = {id(x): x.winner().schedule for x in searches}
+    before = {id(x): len(x.results) for x in searches}
+    s.add_refinements(searches, H200, _spec(), per_bucket=3, only=[qkv16, bf16_16])
+    fresh = {id(x): [r.schedule for r in x.results[before[id(x)]:]] for x in searches}
+    # o_proj's M = 16 winner (same M, group and dtype) right after the buckets beside (none here)
+    assert fresh[id(qkv16)][0] == winners[id(o16)]
+    assert winners[id(o32)] not in fresh[id(qkv16)]          # another M is not a peer at this rank
+    assert winners[id(bf16_16)] not in fresh[id(qkv16)] and winners[id(qkv16)] not in fresh[id(bf16_16)]
+    assert not fresh[id(o16)] and not fresh[id(o32)]         # not asked: untouched
+
+
 def test_round_two_measures_only_the_new_candidates():
     s = _search()
     x = _bucket(s, 1, ["ok:5", "ok:4"])
