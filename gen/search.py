@@ -266,7 +266,7 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
     all), the winners of the buckets beside on the same problem (already compiled; one kernel serves
     any M), the winners of the same bucket on the other problems, and the unmeasured neighbours of its
     `from_best` fastest correct candidates (the fastest one's first, each one's by estimate), up to
-    `per_bucket` new candidates. The cost model orders a family's knobs well but not exactly (stages,
+    `per_bucket` new candidates, at most half of them other buckets' winners. The cost model orders a family's knobs well but not exactly (stages,
     the producer warp and split-K moved the H200's winners by 5-20 %, perf-notes v16): a local search
     around what was measured fixes what it misranks. Returns how many were added."""
     added = 0
@@ -298,12 +298,18 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
         for r in timed[:from_best]:      # the best one's neighbours first, each list best estimate first
             near += sorted(neighbours(r.schedule, search.problem, arch),
                            key=lambda s: (estimate_us(search.problem, s, search.bucket, gpu), s.name))
+        # At most half the places go to other buckets' winners: the rest to the neighbours, which
+        # are where a misranked knob is found (gate_up M = 64's winner is one warpgroup count away
+        # from the cold tune's, perf-notes v37).
         count = 0
-        for schedule in pool + near:
+        for schedule in pool:
+            if count >= per_bucket // 2:
+                break
+            count += _add_candidate(search, schedule, arch, gpu)
+        for schedule in near:
             if count >= per_bucket:
                 break
-            if _add_candidate(search, schedule, arch, gpu):
-                count += 1
+            count += _add_candidate(search, schedule, arch, gpu)
         added += count
     return added
 

@@ -1,6 +1,7 @@
 """`gen tune` and `gen cache` without a GPU: argument handling, resume, the dry run (one real
 compile), and listing, showing and clearing the cache."""
 import argparse
+import itertools
 
 import pytest
 
@@ -72,6 +73,8 @@ def test_bad_arguments_exit_2(capsys):
     assert rc == 2 and "bucket edges" in err
     rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--top", "0")
     assert rc == 2 and "--top" in err
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--time-budget", "0")
+    assert rc == 2 and "--time-budget" in err
 
 
 def test_resume_skips_tuned_buckets():
@@ -315,3 +318,23 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
     compiled.clear()
     rc, out, _ = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128")
     assert rc == 0 and "0 to tune" in out and not compiled
+    # Every new candidate faster than all before: each round moves every winner, so the rounds go on
+    # to the last one that the time budget allows.
+    ticks = itertools.count()
+
+    def faster_each_time(problem, arch, mine, progress=None, on_bucket=None, **_):
+        for x in mine:
+            x.fp16_us = 50.0
+            for r in x.results:
+                if r.us is None and r.error is None:
+                    r.us, r.rel_err = 40.0 - next(ticks) / 100, 1e-4
+                    progress(r)
+            on_bucket(x)
+
+    monkeypatch.setattr(search, "measure_problem", faster_each_time)
+    for budget, rounds in (("1e6", 1 + search.REFINE_ROUNDS), ("1e-6", 2)):
+        compiled.clear()
+        rc, out, err = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--top", "4",
+                            "--refine", "2", "--force", "--restart", "--time-budget", budget)
+        assert rc == 0, err
+        assert len(compiled) == rounds and f"round {rounds}: " in out and f"round {rounds + 1}: " not in out

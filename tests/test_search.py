@@ -242,11 +242,13 @@ def test_refinement_reaches_winners_two_buckets_away_nearest_first():
         x.results.append(s.Result(next(spare), 1.0, us=1.0))
     winners = [x.winner().schedule for x in searches]
     before = {x.bucket: [r.schedule for r in x.results] for x in searches}
-    s.add_refinements(searches, H200, _spec(), per_bucket=3)
+    s.add_refinements(searches, H200, _spec(), per_bucket=6)
     fresh = {x.bucket: [r.schedule for r in x.results[len(before[x.bucket]):]] for x in searches}
-    assert fresh[1] == [winners[1], winners[2], *fresh[1][2:]]          # M = 2's, then M = 4's
-    assert fresh[2] == [winners[0], winners[2], winners[3]]            # one step away first, then two
+    assert fresh[1][:2] == [winners[1], winners[2]]                    # M = 2's, then M = 4's
+    assert fresh[2][:3] == [winners[0], winners[2], winners[3]]        # one step away first, then two
     assert fresh[8][:2] == [winners[2], winners[1]]
+    # half the places at most for other buckets' winners: the rest are neighbours of the fastest
+    assert all(len(v) == 6 and len(set(v) & set(winners)) <= 3 for v in fresh.values())
 
 
 def test_a_local_round_measures_the_other_layers_winners_at_the_same_m_and_only_where_asked():
