@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import multiprocessing
 from dataclasses import dataclass, field
@@ -118,7 +119,8 @@ def within_reach(ranked: list[Schedule], problem: Problem, m: int, gpu: GpuSpec)
         return ranked
     fastest = {}
     for s in ranked:                        # fastest first: a family's first schedule is its fastest
-        fastest.setdefault(s.family, estimate_us(problem, s, m, gpu))
+        if s.family not in fastest:
+            fastest[s.family] = estimate_us(problem, s, m, gpu)
     limit = FAMILY_CUTOFF * min(fastest.values())
     return [s for s in ranked if fastest[s.family] <= limit]
 
@@ -137,6 +139,7 @@ def one_per_variant(ranked: list[Schedule]) -> list[Schedule]:
     return kept
 
 
+@functools.lru_cache(maxsize=1 << 18)     # the same schedules come back in every bucket of a problem
 def without_variants(schedule: Schedule) -> tuple:
     """The schedule's family and its values on the family's AXES other than VARIANT_AXES."""
     variant = getattr(schedule.module, "VARIANT_AXES", ())
@@ -296,8 +299,9 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
             [w.schedule for w in beside(2) if w is not None]
         near = []
         for r in timed[:from_best]:      # the best one's neighbours first, each list best estimate first
-            near += sorted(neighbours(r.schedule, search.problem, arch),
-                           key=lambda s: (estimate_us(search.problem, s, search.bucket, gpu), s.name))
+            near += _structure_first(r.schedule, sorted(
+                neighbours(r.schedule, search.problem, arch),
+                key=lambda s: (estimate_us(search.problem, s, search.bucket, gpu), s.name)))
         # At most half the places go to other buckets' winners: the rest to the neighbours, which
         # are where a misranked knob is found (gate_up M = 64's winner is one warpgroup count away
         # from the cold tune's, perf-notes v37).
@@ -312,6 +316,18 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
             count += _add_candidate(search, schedule, arch, gpu)
         added += count
     return added
+
+
+def _structure_first(schedule: Schedule, near: list[Schedule]) -> list[Schedule]:
+    """`near` (neighbours of `schedule`) taking turns, a move along a structural axis first, then one
+    along a VARIANT_AXES axis: a variant's estimate is within a few per cent of the kernel's own, so
+    by estimate alone the variants come first and fill the places (cold tune, gate_up M = 64: all
+    three went to variants within 1 % of the kernel, and the winner one warpgroup count away was
+    never measured; perf-notes v37)."""
+    own = without_variants(schedule)
+    structural = [s for s in near if without_variants(s) != own]
+    variants = [s for s in near if without_variants(s) == own]
+    return [s for pair in itertools.zip_longest(structural, variants) for s in pair if s is not None]
 
 
 def _peer_key(search: BucketSearch) -> tuple:

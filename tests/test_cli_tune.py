@@ -338,3 +338,4 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
                             "--refine", "2", "--force", "--restart", "--time-budget", budget)
         assert rc == 0, err
         assert len(compiled) == rounds and f"round {rounds}: " in out and f"round {rounds + 1}: " not in out
+    assert "round 3 (" in out and "skipped: it would end past --time-budget" in out

@@ -204,6 +204,27 @@ def test_neighbours_move_one_knob_or_a_coupled_pair():
     assert Schedule("stream_wgmma", dataclasses.replace(seeded.knobs, block_m=176, setmaxnreg=False)) in around
 
 
+def test_neighbours_take_turns_structural_axis_first_then_a_variant_axis():
+    from schedules import stream_wgmma
+    from schedules.registry import Schedule
+
+    s = _search()
+    o_proj = Problem.make(n=4096, k=4096)
+    best = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 2, 64, 6, overlap=True, smem_weights=True, tma=True,
+                                                       release_barriers=True, producer_warp=True, pdl=True,
+                                                       staged_store=True, early_start=2))
+    near = s.neighbours(best, o_proj, H200)
+    turns = s._structure_first(best, near)
+    assert sorted(turns, key=near.index) == near                      # the same schedules, reordered
+    is_variant = [s.without_variants(n) == s.without_variants(best) for n in turns]
+    assert 2 <= sum(is_variant) < len(turns) - 1                      # both kinds are there
+    assert is_variant[:4] == [False, True, False, True]
+    # within each kind the order of `near` stays
+    for kind in (False, True):
+        mine = [n for n, v in zip(turns, is_variant) if v == kind]
+        assert mine == sorted(mine, key=near.index)
+
+
 def test_refinement_adds_neighbours_of_the_fastest_and_the_winners_beside():
     s = _search()
     searches = s.plan([(QKV, b) for b in (1, 2, 4)], H200, _spec(), top=3)
