@@ -34,11 +34,6 @@ CASES = {
     # raw codes into the MMA, zero point and scale on the sums; bf16 on sm_80 for the other template.
     "sm80_bf16_fold_zero_point": ("sm_80", Problem(256, 1024, 128, dtype="bfloat16"),
                                   Knobs(2, 1, 4, 4, 2, ahead=1, fold_zero_point=True)),
-    # the offsets first, the sums started from them (two m-tiles, async weights; bf16 on sm_80 for the
-    # other MMA helper)
-    "sm80_bf16_offsets_first": ("sm_80", Problem(512, 2048, 128, dtype="bfloat16"),
-                                Knobs(2, 1, 4, 4, 1, ahead=2, fold_zero_point=True, x_ldmatrix=True, async_weights=True,
-                                      offsets_first=True)),
     # activations staged per warp by cp.async and read by ldmatrix, two batches in flight.
     "sm90a_x_ldmatrix": ("sm_90a", Problem(512, 1024, 128), Knobs(2, 1, 4, 4, 1, ahead=2, x_ldmatrix=True)),
     # every load of the k-loop a cp.async into the warp's slots: weights and scales too, three batches ahead.
@@ -353,31 +348,6 @@ def test_early_start_prefetches_weights_before_the_wait_and_launches_dependents(
     assert all(m.start() < wait for m in re.finditer(r"cp\.async\.bulk\.prefetch", ptx))
     # nothing is loaded from global memory into registers before the wait
     assert not re.search(r"ld\.global", ptx[:wait])
-
-
-def test_offsets_first_starts_each_batch_from_the_offsets(compiled):
-    # The batch's offset MMAs (one per k-step and m-tile) come before its first weight MMA, whose C
-    # operand is the offsets' sums (one per word and m-tile of the first k-step); the fold then only
-    # scales and adds: no subtraction of the offsets, which are negated in the constant A fragment.
-    _, problem, knobs, src, _ = compiled
-    body = kernel_body(src)
-    helper = "tm_mma_from_c_" + ("f16" if problem.dtype == "float16" else "bf16")
-    if not knobs.offsets_first:
-        assert helper not in body
-        return
-    first_mma = body.index(helper + "(")
-    assert count(re.escape(helper) + r"\(", body) == 1          # once in the unrolled source: u == 0
-    offsets = [m.start() for m in re.finditer(r"mma_sync<[^>]*>\(reinterpret_cast<float\*>\(off \+", body)]
-    assert offsets and max(offsets) < first_mma
-    assert not re.search(r"acc\[[^]]*\] - off\[", body) and "* -1" in body
-
-
-def test_offsets_first_needs_the_fold():
-    problem = Problem(512, 4096, 128)
-    assert "needs fold_zero_point" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, offsets_first=True),
-                                                       get_arch("sm_90a"))
-    assert stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, fold_zero_point=True, offsets_first=True),
-                            get_arch("sm_90a")) is None
 
 
 def test_early_start_needs_a_programmatic_launch():

@@ -68,14 +68,6 @@ STREAM_KNOBS = {
                                            sum_slices=True),
     "stream_m16_early_cluster4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True,
                                                   sum_slices=True, early_start=2),
-    # the sums started from the offsets (offsets_first, prepared in session 12): two m-tiles four batches
-    # deep, and one m-tile split in a cluster (the M = 1-8 winners' shape)
-    "stream_m16_aw_offsets_first": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=4, fold_zero_point=True, x_ldmatrix=True,
-                                                    async_weights=True, sum_slices=True, pdl=True, offsets_first=True),
-    "stream_m8_offsets_first_cluster2": stream_mma.Knobs(1, 1, 8, 4, 2, ahead=3, fold_zero_point=True,
-                                                         cluster_reduce=True, x_ldmatrix=True, async_weights=True,
-                                                         sum_slices=True, early_start=2, late_trigger=True,
-                                                         offsets_first=True),
     # four batches in flight through the cp.async slots, two m-tiles (the M = 16-32 winners' shape)
     "stream_m16_aw_ahead4_slices": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=4, fold_zero_point=True, x_ldmatrix=True,
                                                     async_weights=True, sum_slices=True, pdl=True),
@@ -171,7 +163,6 @@ SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
-                  "stream_m16_aw_offsets_first",
                   "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]

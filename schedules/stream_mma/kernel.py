@@ -60,23 +60,6 @@ __device__ __forceinline__ void tm_cp_async_l1_16B(void* dst, const void* src, b
 """
 
 
-# offsets_first: the batch's first MMA of each sum reads its C operand from the offsets' sums and writes the
-# sum (TileLang's ptx_mma accumulates in place: C and D are one buffer).
-MMA_FROM_C = r"""
-__device__ __forceinline__ void tm_mma_from_c_{ab}(void* d, const void* a, const void* b, const void* c) {{
-  float* D = reinterpret_cast<float*>(d);
-  const unsigned* A = reinterpret_cast<const unsigned*>(a);
-  const unsigned* B = reinterpret_cast<const unsigned*>(b);
-  const float* C = reinterpret_cast<const float*>(c);
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{%0, %1, %2, %3}}, {{%4, %5, %6, %7}}, {{%8, %9}}, "
-      "{{%10, %11, %12, %13}};\n"
-      : "=f"(D[0]), "=f"(D[1]), "=f"(D[2]), "=f"(D[3])
-      : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(B[0]), "r"(B[1]),
-        "f"(C[0]), "f"(C[1]), "f"(C[2]), "f"(C[3]));
-}}
-"""
-
-
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
@@ -112,13 +95,7 @@ def build(problem: Problem, knobs: Knobs):
     # hi_off * sum(x / hi_mult, k % 16 >= 8) with the zero point 8 included, which one more MMA per
     # k-step computes from a constant A fragment.
     lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult
-    # offsets_first: the offsets' sums come out negated (the sums start from them).
-    ofirst = kb.offsets_first
-    off_sign = -1 if ofirst else 1
-    mma_ab = {"fp16": "f16", "bf16": "bf16"}[mma_dtype]
-    mma_from_c = f"tm_mma_from_c_{mma_ab}"
     prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD
-               + (MMA_FROM_C.format(ab=mma_ab) if ofirst else "")
                + (CLUSTER_HELPERS if cluster else "") + (EARLY_START_HELPERS if kb.early_start else "")
                + split_k_prelude(bm, bn, kb.split_k, kb.threads, problem.n, problem.channelwise, cluster))
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
@@ -214,20 +191,6 @@ def build(problem: Problem, knobs: Knobs):
                   a.data, j * 8, x.data, xb + x_index(u, mi), acc.data, acc_index(sj, j, mi), False)
 
     @T.macro
-    def weight_mma(a, x, acc, off, xb, u, sj, j, mi):
-        """accumulate; with offsets_first the batch's first (u = 0) starts from the negated offsets' sums
-        instead of the sum itself."""
-        if ofirst:
-            if u == 0:
-                T.call_extern("handle", mma_from_c, T.access_ptr(acc[acc_index(sj, j, mi)], "w"),
-                              T.access_ptr(a[j * 8], "r"), T.access_ptr(x[xb + x_index(u, mi)], "r"),
-                              T.access_ptr(off[mi * 4], "r"))
-            else:
-                accumulate(a, x, acc, xb, u, sj, j, mi)
-        else:
-            accumulate(a, x, acc, xb, u, sj, j, mi)
-
-    @T.macro
     def compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, buf, slot, batch, lane, wk):
         """Decode and multiply the batch in register buffer `buf` (activations, and with async_weights
         the weights and scales too: shared slot `slot`)."""
@@ -253,17 +216,13 @@ def build(problem: Problem, knobs: Knobs):
                                        T.access_ptr(X_s[wk, slot, mi * MMA_N + lane % 8, u * 32 + (lane // 8) * 8], "r"),
                                        T.access_ptr(x[xb + x_index(2 * u, mi)], "w"))
             if batch_sums:
-                if not ofirst:           # offsets_first: the first MMA of each sum overwrites it
-                    for i in T.unroll(acc_len):
-                        acc[i] = T.float32(0)
+                for i in T.unroll(acc_len):
+                    acc[i] = T.float32(0)
                 if fold:
                     for i in T.unroll(m_tiles * 4):
                         off[i] = T.float32(0)
-            if ofirst:
-                for u in T.unroll(unroll):
-                    offsets(x, a_off, off, xb, u)
             for u in T.unroll(unroll):
-                if fold and not ofirst:
+                if fold:
                     offsets(x, a_off, off, xb, u)
                 for sj in T.unroll(slabs):
                     for j in T.unroll(4):
@@ -277,7 +236,7 @@ def build(problem: Problem, knobs: Knobs):
                             T.call_extern("handle", decode, T.access_ptr(w[wb + (u * slabs + sj) * 4 + j], "r"),
                                           T.access_ptr(a[j * 8], "w"))
                         for mi in T.unroll(m_tiles):
-                            weight_mma(a, x, acc, off, xb, u, sj, j, mi)
+                            accumulate(a, x, acc, xb, u, sj, j, mi)
             if batch_sums:
                 # The batch lies in one group: its sums (less the offsets) take the group's scale once.
                 for sj in T.unroll(slabs):
@@ -285,7 +244,7 @@ def build(problem: Problem, knobs: Knobs):
                         for mi in T.unroll(m_tiles):
                             for e in T.unroll(4):
                                 i = acc_index(sj, j, mi) + e
-                                part = acc[i] - off[mi * 4 + e] if fold and not ofirst else acc[i]
+                                part = acc[i] - off[mi * 4 + e] if fold else acc[i]
                                 if grouped:
                                     total[i] = total[i] + part * T.cast(scale[sb + sj * 8 + 2 * j + e // 2], "float32")
                                 else:
@@ -350,7 +309,7 @@ def build(problem: Problem, knobs: Knobs):
                 off[i] = T.float32(0)
             for i in T.unroll(8):
                 # A registers 0-3 meet k % 16 < 8, registers 4-7 meet k % 16 >= 8.
-                a_off[i] = T.cast(off_sign * (lo_off if i < 4 else hi_off), dtype)
+                a_off[i] = T.cast(lo_off if i < 4 else hi_off, dtype)
 
             for p in T.unroll(ahead - 1):
                 load(A, B, S, w, x, scale, X_s, W_s, S_s, p, p, p * workers + first, by, bx, lane, wk, g, t)

@@ -47,10 +47,6 @@ class Knobs:
     kernel), so that the first DRAM round trip falls under the previous kernel's tail. late_trigger
     (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
-    offsets_first (with fold_zero_point) computes each batch's offsets before its weight MMAs, negated,
-    and hands them to the first MMA of every sum as its C operand: the batch's sums then start at minus
-    the offsets, so they need neither a reset nor a subtraction per sum and batch (perf-notes v36: at
-    two m-tiles the subtraction is 32 of a batch's ~260 instructions; the k-loop's SASS 1064 -> 976).
     """
 
     m_tiles: int = 1
@@ -69,7 +65,6 @@ class Knobs:
     pdl: bool = False
     early_start: int = 0
     late_trigger: bool = False
-    offsets_first: bool = False
 
     @property
     def block_m(self) -> int:
@@ -105,8 +100,7 @@ class Knobs:
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
-            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "") + (
-            "_of" if self.offsets_first else "")
+            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -161,8 +155,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "early_start overlaps a programmatic launch: it needs pdl or cluster_reduce"
     if kb.late_trigger and not kb.early_start:
         return "late_trigger moves early_start's launch of the next kernel: it needs early_start"
-    if kb.offsets_first and not kb.fold_zero_point:
-        return "offsets_first starts the sums at fold_zero_point's offsets: it needs fold_zero_point"
     if kb.x_ldmatrix and kb.unroll % 2:
         return f"x_ldmatrix reads two k-steps per ldmatrix.x4: unroll={kb.unroll} must be even"
     if kb.async_weights and not kb.x_ldmatrix:
