@@ -38,9 +38,10 @@ CASES = {
     "sm90a_paired": ("sm_90a", Problem(512, 2048, 128), Knobs(1, 1, 4, 4, 1, ahead=4, fold_zero_point=True,
                                                             x_ldmatrix=True, async_weights=True, sum_slices=True,
                                                             pdl=True, paired=True)),
-    # ... on sm_80 in bf16, the weights scaled as they are decoded and the warps' sums added in turn
-    "sm80_bf16_paired": ("sm_80", Problem(512, 2048, 128, dtype="bfloat16"),
-                         Knobs(1, 1, 4, 4, 1, ahead=2, x_ldmatrix=True, async_weights=True, paired=True)),
+    # ... two m-tiles a warp (M = 32) on sm_80 in bf16, the weights scaled as they are decoded and the
+    # warps' sums added in turn
+    "sm80_bf16_paired_mt2": ("sm_80", Problem(512, 2048, 128, dtype="bfloat16"),
+                             Knobs(2, 1, 4, 4, 1, ahead=2, x_ldmatrix=True, async_weights=True, paired=True)),
     # activations staged per warp by cp.async and read by ldmatrix, two batches in flight.
     "sm90a_x_ldmatrix": ("sm_90a", Problem(512, 1024, 128), Knobs(2, 1, 4, 4, 1, ahead=2, x_ldmatrix=True)),
     # every load of the k-loop a cp.async into the warp's slots: weights and scales too, three batches ahead.

@@ -77,6 +77,8 @@ STREAM_KNOBS = {
                                                    early_start=2, late_trigger=True, paired=True),
     "stream_m16_paired_serial_sums": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=2, x_ldmatrix=True, async_weights=True,
                                                       paired=True),
+    "stream_m32_paired_mt2": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=3, fold_zero_point=True, x_ldmatrix=True,
+                                              async_weights=True, sum_slices=True, pdl=True, paired=True),
     # four batches in flight through the cp.async slots, two m-tiles (the M = 16-32 winners' shape)
     "stream_m16_aw_ahead4_slices": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=4, fold_zero_point=True, x_ldmatrix=True,
                                                     async_weights=True, sum_slices=True, pdl=True),

@@ -44,8 +44,7 @@ def test_default_knobs_are_valid_for_a_llama_layer():
     (Problem(4096, 4096), Knobs(m_tiles=4, slabs=4, unroll=2, ahead=1, scale_on_acc=True), "registers"),
     # occupancy=32 caps registers at 64 per thread; about 104 do not fit even with the slack
     (Problem(4096, 4096), Knobs(warps=4, unroll=4, ahead=2, occupancy=32), "occupancy=32 leaves"),
-    # paired: one m-tile a warp, pairs of warps, the slots they share, a slot free only a batch later
-    (Problem(4096, 4096), Knobs(m_tiles=2, x_ldmatrix=True, async_weights=True, paired=True), "m_tiles=2"),
+    # paired: pairs of warps, the slots they share, a slot free only a batch later
     (Problem(4096, 4096), Knobs(warps=3, x_ldmatrix=True, async_weights=True, paired=True), "even warps"),
     (Problem(4096, 4096), Knobs(x_ldmatrix=True, paired=True), "async_weights=False"),
     (Problem(4096, 4096), Knobs(ahead=1, x_ldmatrix=True, async_weights=True, paired=True), "ahead >= 2"),
@@ -119,6 +118,7 @@ def test_paired_warps_share_their_streams_slots():
     w = 4 * 4 * (4 * 512 + 64 * 2)
     assert pr.shared_bytes(Problem(4096, 4096)) == 16 * 64 * 4 + x + w + 4 * 16 * 64 * 4 + 64
     assert check(Problem(4096, 4096), pr, H200) is None and check(Problem(4096, 4096), pr, A100) is None
+    assert dataclasses.replace(pr, m_tiles=2).block_m == 32       # each warp two m-tiles: M = 32
 
 
 @pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 33])

@@ -140,7 +140,7 @@ def build(problem: Problem, knobs: Knobs):
     def own_rows(half, row):
         """Row `row` of this warp's m-tiles within its stream's tile: paired, the second warp's rows
         follow the first's."""
-        return half * MMA_N + row if pair else row
+        return half * m_tiles * MMA_N + row if pair else row
 
     def stream_thread(half, lane):
         """The thread's index within its stream: the lane, or paired its place among the pair's 64."""

@@ -47,12 +47,13 @@ class Knobs:
     kernel), so that the first DRAM round trip falls under the previous kernel's tail. late_trigger
     (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
-    paired (one m-tile, with async_weights) makes the block's warps pairs that share each batch's
-    shared slots: each warp of a pair loads half the batch's weights and its own 8 rows of
-    activations, and both decode every word, each into the MMAs of its own rows. M = 16 then costs
-    two one-m-tile warps per batch (about mt1's registers each) instead of one two-m-tile warp (229
-    registers, 2 blocks per SM on the H200) or two blocks that both read the weights (perf-notes
-    v37). A pair meets at a named barrier once per batch, before its next load reuses a slot.
+    paired (with async_weights) makes the block's warps pairs that share each batch's shared slots:
+    each warp of a pair loads half the batch's weights and its own m_tiles * 8 rows of activations,
+    and both decode every word, each into the MMAs of its own rows (block_m = 16 * m_tiles). M = 16
+    then costs two one-m-tile warps per batch (149 registers each) instead of one two-m-tile warp
+    (229 registers, 2 blocks per SM on the H200) or two blocks that both read the weights
+    (perf-notes v37). A pair meets at a named barrier once per batch, before its next load reuses a
+    slot.
     """
 
     m_tiles: int = 1
@@ -175,10 +176,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.fold_zero_point and kb.scale_on_acc:
         return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     if kb.paired:
-        if kb.m_tiles != 1 or kb.warps % 2 or not kb.async_weights:
-            return (f"paired needs m_tiles=1 (each warp of a pair one m-tile), an even warps and async_weights "
-                    f"(the shared slots a pair shares); got m_tiles={kb.m_tiles}, warps={kb.warps}, "
-                    f"async_weights={kb.async_weights}")
+        if kb.warps % 2 or not kb.async_weights:
+            return (f"paired needs an even warps and async_weights (the shared slots a pair shares); got "
+                    f"warps={kb.warps}, async_weights={kb.async_weights}")
         if kb.ahead < 2:
             return "paired reuses a slot only after the pair's barrier of the next batch: it needs ahead >= 2"
         if kb.warps > 28:
