@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -30,6 +31,9 @@ KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
 # scale or reduction lands near 1.
 REL_ERR_LIMIT = 2e-2
 NO_GPU_EXIT = 2
+# FP16's sum moved by up to 3 % between runs on the H200 at M >= 512 (perf-notes v36, v37) while
+# ours stayed: rounds in which every kernel takes its turn put both under the same drift.
+DEFAULT_ROUNDS = 3
 
 
 # --- command line ------------------------------------------------------------------------------------
@@ -44,6 +48,16 @@ def parse_ms(text: str) -> list[int]:
                 f"{part!r} is not a positive integer; expected a list such as 1,2,4,16,512")
         values.append(int(part))
     return sorted(set(values))
+
+
+def parse_rounds(text: str) -> int:
+    try:
+        rounds = int(text)
+    except ValueError:
+        rounds = 0
+    if rounds < 1:
+        raise argparse.ArgumentTypeError(f"--rounds must be a positive whole number, got {text!r}")
+    return rounds
 
 
 def parse_kernels(text: str) -> list[str]:
@@ -85,6 +99,9 @@ def register(subparsers) -> None:
                         help="batch sizes (default: %s)" % ",".join(map(str, DEFAULT_MS)))
     parser.add_argument("--kernels", type=parse_kernels, default=list(KERNELS), metavar="NAME,...",
                         help="kernels to time; must include fp16 (default: %s)" % ",".join(KERNELS))
+    parser.add_argument("--rounds", type=parse_rounds, default=DEFAULT_ROUNDS,
+                        help="times each point is timed, the kernels taking turns; the median counts "
+                             "(default: %(default)s)")
     parser.add_argument("--out", default="docs/bench",
                         help="folder for the JSON, plots and markdown (default: %(default)s)")
     parser.add_argument("--markdown", action="store_true",
@@ -260,23 +277,46 @@ def _error_text(exc: BaseException) -> str:
 
 def _measure_point(contender: Contender, x, reference, kernel: str, w: LayerWeights, m: int) -> dict:
     """One row: the kernel checked (where exact), then timed; any failure becomes the row's error."""
+    return _measure_points({kernel: contender}, x, reference, w, m, rounds=1)[kernel]
+
+
+def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rounds: int) -> dict:
+    """A row per kernel at one point: each checked (where exact), then timed `rounds` times, the
+    kernels taking turns and each round starting one kernel later, so that a drift of the GPU's
+    clocks meets all of them alike; the median counts. Any failure becomes that kernel's error."""
     from gen.measure import time_calls
     from schedules.quant import relative_error
 
-    row = {}
-    try:
-        calls = contender.calls(x)
-        if contender.exact:
-            err = relative_error(calls[0](), reference())
-            row["rel_err"] = err if math.isfinite(err) else None   # JSON has no inf
-            if not err <= REL_ERR_LIMIT:   # NaN and inf (non-finite output) fail too
-                raise ValueError(f"wrong result: relative error {err:.2e} > {REL_ERR_LIMIT:.0e}")
-        us = time_calls(calls, replays=replays_for(m))
-    except Exception as exc:  # a kernel that fails is a result, not a crash
-        return {**row, "us": None, "error": _error_text(exc)}
-    nbytes = report.bytes_moved(kernel, w.k, w.n, m, w.group)
-    return {**row, "us": us, "bytes": nbytes, "gbps": nbytes / us / 1e3,
-            "tflops": report.flops(w.k, w.n, m) / us / 1e6}
+    rows, calls, times = {}, {}, {}
+    for kernel, contender in contenders.items():
+        rows[kernel] = {}
+        try:
+            calls[kernel] = contender.calls(x)
+            if contender.exact:
+                err = relative_error(calls[kernel][0](), reference())
+                rows[kernel]["rel_err"] = err if math.isfinite(err) else None   # JSON has no inf
+                if not err <= REL_ERR_LIMIT:   # NaN and inf (non-finite output) fail too
+                    raise ValueError(f"wrong result: relative error {err:.2e} > {REL_ERR_LIMIT:.0e}")
+            times[kernel] = []
+        except Exception as exc:  # a kernel that fails is a result, not a crash
+            rows[kernel].update(us=None, error=_error_text(exc))
+    order = list(times)
+    for r in range(rounds):
+        for kernel in order[r % len(order):] + order[:r % len(order)] if order else ():
+            if kernel not in times:
+                continue
+            try:
+                times[kernel].append(time_calls(calls[kernel], replays=replays_for(m)))
+            except Exception as exc:
+                del times[kernel]
+                rows[kernel].update(us=None, error=_error_text(exc))
+    for kernel, samples in times.items():
+        us = statistics.median(samples)
+        nbytes = report.bytes_moved(kernel, w.k, w.n, m, w.group)
+        rows[kernel].update(us=us, bytes=nbytes, gbps=nbytes / us / 1e3, tflops=report.flops(w.k, w.n, m) / us / 1e6)
+        if rounds > 1:
+            rows[kernel]["us_rounds"] = samples
+    return rows
 
 
 def _random_weights(layer, group: int) -> LayerWeights:
@@ -311,6 +351,8 @@ def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list) -> None:
         x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
         reference = functools.cache(lambda: reference_matmul(x, w.codes, w.scales))   # only if needed
         line = []
+        measured = _measure_points({k: c for k, c in contenders.items() if k not in layer_errors}, x, reference,
+                                   w, m, args.rounds)
         for kernel in args.kernels:
             if kernel in skipped:
                 continue
@@ -318,7 +360,7 @@ def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list) -> None:
             if kernel in layer_errors:
                 result = {"us": None, "error": layer_errors[kernel]}
             else:
-                result = _measure_point(contenders[kernel], x, reference, kernel, w, m)
+                result = measured[kernel]
             rows.append({**base, **result})
             line.append(f"{kernel} {'FAILED' if result['us'] is None else format(result['us'], '.1f') + ' us'}")
         print(f"{w.name} M={m}: " + ", ".join(line), file=sys.stderr, flush=True)
@@ -345,6 +387,7 @@ def _meta(args, model: str, layers: list) -> dict:
         "group": args.group,
         "ms": args.ms,
         "kernels": args.kernels,
+        "rounds": args.rounds,
         "skipped": {},
         "complete": False,
     }

@@ -92,6 +92,9 @@ def test_markdown_summary_table(sample):
     assert "qkv 4096x12288, o 4096x4096" in text
     assert "humming not measured" in text
     assert "failed: qkv torch_int4 at M=4096: RuntimeError" in text
+    assert "rounds" not in text                       # a run of one round says nothing about rounds
+    assert "the median of 3 rounds in which the kernels took turns" in report.markdown(
+        {**sample, "meta": {**sample["meta"], "rounds": 3}})
 
 
 def test_terminal_report_has_a_table_per_layer_and_the_sum(sample):
@@ -148,7 +151,7 @@ def test_defaults():
     assert args.model == "llama-2-7b" and args.shapes is None and args.from_json is None
     assert args.ms == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
     assert args.kernels == ["tilemarlin", "fp16", "torch_int4", "humming"]
-    assert args.group == 128 and args.out == "docs/bench" and args.markdown is False
+    assert args.group == 128 and args.out == "docs/bench" and args.markdown is False and args.rounds == 3
     assert args.func is bench.run
 
 
@@ -165,6 +168,8 @@ def test_ms_are_parsed_sorted_and_deduplicated():
     (["--kernels=tilemarlin"], "must include fp16"),
     (["--group=0"], "'0' is not a group size"),
     (["--group=abc"], "'abc' is not a group size"),
+    (["--rounds=0"], "--rounds must be a positive whole number, got '0'"),
+    (["--rounds=two"], "--rounds must be a positive whole number, got 'two'"),
     (["--model", "x", "--shapes", "4096x4096"], "not allowed with argument"),
     (["--model", "x", "--from-json", "f.json"], "not allowed with argument"),
 ])
@@ -239,6 +244,42 @@ def test_a_kernel_that_raises_is_a_result_not_a_crash(monkeypatch):
     assert row == {"us": None, "error": "RuntimeError: no kernel for this shape"}
 
 
+def test_rounds_take_turns_and_the_median_counts(monkeypatch):
+    from gen import measure
+    from schedules.quant import reference_matmul
+
+    w, x = _cpu_layer(), torch.randn(4, 256, dtype=torch.float16)
+
+    class Tagged:          # a kernel call that says whose it is
+        def __init__(self, kernel, x):
+            self.kernel, self.x = kernel, x
+
+        def __call__(self):
+            return (self.x.float() @ bench_dequant(w)).half()
+
+    contenders = {k: bench.Contender(lambda x, k=k: [Tagged(k, x)], exact=True)
+                  for k in ("tilemarlin", "fp16", "humming")}
+    script = {"tilemarlin": iter([10.0, 30.0, 20.0]), "fp16": iter([5.0, 4.0, 6.0]),
+              "humming": iter([7.0, RuntimeError("lost the context\nmore")])}
+    turns = []
+
+    def fake_time_calls(calls, replays):
+        turns.append(calls[0].kernel)
+        value = next(script[calls[0].kernel])
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    monkeypatch.setattr(measure, "time_calls", fake_time_calls)
+    rows = bench._measure_points(contenders, x, lambda: reference_matmul(x, w.codes, w.scales), w, 4, rounds=3)
+    # each round starts one kernel later; a kernel that fails to time drops out with its error
+    assert turns == ["tilemarlin", "fp16", "humming", "fp16", "humming", "tilemarlin", "tilemarlin", "fp16"]
+    assert rows["tilemarlin"]["us"] == 20.0 and rows["tilemarlin"]["us_rounds"] == [10.0, 30.0, 20.0]
+    assert rows["fp16"]["us"] == 5.0 and rows["fp16"]["us_rounds"] == [5.0, 4.0, 6.0]
+    assert rows["humming"]["us"] is None and rows["humming"]["error"] == "RuntimeError: lost the context"
+    assert all(r["rel_err"] < 1e-3 for r in rows.values())
+
+
 def test_errors_keep_the_line_that_says_what_went_wrong():
     traceback = ValueError("Traceback (most recent call last):\n  File x\nTVMError: bad")
     assert bench._error_text(traceback) == "ValueError: TVMError: bad"
@@ -269,3 +310,4 @@ def test_a_small_bench_on_the_gpu(tmp_path):
     for row in rows.values():
         assert row["us"] is not None, row
         assert row["rel_err"] <= bench.REL_ERR_LIMIT and row["gbps"] > 0
+        assert len(row["us_rounds"]) == 3 and row["us"] == sorted(row["us_rounds"])[1]
