@@ -269,9 +269,10 @@ def add_refinements(searches: list[BucketSearch], arch: Arch, gpu: GpuSpec, per_
     all), the winners of the buckets beside on the same problem (already compiled; one kernel serves
     any M), the winners of the same bucket on the other problems, and the unmeasured neighbours of its
     `from_best` fastest correct candidates (the fastest one's first, each one's by estimate), up to
-    `per_bucket` new candidates, at most half of them other buckets' winners. The cost model orders a family's knobs well but not exactly (stages,
-    the producer warp and split-K moved the H200's winners by 5-20 %, perf-notes v16): a local search
-    around what was measured fixes what it misranks. Returns how many were added."""
+    `per_bucket` new candidates, at most half of them other buckets' winners. The cost model orders a
+    family's knobs well but not exactly (stages, the producer warp and split-K moved the H200's
+    winners by 5-20 %, perf-notes v16): a local search around what was measured fixes what it
+    misranks. Returns how many were added."""
     added = 0
     by_problem: dict[Problem, dict[int, BucketSearch]] = {}
     peers: dict[tuple, list[BucketSearch]] = {}

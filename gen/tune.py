@@ -416,7 +416,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
             moved = [s for s in active if s.winner() is not before[id(s)]]
             print(f"round {round_no} took {last_took:.0f} s and moved {len(moved)} of {len(active)} winners "
                   f"({time.monotonic() - started:.0f} s in all)")
-            finished([s for s in active if s not in moved])
+            finished([s for s in active if s.winner() is before[id(s)]])
             active = moved
         finished(searches)
     except MeasureError as exc:
