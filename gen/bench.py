@@ -275,11 +275,6 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}"[:300]
 
 
-def _measure_point(contender: Contender, x, reference, kernel: str, w: LayerWeights, m: int) -> dict:
-    """One row: the kernel checked (where exact), then timed; any failure becomes the row's error."""
-    return _measure_points({kernel: contender}, x, reference, w, m, rounds=1)[kernel]
-
-
 def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rounds: int) -> dict:
     """A row per kernel at one point: each checked (where exact), then timed `rounds` times, the
     kernels taking turns and each round starting one kernel later, so that a drift of the GPU's

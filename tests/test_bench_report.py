@@ -210,7 +210,8 @@ def _measure(contender, w, x, monkeypatch, timed: list):
     from schedules.quant import reference_matmul
 
     monkeypatch.setattr(measure, "time_calls", lambda calls, replays: timed.append(len(calls)) or 12.5)
-    return bench._measure_point(contender, x, lambda: reference_matmul(x, w.codes, w.scales), "fp16", w, x.shape[0])
+    reference = lambda: reference_matmul(x, w.codes, w.scales)   # noqa: E731
+    return bench._measure_points({"fp16": contender}, x, reference, w, x.shape[0], rounds=1)["fp16"]
 
 
 def test_a_correct_kernel_is_checked_then_timed(monkeypatch):
