@@ -333,12 +333,50 @@ def compile_and_measure_with_progress(searches, arch, workers, labels: dict, lab
                             progress=lambda _: measured.update(1), on_bucket=on_bucket, measure=measure)
 
 
+def local_rounds(searches, args, arch, spec, labels: dict, started: float, record, finished) -> None:
+    """Rounds two and on (--refine places per bucket): the neighbours of what measured fastest, the
+    winners of the buckets beside and of the other layers at the same M (search.add_refinements);
+    round two for every bucket, each later one only where the round before moved the winner, and only
+    if it is expected to end within --time-budget of `started` (the last round's seconds per
+    candidate). record(search) saves a measured bucket; finished(searches) marks buckets done."""
+    from .search import add_refinements
+
+    active = list(searches) if args.refine else []
+    last_took = last_added = 0
+    for round_no in range(2, 2 + REFINE_ROUNDS):
+        if not active:
+            return
+        round_started = time.monotonic()
+        had = {id(s): len(s.results) for s in active}
+        before = {id(s): s.winner() for s in active}
+        added = add_refinements(searches, arch, spec, per_bucket=args.refine, only=active)
+        if round_no > 2 and added:
+            expected = last_took * added / last_added
+            if round_started - started + expected > args.time_budget:
+                for s in active:
+                    del s.results[had[id(s)]:]
+                print(f"round {round_no} ({added} candidates, about {expected:.0f} s) skipped: it would end "
+                      f"past --time-budget {args.time_budget:.0f} s")
+                return
+        print(f"round {round_no}: {added} candidates added around the measured winners (--refine {args.refine})")
+        if not added:
+            return
+        compile_and_measure_with_progress(searches, arch, args.workers, labels, f"check + time, round {round_no}",
+                                          on_bucket=record)
+        last_added, last_took = added, time.monotonic() - round_started
+        moved = [s for s in active if s.winner() is not before[id(s)]]
+        print(f"round {round_no} took {last_took:.0f} s and moved {len(moved)} of {len(active)} winners "
+              f"({time.monotonic() - started:.0f} s in all)")
+        finished([s for s in active if s.winner() is before[id(s)]])
+        active = moved
+
+
 def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     from runtime.table import GpuKey, TunedTable, table_path
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
 
-    from .search import MeasureError, achieved_gbps, add_incumbents, add_refinements, add_seeds, add_variants, plan
+    from .search import MeasureError, achieved_gbps, add_incumbents, add_seeds, add_variants, plan
 
     arch = current_arch()
     if args.arch and get_arch(args.arch) != arch:
@@ -386,38 +424,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     labels = {t.problem: t.label for t in targets}
     try:
         compile_and_measure_with_progress(searches, arch, args.workers, labels, on_bucket=record)
-        # Local rounds: the neighbours of what measured fastest, the winners of the buckets beside and of
-        # the other layers at the same M; after round two only where the round before moved the winner.
-        active = list(searches) if args.refine else []
-        last_took = last_added = 0
-        for round_no in range(2, 2 + REFINE_ROUNDS):
-            if not active:
-                break
-            round_started = time.monotonic()
-            had = {id(s): len(s.results) for s in active}
-            before = {id(s): s.winner() for s in active}
-            added = add_refinements(searches, arch, spec, per_bucket=args.refine, only=active)
-            if round_no > 2 and added:
-                # A round's time is mostly its candidates': the last round's time per candidate.
-                expected = last_took * added / last_added
-                if round_started - started + expected > args.time_budget:
-                    for s in active:
-                        del s.results[had[id(s)]:]
-                    print(f"round {round_no} ({added} candidates, about {expected:.0f} s) skipped: it would end "
-                          f"past --time-budget {args.time_budget:.0f} s")
-                    break
-            print(f"round {round_no}: {added} candidates added around the measured winners (--refine {args.refine})")
-            if not added:
-                break
-            compile_and_measure_with_progress(searches, arch, args.workers, labels,
-                                              f"check + time, round {round_no}", on_bucket=record)
-            last_added = added
-            last_took = time.monotonic() - round_started
-            moved = [s for s in active if s.winner() is not before[id(s)]]
-            print(f"round {round_no} took {last_took:.0f} s and moved {len(moved)} of {len(active)} winners "
-                  f"({time.monotonic() - started:.0f} s in all)")
-            finished([s for s in active if s.winner() is before[id(s)]])
-            active = moved
+        local_rounds(searches, args, arch, spec, labels, started, record, finished)
         finished(searches)
     except MeasureError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
