@@ -29,7 +29,9 @@ Why it looks the way it does:
 - The block's warps add their sums in a shared fp32 tile, then the common epilogue stores it, with
   split-K through a global workspace when the output has too few tiles to occupy the GPU, or
   (cluster_reduce, sm_90) through the distributed shared memory of a cluster of the splits.
-- Every barrier is explicit (TileLang's automatic insertion is off): none inside the k-loop.
+- Every barrier is explicit (TileLang's automatic insertion is off): none inside the k-loop, except
+  with `paired`, where two warps share a batch's slots and meet at their own named barrier (64
+  threads) once per batch: each copies half the weights and its own activation rows, both decode all.
 """
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
