@@ -120,8 +120,9 @@ class Knobs:
         return problem.k // (TILE_K * self.unroll)
 
     def shared_bytes(self, problem: Problem) -> int:
-        """The fp32 tile in which the warps' sums meet, with x_ldmatrix each warp's activation slots,
-        with async_weights its weight and scale slots, with sum_slices a slice of sums per warp."""
+        """The fp32 tile in which the warps' sums meet, with x_ldmatrix each stream's (warp's, or
+        paired pair's) activation slots, with async_weights its weight and scale slots, with sum_slices
+        a slice of sums per stream."""
         x = self.streams * self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2 if self.x_ldmatrix else 0
         w = self.streams * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
         slices = self.streams * self.block_m * self.block_n * 4 if self.sum_slices else 0
