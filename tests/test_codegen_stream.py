@@ -34,14 +34,6 @@ CASES = {
     # raw codes into the MMA, zero point and scale on the sums; bf16 on sm_80 for the other template.
     "sm80_bf16_fold_zero_point": ("sm_80", Problem(256, 1024, 128, dtype="bfloat16"),
                                   Knobs(2, 1, 4, 4, 2, ahead=1, fold_zero_point=True)),
-    # warps in pairs that share each batch's slots, one m-tile each (M = 16 in 8 + 8 rows), four batches deep.
-    "sm90a_paired": ("sm_90a", Problem(512, 2048, 128), Knobs(1, 1, 4, 4, 1, ahead=4, fold_zero_point=True,
-                                                            x_ldmatrix=True, async_weights=True, sum_slices=True,
-                                                            pdl=True, paired=True)),
-    # ... two m-tiles a warp (M = 32) on sm_80 in bf16, the weights scaled as they are decoded and the
-    # warps' sums added in turn
-    "sm80_bf16_paired_mt2": ("sm_80", Problem(512, 2048, 128, dtype="bfloat16"),
-                             Knobs(2, 1, 4, 4, 1, ahead=2, x_ldmatrix=True, async_weights=True, paired=True)),
     # activations staged per warp by cp.async and read by ldmatrix, two batches in flight.
     "sm90a_x_ldmatrix": ("sm_90a", Problem(512, 1024, 128), Knobs(2, 1, 4, 4, 1, ahead=2, x_ldmatrix=True)),
     # every load of the k-loop a cp.async into the warp's slots: weights and scales too, three batches ahead.
@@ -208,22 +200,6 @@ def test_no_block_barrier_inside_the_k_loop(compiled):
         assert "cp_async_wait" in loop and "__syncwarp" in loop and "ldmatrix" in loop
         assert count(r"cp\.async\.ca\.shared\.global", ptx) > 0
         assert count(r"ldmatrix\.sync\.aligned\.x4\.m8n8\.shared\.b16", ptx) > 0
-
-
-def test_paired_warps_meet_once_per_batch_after_their_own_copies(compiled):
-    # paired: each warp waits for its own cp.async groups of the batch, then the pair meets at its named
-    # barrier (64 threads), which also frees the slot of the batch before for the next load; the
-    # warps never wait for the rest of the block inside the loop.
-    *_, knobs, src, ptx = compiled
-    loop = k_loop(kernel_body(src))
-    if not knobs.paired:
-        assert "tm_pair_sync" not in src
-        return
-    # once per batch (the source's loop over the `ahead` buffers is unrolled by nvcc)
-    steps = re.findall(r"cp_async_wait<(\d+)>\(\);\s*tm_pair_sync\(\(+int\)threadIdx\.x\)+ >> 6\)\);", loop)
-    assert steps == [str(knobs.ahead - 2)] and count(r"tm_pair_sync\(", loop) == 1
-    assert loop.index("tm_pair_sync(") < loop.index("cp_async_commit")   # before the next batch's copies
-    assert re.search(r"bar\.sync\s+%r\d+, 64;", ptx)
 
 
 def test_swapped_tensor_core_mma(compiled):

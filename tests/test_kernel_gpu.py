@@ -68,17 +68,6 @@ STREAM_KNOBS = {
                                            sum_slices=True),
     "stream_m16_early_cluster4": stream_mma.Knobs(2, 1, 4, 4, 4, ahead=1, fold_zero_point=True, cluster_reduce=True,
                                                   sum_slices=True, early_start=2),
-    # warps in pairs sharing each batch's slots, one m-tile each (prepared in session 13): four batches
-    # deep; split 2 in a cluster with early start; the warps' sums in turn, weights scaled when decoded
-    "stream_m16_paired": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=4, fold_zero_point=True, x_ldmatrix=True,
-                                          async_weights=True, sum_slices=True, pdl=True, paired=True),
-    "stream_m16_paired_cluster2": stream_mma.Knobs(1, 1, 8, 4, 2, ahead=3, fold_zero_point=True, cluster_reduce=True,
-                                                   x_ldmatrix=True, async_weights=True, sum_slices=True,
-                                                   early_start=2, late_trigger=True, paired=True),
-    "stream_m16_paired_serial_sums": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=2, x_ldmatrix=True, async_weights=True,
-                                                      paired=True),
-    "stream_m32_paired_mt2": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=3, fold_zero_point=True, x_ldmatrix=True,
-                                              async_weights=True, sum_slices=True, pdl=True, paired=True),
     # four batches in flight through the cp.async slots, two m-tiles (the M = 16-32 winners' shape)
     "stream_m16_aw_ahead4_slices": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=4, fold_zero_point=True, x_ldmatrix=True,
                                                     async_weights=True, sum_slices=True, pdl=True),
@@ -174,7 +163,6 @@ SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
-                  "stream_m16_paired",
                   "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]

@@ -1,5 +1,4 @@
 """stream_mma's knobs and validity check, and the A-fragment order of the swapped-operand decode (all CPU)."""
-import dataclasses
 import re
 
 import pytest
@@ -44,14 +43,6 @@ def test_default_knobs_are_valid_for_a_llama_layer():
     (Problem(4096, 4096), Knobs(m_tiles=4, slabs=4, unroll=2, ahead=1, scale_on_acc=True), "registers"),
     # occupancy=32 caps registers at 64 per thread; about 104 do not fit even with the slack
     (Problem(4096, 4096), Knobs(warps=4, unroll=4, ahead=2, occupancy=32), "occupancy=32 leaves"),
-    # paired: pairs of warps, the slots they share, a slot free only a batch later
-    (Problem(4096, 4096), Knobs(warps=3, x_ldmatrix=True, async_weights=True, paired=True), "even warps"),
-    (Problem(4096, 4096), Knobs(x_ldmatrix=True, paired=True), "async_weights=False"),
-    (Problem(4096, 4096), Knobs(ahead=1, x_ldmatrix=True, async_weights=True, paired=True), "ahead >= 2"),
-    (Problem(4096, 4096), Knobs(warps=30, unroll=2, x_ldmatrix=True, async_weights=True, paired=True), "warps=30 > 28"),
-    # 16 batches of 64 rows for 4 splits of 8 / 2 pairs: 16 streams are enough; 8 splits leave some idle
-    (Problem(4096, 1024), Knobs(warps=8, unroll=4, split_k=8, x_ldmatrix=True, async_weights=True, paired=True),
-     r"split_k \* pairs = 32 pairs"),
 ])
 def test_check_names_the_reason(problem, knobs, reason):
     got = check(problem, knobs, H200)
@@ -104,21 +95,6 @@ def test_block_shape(m_tiles, slabs):
     assert kb.block_n == 64 * slabs
     assert kb.block_k == 16 * 2 * 4
     assert kb.threads == 128
-
-
-def test_paired_warps_share_their_streams_slots():
-    kb = Knobs(m_tiles=1, warps=8, unroll=4, ahead=4, x_ldmatrix=True, async_weights=True, sum_slices=True)
-    pr = dataclasses.replace(kb, paired=True)
-    assert (pr.block_m, pr.streams, pr.threads, pr.block_k) == (16, 4, 256, 16 * 4 * 4)
-    assert (kb.block_m, kb.streams, kb.block_k) == (8, 8, 16 * 4 * 8)
-    assert pr.name == kb.name + "_pr"
-    # slots per stream: 4 pairs hold as many 16-row activation slots as 8 warps hold 8-row ones, and
-    # half the weight slots and 16-row slices
-    x = 4 * 4 * 16 * (16 * 4 + 8) * 2
-    w = 4 * 4 * (4 * 512 + 64 * 2)
-    assert pr.shared_bytes(Problem(4096, 4096)) == 16 * 64 * 4 + x + w + 4 * 16 * 64 * 4 + 64
-    assert check(Problem(4096, 4096), pr, H200) is None and check(Problem(4096, 4096), pr, A100) is None
-    assert dataclasses.replace(pr, m_tiles=2).block_m == 32       # each warp two m-tiles: M = 32
 
 
 @pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 33])

@@ -51,9 +51,6 @@ AXES = {
     # early_start's launch of the next kernel after the k-loop instead of first: median 0.96x of
     # early_start alone (13 pairs at M = 1-8, 0.83-1.03), 1.02x of neither (session 9, perf-notes v30).
     "late_trigger": (False, True),
-    # Prepared in session 13 on the CPU (perf-notes v37): out of the search until a GPU run shows it
-    # correct and faster at M = 16.
-    "paired": (False,),
 }
 # Axes that the first search round does not spread over (gen/search.py one_per_variant): the model
 # ranks their better value first and the second round's neighbours try the other.

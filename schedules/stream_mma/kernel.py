@@ -29,9 +29,7 @@ Why it looks the way it does:
 - The block's warps add their sums in a shared fp32 tile, then the common epilogue stores it, with
   split-K through a global workspace when the output has too few tiles to occupy the GPU, or
   (cluster_reduce, sm_90) through the distributed shared memory of a cluster of the splits.
-- Every barrier is explicit (TileLang's automatic insertion is off): none inside the k-loop, except
-  with `paired`, where two warps share a batch's slots and meet at their own named barrier (64
-  threads) once per batch: each copies half the weights and its own activation rows, both decode all.
+- Every barrier is explicit (TileLang's automatic insertion is off): none inside the k-loop.
 """
 # No `from __future__ import annotations`: T.prim_func evaluates the annotations below.
 
@@ -62,14 +60,6 @@ __device__ __forceinline__ void tm_cp_async_l1_16B(void* dst, const void* src, b
 """
 
 
-# paired: barrier 0 is __syncthreads; the 64 threads of pair p meet at barrier 1 + p.
-PAIR_SYNC = r"""
-__device__ __forceinline__ void tm_pair_sync(int pair) {
-  asm volatile("bar.sync %0, 64;\n" :: "r"(pair + 1) : "memory");
-}
-"""
-
-
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
@@ -83,9 +73,7 @@ def build(problem: Problem, knobs: Knobs):
     bm, bn = kb.block_m, kb.block_n
     m_tiles, slabs, unroll, warps, ahead = kb.m_tiles, kb.slabs, kb.unroll, kb.warps, kb.ahead
     batches = kb.batches(problem)
-    pair = kb.paired
-    streams = kb.streams
-    workers = kb.split_k * streams
+    workers = kb.split_k * warps
     trips = -(-batches // workers)
     grouped = not problem.channelwise
     sacc = kb.scale_on_acc
@@ -107,7 +95,7 @@ def build(problem: Problem, knobs: Knobs):
     # hi_off * sum(x / hi_mult, k % 16 >= 8) with the zero point 8 included, which one more MMA per
     # k-step computes from a constant A fragment.
     lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult
-    prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD + (PAIR_SYNC if pair else "")
+    prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD
                + (CLUSTER_HELPERS if cluster else "") + (EARLY_START_HELPERS if kb.early_start else "")
                + split_k_prelude(bm, bn, kb.split_k, kb.threads, problem.n, problem.channelwise, cluster))
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
@@ -139,28 +127,17 @@ def build(problem: Problem, knobs: Knobs):
     x_cols = TILE_K * unroll + 8             # padded rows: ldmatrix's 8 row addresses hit 8 bank groups
     x_chunks = MMA_N * m_tiles * TILE_K * unroll // 8 // 32      # 16-byte cp.async per lane per batch
 
-    def own_rows(half, row):
-        """Row `row` of this warp's m-tiles within its stream's tile: paired, the second warp's rows
-        follow the first's."""
-        return half * m_tiles * MMA_N + row if pair else row
-
-    def stream_thread(half, lane):
-        """The thread's index within its stream: the lane, or paired its place among the pair's 64."""
-        return half * 32 + lane if pair else lane
-
     @T.macro
-    def load(A, B, S, w, x, scale, X_s, W_s, S_s, buf, slot, batch, by, bx, lane, sid, half, g, t):
+    def load(A, B, S, w, x, scale, X_s, W_s, S_s, buf, slot, batch, by, bx, lane, wk, g, t):
         """Issue the loads of `batch` into register buffer `buf` (and, with x_ldmatrix, the activations
-        into shared slot `slot` of stream `sid`: this warp, or with paired its pair, of which this warp
-        is `half` and loads half the k-steps' weights and its own rows); nothing waits for them here."""
+        into shared slot `slot` of this warp); nothing waits for them here."""
         if batch < batches:
             kt0 = batch * unroll
-            for uu in T.unroll(unroll // 2 if pair else unroll):
-                u = half * (unroll // 2) + uu if pair else uu
+            for u in T.unroll(unroll):
                 for sj in T.unroll(slabs):
                     if w_smem:
-                        # The lane's own 16 bytes into its own place of the slot.
-                        T.ptx_cp_async(T.access_ptr(W_s[sid, slot, (u * slabs + sj) * 128 + lane * 4], "w", 4),
+                        # The lane's own 16 bytes into its own place of the warp's slot.
+                        T.ptx_cp_async(T.access_ptr(W_s[wk, slot, (u * slabs + sj) * 128 + lane * 4], "w", 4),
                                        T.access_ptr(B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r", 4), 4)
                     else:
                         T.call_extern("handle", "tm_load_stream_16B",
@@ -177,16 +154,15 @@ def build(problem: Problem, knobs: Knobs):
                 # M are zero-filled, not read: at M = 1 every warp of the GPU asked L2 for the same few
                 # lines 8 times over (1.6-2x slower than at M = 8, perf-notes v35).
                 for c in T.unroll(x_chunks):
-                    r = own_rows(half, (c * 32 + lane) // (2 * unroll))
+                    r = (c * 32 + lane) // (2 * unroll)
                     col = (c * 32 + lane) % (2 * unroll) * 8
-                    T.call_extern("handle", "tm_cp_async_l1_16B", T.access_ptr(X_s[sid, slot, r, col], "w", 8),
+                    T.call_extern("handle", "tm_cp_async_l1_16B", T.access_ptr(X_s[wk, slot, r, col], "w", 8),
                                   T.access_ptr(A[T.min(by * bm + r, m - 1), kt0 * TILE_K + col], "r", 8),
                                   by * bm + r < m)
             if grouped and w_smem:
-                # The block's scale row of the batch's group: 8 halves per lane, slabs * 8 lanes (of a
-                # pair, the first warp's).
-                if stream_thread(half, lane) < slabs * 8:
-                    T.ptx_cp_async(T.access_ptr(S_s[sid, slot, lane * 8], "w", 8),
+                # The block's scale row of the batch's group: 8 halves per lane, slabs * 8 lanes.
+                if lane < slabs * 8:
+                    T.ptx_cp_async(T.access_ptr(S_s[wk, slot, lane * 8], "w", 8),
                                    T.access_ptr(S[kt0 * TILE_K // group, bx * slabs * SLAB_N + lane * 8], "r", 8), 8)
             elif grouped:
                 # Columns 16j + g and 16j + 8 + g of each slab: the scales of the lane's A rows.
@@ -215,30 +191,29 @@ def build(problem: Problem, knobs: Knobs):
                   a.data, j * 8, x.data, xb + x_index(u, mi), acc.data, acc_index(sj, j, mi), False)
 
     @T.macro
-    def compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, buf, slot, batch, lane, sid, half):
+    def compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, buf, slot, batch, lane, wk):
         """Decode and multiply the batch in register buffer `buf` (activations, and with async_weights
-        the weights and scales too: shared slot `slot` of stream `sid`)."""
+        the weights and scales too: shared slot `slot`)."""
         wb, sb = (0, 0) if w_smem else (buf * per_w, buf * per_s)
         xb = 0 if x_smem else buf * per_x        # x_ldmatrix: one x buffer, filled here
-        if x_smem and not pair:                  # paired: waited for before the pair's barrier
+        if x_smem:
             T.ptx_wait_group(ahead - 1)                # this batch's chunks have landed ...
             T.call_extern("handle", "__syncwarp")      # ... for every lane of the warp
         if batch < batches:
             if w_smem:
                 for i in T.unroll(per_w // 4):
                     for v in T.vectorized(4):
-                        w[i * 4 + v] = W_s[sid, slot, i * 128 + lane * 4 + v]
+                        w[i * 4 + v] = W_s[wk, slot, i * 128 + lane * 4 + v]
                 if grouped:
                     for sj in T.unroll(slabs):
                         for v in T.unroll(8):
-                            scale[sj * 8 + v] = S_s[sid, slot, scale_col(sj, v, lane // 4)]
+                            scale[sj * 8 + v] = S_s[wk, slot, scale_col(sj, v, lane // 4)]
             if x_smem:
                 # Matrices: rows of m-tile mi x k 0-7, 8-15 of step u, then of step u + 1: b0b1, b2b3 twice.
                 for mi in T.unroll(m_tiles):
                     for u in T.unroll(unroll // 2):
                         T.ptx_ldmatrix(False, 4,
-                                       T.access_ptr(X_s[sid, slot, own_rows(half, mi * MMA_N + lane % 8),
-                                                        u * 32 + (lane // 8) * 8], "r"),
+                                       T.access_ptr(X_s[wk, slot, mi * MMA_N + lane % 8, u * 32 + (lane // 8) * 8], "r"),
                                        T.access_ptr(x[xb + x_index(2 * u, mi)], "w"))
             if batch_sums:
                 for i in T.unroll(acc_len):
@@ -287,11 +262,8 @@ def build(problem: Problem, knobs: Knobs):
             wk = tx // 32
             g = lane // 4
             t = lane % 4
-            # paired: warps 2p and 2p + 1 are stream p's halves
-            sid = wk // 2 if pair else wk
-            half = wk % 2 if pair else 0
-            # Batches go round-robin over all streams (warps, or pairs) of all splits of this output tile.
-            first = bz * streams + sid
+            # Batches go round-robin over all warps of all splits of this output tile.
+            first = bz * warps + wk
             if kb.early_start:
                 if not kb.late_trigger:
                     T.call_extern("handle", "tm_launch_dependents")
@@ -300,11 +272,11 @@ def build(problem: Problem, knobs: Knobs):
                     if batch < batches:
                         # A batch is `unroll` rows of 512 bytes per slab (one lane's 16 bytes each) and
                         # one scale row; a lane each.
-                        if stream_thread(half, lane) < unroll * slabs:
+                        if lane < unroll * slabs:
                             T.call_extern("handle", "tm_prefetch_l2",
                                           T.access_ptr(B[batch * unroll + lane // slabs,
                                                          (bx * slabs + lane % slabs) * 128], "r"), 512)
-                        elif grouped and stream_thread(half, lane) == 31:
+                        elif grouped and lane == 31:
                             T.call_extern("handle", "tm_prefetch_l2",
                                           T.access_ptr(S[batch * unroll * TILE_K // group, bx * slabs * SLAB_N], "r"),
                                           slabs * SLAB_N * 2)
@@ -313,13 +285,13 @@ def build(problem: Problem, knobs: Knobs):
                 # Cap registers so that occupancy // warps blocks fit per SM: warps hide latency.
                 T.annotate_min_blocks_per_sm(kb.occupancy // warps)
             C_s = T.alloc_shared((bm, bn), "float32")
-            P_s = T.alloc_shared((streams, bm, bn) if kb.sum_slices else (1, 1, 1), "float32")
+            P_s = T.alloc_shared((warps, bm, bn) if kb.sum_slices else (1, 1, 1), "float32")
             # `ahead` register buffers: batch it + ahead - 1 loads while batch it is decoded.
             w = T.alloc_local((w_bufs * per_w,), "int32")
-            W_s = T.alloc_shared((streams, ahead, per_w * 32) if w_smem else (1, 1, 4), "int32")
-            S_s = T.alloc_shared((streams, ahead, slabs * SLAB_N) if w_smem else (1, 1, 8), dtype)
+            W_s = T.alloc_shared((warps, ahead, per_w * 32) if w_smem else (1, 1, 4), "int32")
+            S_s = T.alloc_shared((warps, ahead, slabs * SLAB_N) if w_smem else (1, 1, 8), dtype)
             x = T.alloc_local((x_bufs * per_x,), dtype)
-            X_s = T.alloc_shared((streams, ahead if x_smem else 1, bm, x_cols), dtype)
+            X_s = T.alloc_shared((warps, ahead if x_smem else 1, bm, x_cols), dtype)
             scale = T.alloc_local((w_bufs * per_s,), dtype)
             a = T.alloc_local((32,), dtype)
             acc = T.alloc_local((acc_len,), "float32")
@@ -340,22 +312,17 @@ def build(problem: Problem, knobs: Knobs):
                 a_off[i] = T.cast(lo_off if i < 4 else hi_off, dtype)
 
             for p in T.unroll(ahead - 1):
-                load(A, B, S, w, x, scale, X_s, W_s, S_s, p, p, p * workers + first, by, bx, lane, sid, half, g, t)
+                load(A, B, S, w, x, scale, X_s, W_s, S_s, p, p, p * workers + first, by, bx, lane, wk, g, t)
             # The loop is unrolled by `ahead`, so that every register buffer has constant indices and
             # none is ever copied: copying a buffer whose loads are in flight would wait for them
             # (the reason `ahead` > 1 never paid before, perf-notes v11). Batches past the end are no-ops.
             for it0 in T.serial(-(-trips // ahead)):
                 for r in T.unroll(ahead):
                     it = it0 * ahead + r
-                    if pair:
-                        # Batch it has landed for this warp; at the barrier, for its pair too, and both
-                        # are done with batch it - 1, whose slot the next load refills.
-                        T.ptx_wait_group(ahead - 2)
-                        T.call_extern("handle", "tm_pair_sync", sid)
                     load(A, B, S, w, x, scale, X_s, W_s, S_s, (r + ahead - 1) % ahead, (it + ahead - 1) % ahead,
-                         (it + ahead - 1) * workers + first, by, bx, lane, sid, half, g, t)
+                         (it + ahead - 1) * workers + first, by, bx, lane, wk, g, t)
                     compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, r, it % ahead, it * workers + first,
-                            lane, sid, half)
+                            lane, wk)
 
             if kb.late_trigger:
                 T.call_extern("handle", "tm_launch_dependents")     # the weight stream is done
@@ -372,10 +339,10 @@ def build(problem: Problem, knobs: Knobs):
                         for mi in T.unroll(m_tiles):
                             for e in T.unroll(4):
                                 row, col = sums_position(sj, j, mi, e, g, t)
-                                P_s[sid, own_rows(half, row), col] = sums[acc_index(sj, j, mi) + e]
+                                P_s[wk, row, col] = sums[acc_index(sj, j, mi) + e]
                 T.sync_threads()
                 for i, j in T.Parallel(bm, bn):
-                    C_s[i, j] = sum(P_s[r, i, j] for r in range(streams))
+                    C_s[i, j] = sum(P_s[r, i, j] for r in range(warps))
             else:
                 for i, j in T.Parallel(bm, bn):
                     C_s[i, j] = T.float32(0)
@@ -387,7 +354,6 @@ def build(problem: Problem, knobs: Knobs):
                                 for mi in T.unroll(m_tiles):
                                     for e in T.unroll(4):
                                         row, col = sums_position(sj, j, mi, e, g, t)
-                                        row = own_rows(half, row)
                                         C_s[row, col] = C_s[row, col] + sums[acc_index(sj, j, mi) + e]
             T.sync_threads()
             store(C_s, C, S, ws, counters, m, by, bx, tx)

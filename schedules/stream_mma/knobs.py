@@ -47,13 +47,6 @@ class Knobs:
     kernel), so that the first DRAM round trip falls under the previous kernel's tail. late_trigger
     (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
-    paired (with async_weights) makes the block's warps pairs that share each batch's shared slots:
-    each warp of a pair loads half the batch's weights and its own m_tiles * 8 rows of activations,
-    and both decode every word, each into the MMAs of its own rows (block_m = 16 * m_tiles). M = 16
-    then costs two one-m-tile warps per batch (149 registers each) instead of one two-m-tile warp
-    (229 registers, 2 blocks per SM on the H200) or two blocks that both read the weights
-    (perf-notes v37). A pair meets at a named barrier once per batch, before its next load reuses a
-    slot.
     """
 
     m_tiles: int = 1
@@ -72,16 +65,10 @@ class Knobs:
     pdl: bool = False
     early_start: int = 0
     late_trigger: bool = False
-    paired: bool = False
 
     @property
     def block_m(self) -> int:
-        return MMA_N * self.m_tiles * (2 if self.paired else 1)
-
-    @property
-    def streams(self) -> int:
-        """The block's batch streams: one per warp, or one per pair of warps (paired)."""
-        return self.warps // 2 if self.paired else self.warps
+        return MMA_N * self.m_tiles
 
     @property
     def block_n(self) -> int:
@@ -90,7 +77,7 @@ class Knobs:
     @property
     def block_k(self) -> int:
         """k rows one block's warps stream per batch, together."""
-        return TILE_K * self.unroll * self.streams
+        return TILE_K * self.unroll * self.warps
 
     @property
     def threads(self) -> int:
@@ -113,19 +100,17 @@ class Knobs:
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
-            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "") + (
-            "_pr" if self.paired else "")
+            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
 
     def shared_bytes(self, problem: Problem) -> int:
-        """The fp32 tile in which the warps' sums meet, with x_ldmatrix each stream's (warp's, or
-        paired pair's) activation slots, with async_weights its weight and scale slots, with sum_slices
-        a slice of sums per stream."""
-        x = self.streams * self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2 if self.x_ldmatrix else 0
-        w = self.streams * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
-        slices = self.streams * self.block_m * self.block_n * 4 if self.sum_slices else 0
+        """The fp32 tile in which the warps' sums meet, with x_ldmatrix each warp's activation slots,
+        with async_weights its weight and scale slots, with sum_slices a slice of sums per warp."""
+        x = self.warps * self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2 if self.x_ldmatrix else 0
+        w = self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
+        slices = self.warps * self.block_m * self.block_n * 4 if self.sum_slices else 0
         return self.block_m * self.block_n * 4 + x + w + slices + 64
 
     def registers_estimate(self) -> int:
@@ -176,19 +161,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "async_weights needs x_ldmatrix (the activations' cp.async slots and waits)"
     if kb.fold_zero_point and kb.scale_on_acc:
         return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
-    if kb.paired:
-        if kb.warps % 2 or not kb.async_weights:
-            return (f"paired needs an even warps and async_weights (the shared slots a pair shares); got "
-                    f"warps={kb.warps}, async_weights={kb.async_weights}")
-        if kb.ahead < 2:
-            return "paired reuses a slot only after the pair's barrier of the next batch: it needs ahead >= 2"
-        if kb.warps > 28:
-            return f"paired pairs meet at named barriers 1-15 (barrier 0 is the block's): warps={kb.warps} > 28"
-    workers = kb.split_k * kb.streams
+    workers = kb.split_k * kb.warps
     if kb.batches(problem) < workers:
-        unit = "pairs" if kb.paired else "warps"
         return (f"{kb.batches(problem)} batches of {batch_rows} rows leave some of the "
-                f"split_k * {unit} = {workers} {unit} without work")
+                f"split_k * warps = {workers} warps without work")
     regs = kb.registers_estimate()
     if regs > 200:
         return f"about {regs} registers per thread for sums and loads would spill"
