@@ -128,6 +128,22 @@ def speedups(times: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
     return out
 
 
+def round_speedups(data: dict) -> dict[int, list[float]]:
+    """m -> tilemarlin's layers-summed speedup in each round of a `--rounds` run, where every layer
+    kept its rounds for both kernels. Within a round the kernels took turns point by point, close
+    together in time: the spread over rounds shows how much the run's clocks moved the ratio."""
+    names = [name for name, _, _ in layers(data)]
+    kept = {(r["layer"], r["m"], r["kernel"]): r.get("us_rounds") for r in data["rows"] if r["us"] is not None}
+    out: dict[int, list[float]] = {}
+    for m in batch_sizes(data):
+        ours = [kept.get((name, m, OURS)) for name in names]
+        base = [kept.get((name, m, BASELINE)) for name in names]
+        if not all(ours + base) or len({len(r) for r in ours + base}) != 1:
+            continue
+        out[m] = [sum(b[i] for b in base) / sum(o[i] for o in ours) for i in range(len(ours[0]))]
+    return out
+
+
 def failures(data: dict) -> list[str]:
     """One line per (layer, kernel, error) that cost points, listing the M values it failed at."""
     grouped: dict[tuple[str, str, str], list[int]] = {}
@@ -146,18 +162,25 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the layers-summed table: per M, FP16 and tilemarlin sums, every speedup,
-    and the ideal INT4 speedup from the measured ceilings."""
+    tilemarlin's lowest and highest speedup over the rounds (a `--rounds` run), and the ideal INT4
+    speedup from the measured ceilings."""
     meta = data["meta"]
     others = [k for k in kernels(data) if k != BASELINE]
     times = summed_times(data)
     gains = speedups(times)
     shapes = [(k, n) for _, k, n in layers(data)]
+    per_round = round_speedups(data)
     header = ["M", "FP16 sum (us)", f"{OURS} sum (us)"] + [f"{k} speedup" for k in others]
+    if per_round:
+        header.append(f"{OURS} speedup per round")
     header.append("ideal INT4 speedup")
     rows = []
     for m in batch_sizes(data):
         row = [str(m), _fmt(times.get(m, {}).get(BASELINE)), _fmt(times.get(m, {}).get(OURS))]
         row += [_fmt(gains.get(m, {}).get(k), 2) for k in others]
+        if per_round:
+            spread = per_round.get(m)
+            row.append(f"{min(spread):.2f}-{max(spread):.2f}" if spread else "-")
         row.append(_fmt(ideal_int4_speedup(shapes, m, meta["group"], meta["ceilings"]), 2))
         rows.append(row)
     return header, rows

@@ -97,6 +97,26 @@ def test_markdown_summary_table(sample):
         {**sample, "meta": {**sample["meta"], "rounds": 3}})
 
 
+def test_speedup_per_round_spans_the_rounds_of_a_rounds_run(sample):
+    # FP16 the same in both rounds, tilemarlin 1.25x slower in the second: M = 1 is 40 / 20 = 2.00,
+    # then 40 / 25 = 1.60. A point where one layer kept no rounds gets no range.
+    rows = []
+    for row in sample["rows"]:
+        row = dict(row)
+        if row["us"] is not None and row["kernel"] in ("fp16", "tilemarlin") and row["m"] != 16:
+            row["us_rounds"] = [row["us"], row["us"] * (1.25 if row["kernel"] == "tilemarlin" else 1.0)]
+        rows.append(row)
+    data = {**sample, "rows": rows, "meta": {**sample["meta"], "rounds": 2}}
+    assert report.round_speedups(data)[1] == pytest.approx([2.0, 1.6])
+    assert 16 not in report.round_speedups(data)
+    text = report.markdown(data)
+    assert "| tilemarlin speedup per round | ideal INT4 speedup |" in text
+    assert "| 1 | 40.0 | 20.0 | 2.00 | 1.82 | 1.60-2.00 | 3.87 |" in text
+    assert "| 16 | 41.0 | 22.0 | 1.86 | 0.51 | - | 3.81 |" in text
+    assert "| 4096 | 940.0 | 1000.0 | 0.94 | - | 0.75-0.94 | 1.00 |" in text
+    assert "per round" not in report.markdown(sample)     # a run without rounds has no such column
+
+
 def test_terminal_report_has_a_table_per_layer_and_the_sum(sample):
     text = report.terminal_report(sample)
     assert "qkv (K=4096, N=12288)" in text and "o (K=4096, N=4096)" in text
