@@ -15,6 +15,7 @@ from pathlib import Path
 
 BASELINE = "fp16"        # every speedup is over torch.matmul in FP16
 OURS = "tilemarlin"
+PER_ROUND = f"{OURS} speedup per round"   # the summary's column of a --rounds run
 
 
 # --- the cost model: what one call must move and compute -------------------------------------
@@ -172,7 +173,7 @@ def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
     per_round = round_speedups(data)
     header = ["M", "FP16 sum (us)", f"{OURS} sum (us)"] + [f"{k} speedup" for k in others]
     if per_round:
-        header.append(f"{OURS} speedup per round")
+        header.append(PER_ROUND)
     header.append("ideal INT4 speedup")
     rows = []
     for m in batch_sizes(data):
@@ -234,7 +235,7 @@ def markdown(data: dict) -> str:
     from templates import render
 
     header, rows = summary_table(data)
-    return render("bench_table.md.j2", meta=data["meta"], header=header, rows=rows,
+    return render("bench_table.md.j2", meta=data["meta"], header=header, rows=rows, per_round=PER_ROUND in header,
                   layers=[f"{name} {k}x{n}" for name, k, n in layers(data)],
                   notes=[f"{k} not measured: {why}" for k, why in data["meta"].get("skipped", {}).items()],
                   failures=failures(data))

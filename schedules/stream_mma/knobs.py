@@ -109,7 +109,7 @@ class Knobs:
         """Dynamic shared memory as TileLang allocates it: with x_ldmatrix each warp's activation slots,
         with async_weights its weight and scale slots, all live during the k-loop; after it, the fp32
         tile in which the warps' sums meet and with sum_slices a slice of sums per warp, which TileLang
-        lays over the slots (measured on the host launch code of 14 configurations, perf-notes v38)."""
+        lays over the slots (measured in its host launch code, perf-notes v37-v38)."""
         x = self.warps * self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2 if self.x_ldmatrix else 0
         w = self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
         slices = self.warps * self.block_m * self.block_n * 4 if self.sum_slices else 0
