@@ -185,12 +185,7 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     busy = active_sms / gpu.sm_count * min(1.0, warps_per_sm / traits.warps_to_fill_sm)
     mma_rate = (gpu.wgmma_flops if traits.wgmma else gpu.mma_flops) * traits.mma_efficiency
     mma_s = per_wave * 2 * bm * bn * k_block / (mma_rate * busy)
-    if getattr(kb, "fold_zero_point", False) and traits.wgmma:
-        # stream_wgmma: raw codes in 7 of the decode's 9 instructions per word, a second wgmma per
-        # k-step (the offsets), and per k-tile a scaled add per fp32 sum (a guess until fitted).
-        mma_s *= 2
-        ops_per_weight = traits.decode_ops * 7 / 9 + bm / bk
-    elif getattr(kb, "fold_zero_point", False):
+    if getattr(kb, "fold_zero_point", False):
         # Raw codes into the MMA: 5 of the decode's 9 instructions per word, and per batch of
         # 16 * unroll rows a subtract, a scaled add and a reset per fp32 sum (a guess until fitted).
         ops_per_weight = traits.decode_ops * 5 / 9 + 3 * bm / (16 * kb.unroll)

@@ -42,17 +42,7 @@ def raw_decode(dtype: str, bits: int = 4) -> tuple[str, int, int]:
     pairs 0 and 2 decode to magic + code, pairs 1 and 3 to magic + multiplier * code."""
     _check(dtype, bits)
     d = _DEQUANT[dtype]
-    if d["raw_hi_mult"] == 1:        # every pair shifted down: the code decode below is the same
-        return code_decode(dtype, bits)[0], d["magic_value"], 1
     return f"tm_decode_raw_a_{d['name']}", d["magic_value"], d["raw_hi_mult"]
-
-
-def code_decode(dtype: str, bits: int = 4) -> tuple[str, int]:
-    """(extern name, magic value) of the decode into A order with every pair as magic + code (no
-    multiplier: for activations that cannot be rescaled, wgmma's shared-memory operand)."""
-    _check(dtype, bits)
-    d = _DEQUANT[dtype]
-    return f"tm_decode_codes_a_{d['name']}", d["magic_value"]
 
 
 @lru_cache(maxsize=None)

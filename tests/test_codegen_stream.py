@@ -15,7 +15,6 @@ from schedules import stream_mma
 from schedules.arch import get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
-from templates import raw_decode
 
 Knobs = stream_mma.Knobs
 
@@ -214,8 +213,7 @@ def test_lop3_decode_in_a_fragment_order(compiled):
     assert count(r"lop3\.b32", ptx) >= 4
     body = kernel_body(src)
     name = "f16_u4" if problem.dtype == "float16" else "bf16_u4"
-    plain, scaled = f"tm_dequant_a_{name}(", f"tm_dequant_scaled_a_{name}("
-    raw = raw_decode(problem.dtype)[0] + "("
+    plain, scaled, raw = f"tm_dequant_a_{name}(", f"tm_dequant_scaled_a_{name}(", f"tm_decode_raw_a_{name}("
     if knobs.fold_zero_point:
         assert raw in body and plain not in body and scaled not in body
     elif not problem.channelwise and not knobs.scale_on_acc:

@@ -103,13 +103,6 @@ CASES = {
                                                                    cluster_reduce=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
-    # fold_zero_point: raw codes into the wgmmas, one offsets' wgmma per k-step with A from shared memory;
-    # a producer warp (the M = 16 winners' form), and bf16 channelwise without overlap.
-    "tma_fold_producer_k128": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True, smem_weights=True,
-                                                              tma=True, release_barriers=True, producer_warp=True,
-                                                              staged_store=True, pdl=True, fold_zero_point=True)),
-    "tma_fold_bf16_channelwise": (Problem(1024, 4096, 4096, dtype="bfloat16"),
-                                  Knobs(32, 2, 1, 64, 4, smem_weights=True, tma=True, fold_zero_point=True)),
 }
 
 
@@ -172,21 +165,10 @@ def test_wgmma_takes_the_weights_from_registers(compiled):
     # wgmma.mma_async...m64n{M}k16.f32.{ab}.{ab} {d...}, {a0, a1, a2, a3}, descB, ...: A is a register list.
     rs = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{knobs.block_m}k16\.f32\.{ab}\.{ab}\s+\{{[^}}]*\}},\s*\{{[^}}]*\}}", ptx)
     assert rs, "no register-A wgmma of the expected shape"
-    if knobs.fold_zero_point:
-        # Each followed by the offsets' wgmma, whose constant A comes from shared memory; no fp16 or bf16
-        # arithmetic is left in the decode (raw codes, no subtraction, no scale).
-        assert count(r"wgmma\.mma_async", ptx) == 2 * len(rs)
-        assert not re.search(r"\b(sub|mul|fma\.rn)\.(f16|bf16)x2", ptx)
-    else:
-        assert count(r"wgmma\.mma_async", ptx) == len(rs), "every wgmma has its A in registers"
+    assert count(r"wgmma\.mma_async", ptx) == len(rs), "every wgmma has its A in registers"
     assert count(r"wgmma\.commit_group", ptx) > 0 and count(r"wgmma\.wait_group", ptx) > 0
-    if knobs.overlap and not (knobs.fold_zero_point and not problem.channelwise):
+    if knobs.overlap:
         assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) > 0
-    elif knobs.overlap:
-        # fold_zero_point with group scales decodes k-tile t under k-tile t - 1's wgmmas, then waits
-        # for them (their sums are scaled) before it issues t's: ptxas serializes the wgmmas (C7514)
-        # if the sums of one are read while another is in flight.
-        assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) == 0
 
 
 def test_activations_by_cp_async_weights_by_global_loads(compiled):
@@ -196,9 +178,8 @@ def test_activations_by_cp_async_weights_by_global_loads(compiled):
         # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
         assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
         # (stream_k: TileLang fences the consumers' generic shared-memory write of the tile counter's
-        # answer once per segment, before its k-loop; fold_zero_point its constant tile, once)
-        fences = 1 if knobs.stream_k or knobs.fold_zero_point else 0
-        assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == fences
+        # answer once per segment, before its k-loop)
+        assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == (1 if knobs.stream_k else 0)
         # (channelwise scales are read once, by the epilogue)
         assert count(r"ld\.global\.nc", ptx) == 0 or problem.channelwise
         assert not re.search(r"= S\[", k_loop(src))

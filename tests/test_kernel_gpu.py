@@ -157,27 +157,13 @@ STREAM_WGMMA_KNOBS = {
     "swg_m128_k128_producer_cluster_split2_early": SW(128, 1, 1, 128, 4, overlap=True, split_k=2, smem_weights=True,
                                                       tma=True, release_barriers=True, producer_warp=True,
                                                       cluster_reduce=True, early_start=2),
-    # fold_zero_point: raw codes, the offsets' wgmma from a shared constant tile, per-k-tile sums scaled
-    # (the M = 16 winners of gate_up and qkv with it; overlapped with block barriers, two groups; one
-    # without overlap, whose k-tiles are scaled right after their wgmmas)
-    "swg_m16_k128_producer_staged_fold": SW(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
-                                            release_barriers=True, producer_warp=True, pdl=True, staged_store=True,
-                                            early_start=2, fold_zero_point=True),
-    "swg_m16_k128_producer_cluster_split2_fold": SW(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True,
-                                                    tma=True, release_barriers=True, producer_warp=True,
-                                                    cluster_reduce=True, early_start=2, fold_zero_point=True),
-    "swg_m32_g2_tma_overlap_fold": SW(32, 2, 1, 64, 4, overlap=True, smem_weights=True, tma=True,
-                                      fold_zero_point=True),
-    "swg_m32_tma_release_split2_fold": SW(32, 1, 1, 64, 4, split_k=2, smem_weights=True, tma=True,
-                                          release_barriers=True, fold_zero_point=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
-                  "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged",
-                  "swg_m16_k128_producer_cluster_split2_fold")
+                  "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 

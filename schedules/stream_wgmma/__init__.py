@@ -61,9 +61,6 @@ AXES = {
     # P blocks share every tile's k-tiles evenly (stream-K), partial tiles meeting in the split-K
     # workspace: no wave quantization. CPU-checked, not measured (perf-notes v29).
     "stream_k": (0,),
-    # Raw codes into the wgmmas, the zero point and the magic number off the sums by one more wgmma
-    # per k-step, the group scale per k-tile's sums: prepared in session 15, not yet measured.
-    "fold_zero_point": (False,),
 }
 # Knobs of the launch and the epilogue: the first search round keeps one of each point's variants.
 VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m")

@@ -20,9 +20,7 @@ Why it looks the way it does:
   blocks on the SM fill the tensor cores meanwhile. With overlap it decodes stage t + 1 into a
   second fragment buffer while stage t's wgmmas run (wgmma.wait_group 1).
 - Group scales multiply the decoded weights (the k-tile lies in one group: check()); channelwise
-  scales multiply the final sums. With fold_zero_point the wgmmas multiply raw codes instead, one more
-  wgmma per k-step against a constant fragment takes the magic number and the zero point off the
-  sums, and each k-tile's sums take their group scale in fp32: a third of the decode's instructions. Without split-K every thread stores its fragment straight to C;
+  scales multiply the final sums. Without split-K every thread stores its fragment straight to C;
   with split-K the block's tile meets the other splits' through the common epilogue.
 - Every barrier is explicit: one per k-tile, after the stage has landed (cp.async) or after the
   wgmma wait that frees the oldest stage (tma; with release_barriers per-stage mbarriers instead).
@@ -35,7 +33,7 @@ import operator
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from templates import code_decode, dequant_function_names, mma_operand_dtype, render_dequant
+from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
 from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, split_k_prelude, store_tile,
                         w4a16_prim_func, wait_for_prior_grids)
@@ -117,11 +115,6 @@ def build(problem: Problem, knobs: Knobs):
     grid_n = n // bn
     ab = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
-    fold = kb.fold_zero_point
-    decode_codes, magic_value = code_decode(dtype, problem.bits)
-    # fold_zero_point with group scales: each k-tile's wgmmas sum into a buffer of their own after the
-    # running sums in acc, which take them with the k-tile's scales once the wgmmas are done.
-    batch_sums = fold and grouped
     cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if kb.stream_k else "") + \
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
@@ -139,9 +132,6 @@ def build(problem: Problem, knobs: Knobs):
     per_s = 2 * g                   # group scales per lane and stage: rows g and g + 8 of each group
     a_len = steps * g * 8           # decoded halves per lane and stage
     acc_len = g * bm // 2           # fp32 sums: `groups` wgmma m64n{bm} accumulators
-    sums_bufs = 1 if batch_sums else 0                          # the k-tile's sums, after acc_len
-    offset_rows = 64 * 16 // bn if fold else 0                  # the offsets' A operand, after the scales
-    scale_bufs = 2 if batch_sums and overlap else 1             # a k-tile's scales wait for its wgmmas
     kc8 = bk // 8                   # 16-byte chunks per activation row and stage
     chunks = bm * kc8
     w_chunks = steps * bn // 2      # 16-byte chunks of packed words per stage (2 * bn words per k-step)
@@ -206,9 +196,8 @@ def build(problem: Problem, knobs: Knobs):
         T.ptx_commit_group()
 
     @T.macro
-    def read_w(W_s, S_s, w, sc, tile, wg, wq, lane, sbuf=0):
-        """smem_weights: the lane's words of k-tile `tile` from its stage into buffer 0, its scales into
-        scale buffer `sbuf` (fold_zero_point keeps two: a k-tile's are used after its wgmmas)."""
+    def read_w(W_s, S_s, w, sc, tile, wg, wq, lane):
+        """smem_weights: the lane's words and scales of k-tile `tile` from its stage into buffer 0."""
         word = (wg * g + wq * g // 4) * 128 + lane * 4 + wq * g % 4
         for u in T.unroll(steps):
             for v in T.vectorized(g):
@@ -216,7 +205,7 @@ def build(problem: Problem, knobs: Knobs):
         if grouped:
             for i in T.unroll(g):
                 for h in T.unroll(2):
-                    sc[sbuf * per_s + 2 * i + h] = S_s[tile % stages, 0, weight_col(0, wg, wq, lane, i, h)]
+                    sc[2 * i + h] = S_s[tile % stages, 0, weight_col(0, wg, wq, lane, i, h)]
 
     @T.macro
     def load_w(B, S, w, sc, buf, tile, k0, bx, wg, wq, lane):
@@ -237,10 +226,7 @@ def build(problem: Problem, knobs: Knobs):
         """Decode register buffer `buf` into A fragment buffer `abuf`."""
         for u in T.unroll(steps):
             for i in T.unroll(g):
-                if fold:
-                    T.call_extern("handle", decode_codes, T.access_ptr(w[buf * per_w + u * g + i], "r"),
-                                  T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
-                elif grouped:
+                if grouped:
                     T.call_extern("handle", decode_scaled, T.access_ptr(w[buf * per_w + u * g + i], "r"),
                                   T.access_ptr(sc[buf * per_s + 2 * i], "r"),
                                   T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
@@ -256,61 +242,17 @@ def build(problem: Problem, knobs: Knobs):
         return u * step_units
 
     @T.macro
-    def mma_stage(a, abuf, acc, desc, odesc, tile):
-        """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group; with
-        fold_zero_point each followed by the offsets' wgmma (odesc) into the same sums, and with group
-        scales into the k-tile's own sums, which the first k-step resets."""
-        base = acc_len if batch_sums else 0
-        T.warpgroup_fence_operand(acc, base, num_regs=acc_len)
+    def mma_stage(a, abuf, acc, desc, tile):
+        """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group."""
+        T.warpgroup_fence_operand(acc, num_regs=acc_len)
         T.warpgroup_arrive()
         for u in T.unroll(steps):
             for i in T.unroll(g):
                 T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
                                a.data, abuf * a_len + (u * g + i) * 8,
                                desc.data, tile % stages * stage_units + x_offset(u),
-                               acc.data, base + i * (bm // 2), 0 if batch_sums and u == 0 else 1, 1, 1)
-                if fold:
-                    # A from shared memory (odesc: a tile of -(magic + 8)); as a register fragment ptxas
-                    # rematerialized the constant for every wgmma, 4 moves per k-step.
-                    T.ptx_wgmma_ss("float32", wgmma_shape, True, True, ab, ab, "fp32",
-                                   odesc.data, 0, desc.data, tile % stages * stage_units + x_offset(u),
-                                   acc.data, base + i * (bm // 2), 1, 1, 1)
+                               acc.data, i * (bm // 2), 1, 1, 1)
         T.warpgroup_commit_batch()
-
-    @T.macro
-    def scale_sums(acc, sc, sbuf):
-        """fold_zero_point: the sums of a k-tile whose wgmmas are done take its group scales (scale
-        buffer sbuf) into the running sums."""
-        T.warpgroup_fence_operand(acc, acc_len, num_regs=acc_len)
-        for i in T.unroll(g):
-            for c in T.unroll(bm // 8):
-                for e in T.unroll(4):
-                    k = i * (bm // 2) + c * 4 + e
-                    acc[k] = acc[k] + acc[acc_len + k] * T.cast(sc[sbuf * per_s + 2 * i + e // 2], "float32")
-
-    @T.macro
-    def zero_sums(acc, sc):
-        """The running sums start at zero; with fold_zero_point also the k-tile's sums and the scales
-        (an overlapped loop's first scale_sums adds sums that no k-tile has made yet)."""
-        for i in T.unroll(acc_len * (1 + sums_bufs)):
-            acc[i] = T.float32(0)
-        if batch_sums:
-            for i in T.unroll(scale_bufs * per_s):
-                sc[i] = T.cast(0, dtype)
-
-    @T.macro
-    def offsets_operand(odesc, S_s, tx):
-        """fold_zero_point: the offsets' wgmma A operand, 64 x 16 halves of -(magic + 8) (any layout
-        reads the same), in the rows of S_s after the scale stages: a buffer of its own, which only
-        the descriptor reads, was seen dead by TileLang's shared-memory merge and placed over the
-        stages. Written by the first 128 threads and made visible to the async proxy before any
-        wgmma; odesc describes it (no swizzle, core matrices 128 and 256 bytes apart)."""
-        if tx < 128:
-            for i in T.vectorized(8):
-                S_s[stages + tx * 8 // bn, 0, tx * 8 % bn + i] = T.cast(-(magic_value + 8), dtype)
-        T.fence_proxy_async()
-        T.sync_threads()
-        T.initialize_wgmma_descriptor(odesc, S_s.access_ptr("r", offset=stages * bn), 0, 128 // 16, 256 // 16)
 
     @T.macro
     def copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, leaders):
@@ -372,28 +314,17 @@ def build(problem: Problem, knobs: Knobs):
         T.sync_threads()
 
     @T.macro
-    def consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq, lane, g, t, r):
+    def consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane, g, t, r):
         """K-tile t (number g of the block's sequence) of the tma pipeline into A fragment buffer r % 2:
         wait for its stage's barrier phase, decode, issue the wgmmas; then free the oldest stage: a
         block barrier after the wgmma wait (and the next copy, issued by one elected thread), or with
         release_barriers an arrival on the stage's "empty" barrier (warp 0 refills it, or with
         producer_warp the producer warp)."""
         T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
-        read_w(W_s, S_s, w, sc, g, wg, wq, lane, r % 2 if scale_bufs > 1 else 0)
+        read_w(W_s, S_s, w, sc, g, wg, wq, lane)
         decode_stage(w, sc, a, 0, r % 2)
-        late_issue = batch_sums and overlap
-        if late_issue:
-            # ptxas serializes every wgmma (C7514) if the sums of one are read while another is in
-            # flight, so this k-tile is decoded under the previous one's wgmmas, which are then waited
-            # for and their sums scaled (zeros before the first k-tile) before this k-tile's are issued.
-            # The overlapped loop's last k-tile uses scale buffer 1 (consume_tma): scaled after the loop.
-            T.warpgroup_wait(0)
-            scale_sums(acc, sc, (r + 1) % 2)
-        else:
-            mma_stage(a, r % 2, acc, desc, odesc, g)
-            T.warpgroup_wait(1 if overlap else 0)
-            if batch_sums:
-                scale_sums(acc, sc, 0)
+        mma_stage(a, r % 2, acc, desc, g)
+        T.warpgroup_wait(1 if overlap else 0)
         if release:
             # This thread is done with k-tile t (with overlap: its previous one, ksplit earlier in the
             # block's sequence) and its stage.
@@ -401,13 +332,11 @@ def build(problem: Problem, knobs: Knobs):
                 T.barrier_arrive(empty[(g - (ksplit if overlap else 0)) % stages])
         else:
             T.sync_threads()
-        if late_issue:
-            mma_stage(a, r % 2, acc, desc, odesc, g)
         if not producer:
             load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
 
     @T.macro
-    def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, k0, g0, by, bx, tx, wg, wq, lane,
+    def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, g0, by, bx, tx, wg, wq, lane,
                     count):
         """The consumers' k-loop of the tma pipeline (k-tile t is number g0 + t of the block's
         sequence), unrolled by two so that the fragment buffers have constant register indices. An
@@ -421,33 +350,34 @@ def build(problem: Problem, knobs: Knobs):
             g0 = g0 + tx // (WARPGROUP * kb.warpgroups)
         odd = 0 if stream_k else mine % unrolled
         for r in T.unroll(odd):
-            consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq, lane,
+            consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
                            g0 + r * ksplit, r, r + 1)
         for t0 in T.serial(mine // unrolled):
             for r in T.unroll(unrolled):
                 t = odd + t0 * unrolled + r
-                consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq,
+                consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
                                lane, g0 + t * ksplit if ksplit > 1 else g0 + t, t, r)
 
     @T.macro
-    def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq, lane):
+    def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
         """tma: the stages fill by TMA and a thread waits for its stage's barrier phase; with
         producer_warp the extra warp produces while the warpgroups consume (warp specialization)."""
         if producer:
             if in_producer_warp():
                 produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, trips, by, bx, tx)
             else:
-                zero_sums(acc, sc)
-                consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, k0, 0, by, bx, tx, wg, wq, lane,
+                for i in T.unroll(acc_len):
+                    acc[i] = T.float32(0)
+                consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
                             trips)
         else:
             for p in T.unroll(stages - 1):
                 load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
-            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, k0, 0, by, bx, tx, wg, wq, lane,
+            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
                         trips)
 
     @T.macro
-    def pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq, lane):
+    def pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
         """smem_weights: weights and scales arrive with the activations by cp.async; a stage is decoded
         once it has landed, with overlap while the previous stage's wgmmas still run (unrolled by two,
         so that the fragment buffers have constant indices)."""
@@ -460,14 +390,14 @@ def build(problem: Problem, knobs: Knobs):
                     stage_ready()
                     read_w(W_s, S_s, w, sc, t, wg, wq, lane)
                     decode_stage(w, sc, a, 0, r % 2)
-                    mma_stage(a, r % 2, acc, desc, odesc, t)
+                    mma_stage(a, r % 2, acc, desc, t)
                     # After the wgmmas: a cp.async before them would need a second proxy fence.
                     load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
                     # overlap: k-tile t - 1's wgmmas are done, its A buffer is free for t + 1.
                     T.warpgroup_wait(1 if overlap else 0)
 
     @T.macro
-    def pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq, lane):
+    def pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
         """Activations by cp.async, weights by global loads into registers: k-tile t's words wait in
         register buffer t % bufs. The loop is unrolled so that every buffer index is a constant and no
         buffer is ever copied (a copy of a buffer whose loads are in flight would wait for them);
@@ -484,7 +414,7 @@ def build(problem: Problem, knobs: Knobs):
                 if t < trips:
                     stage_ready()
                     if overlap:
-                        mma_stage(a, r % 2, acc, desc, odesc, t)
+                        mma_stage(a, r % 2, acc, desc, t)
                         load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
                         # Into the buffer of k-tile t, decoded in the previous iteration.
                         load_w(B, S, w, sc, r % bufs, t + 1 + ahead, k0, bx, wg, wq, lane)
@@ -494,7 +424,7 @@ def build(problem: Problem, knobs: Knobs):
                     else:
                         load_w(B, S, w, sc, (r + ahead) % bufs, t + ahead, k0, bx, wg, wq, lane)
                         decode_stage(w, sc, a, r % bufs, 0)
-                        mma_stage(a, 0, acc, desc, odesc, t)
+                        mma_stage(a, 0, acc, desc, t)
                         load_x(A, B, S, X_s, W_s, S_s, t + prefetch, k0, by, bx, tx)
                         T.warpgroup_wait(0)
 
@@ -581,7 +511,7 @@ def build(problem: Problem, knobs: Knobs):
             acc_to_global(acc, C, S, by, bx, wg, wq, lane, None)
 
     @T.macro
-    def pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, by, bx, tx, wg, wq, lane,
+    def pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx, wg, wq, lane,
                                 Y_s):
         """setmaxnreg: the producer warpgroup drops to PRODUCER_REGISTERS and its first warp produces;
         the consumers take the registers it left and store their own sums. The two branches never
@@ -595,7 +525,7 @@ def build(problem: Problem, knobs: Knobs):
             T.set_max_nreg(kb.max_registers, 1)
             for i in T.unroll(acc_len):
                 acc[i] = T.float32(0)
-            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, 0, 0, by, bx, tx, wg, wq, lane,
+            consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, 0, by, bx, tx, wg, wq, lane,
                         trips)
             T.warpgroup_wait(0)
             T.warpgroup_fence_operand(acc, num_regs=acc_len)
@@ -612,17 +542,16 @@ def build(problem: Problem, knobs: Knobs):
             full = T.alloc_barrier([1 if release else threads] * stages)
             empty = T.alloc_barrier([consumers // ksplit] * stages) if release else None
         W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
-        S_s = T.alloc_shared((stages + offset_rows, 1, bn) if w_smem else (1, 1, 8), dtype)
+        S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
-        sc = T.alloc_local((max(bufs, scale_bufs) * per_s,), dtype)
+        sc = T.alloc_local((bufs * per_s,), dtype)
         a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
-        acc = T.alloc_local((acc_len * (1 + sums_bufs),), "float32")
+        acc = T.alloc_local((acc_len,), "float32")
         desc = T.alloc_wgmma_desc()
-        odesc = T.alloc_wgmma_desc() if fold else None     # fold_zero_point: the offsets' A operand
         if kb.staged_store:
             Y_s = T.alloc_shared((bm, bn + 8), dtype)     # 16 bytes of padding per row: see acc_to_global_staged
-            return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, odesc, Y_s
-        return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, odesc, None
+            return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s
+        return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, None
 
     @T.macro
     def start_early(B, S, bx, bz):
@@ -657,7 +586,7 @@ def build(problem: Problem, knobs: Knobs):
             if kb.early_start:
                 start_early(B, S, bx, bz)
             wait_prior()
-            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, odesc, Y_s = buffers()
+            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
 
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
@@ -665,33 +594,28 @@ def build(problem: Problem, knobs: Knobs):
             lane = tx % 32
             k0 = bz * trips
             T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
-            if fold:
-                offsets_operand(odesc, S_s, tx)
             if not producer:    # (the producer warp's consumers zero their own sums)
-                zero_sums(acc, sc)
+                for i in T.unroll(acc_len):
+                    acc[i] = T.float32(0)
 
             if kb.setmaxnreg:    # (split_k 1: the epilogue is the consumers' own, inside)
-                pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, by, bx, tx,
+                pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx,
                                         wg, wq, lane, Y_s)
             elif tma:
-                pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq, lane)
+                pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             elif w_smem:
-                pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq, lane)
+                pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             else:
-                pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, odesc, k0, by, bx, tx, wg, wq, lane)
+                pipeline_registers(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             if kb.setmaxnreg:
                 pass
             elif producer:
                 if not in_producer_warp():      # wgmma's warpgroup instructions, not for the producer warp
                     T.warpgroup_wait(0)
                     T.warpgroup_fence_operand(acc, num_regs=acc_len)
-                    if batch_sums and overlap:
-                        scale_sums(acc, sc, 1)
             else:
                 T.warpgroup_wait(0)
                 T.warpgroup_fence_operand(acc, num_regs=acc_len)
-                if batch_sums and overlap:
-                    scale_sums(acc, sc, 1)
 
             if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")
@@ -730,7 +654,7 @@ def build(problem: Problem, knobs: Knobs):
         g = round * trips + t of a block's sequence uses stage g % stages in phase g // stages, so the
         producer warp fills the next tile's stages while the warpgroups store this one."""
         with T.Kernel(persistent, threads=threads, prelude=prelude) as pid:
-            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, odesc, Y_s = buffers()
+            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP
             wq = tx // 32 % 4
@@ -750,7 +674,7 @@ def build(problem: Problem, knobs: Knobs):
                     tile_at[1] = (pid + i * persistent) // m_tiles
                     for j in T.unroll(acc_len):
                         acc[j] = T.float32(0)
-                    consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, 0, i * trips,
+                    consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, i * trips,
                                 tile_at[0], tile_at[1], tx, wg, wq, lane, trips)
                     T.warpgroup_wait(0)
                     T.warpgroup_fence_operand(acc, num_regs=acc_len)
@@ -812,7 +736,7 @@ def build(problem: Problem, knobs: Knobs):
         the block's sequence picks stage g % stages, so the producer warp fills the next segment's
         stages while the consumers store this one's."""
         with T.Kernel(stream_k, threads=threads, prelude=prelude) as pid:
-            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, odesc, Y_s = buffers()
+            X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
             flag = T.alloc_shared((1,), "int32")
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP
@@ -842,7 +766,7 @@ def build(problem: Problem, knobs: Knobs):
                     segment(seg, first_tile + i, begin, end, m_tiles)
                     for j in T.unroll(acc_len):
                         acc[j] = T.float32(0)
-                    consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, odesc, seg[4], seg[0], seg[2],
+                    consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, seg[4], seg[0], seg[2],
                                 seg[3], tx, wg, wq, lane, seg[5])
                     T.warpgroup_wait(0)
                     T.warpgroup_fence_operand(acc, num_regs=acc_len)

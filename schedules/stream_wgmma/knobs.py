@@ -67,13 +67,6 @@ class Knobs:
     down_proj) once per wave; 0 keeps the grid's order (M tiles fastest). stream_k (P > 0, the
     producer warp's tma pipeline, split_k 1) launches P blocks that share all tiles' k-tiles evenly
     in units of two k-tiles; partial tiles meet in the split-K workspace (stream-K).
-    fold_zero_point (the tma pipeline, one tile per block) feeds the wgmmas raw codes (magic + code:
-    four lop3 and three shifts per word, no subtraction, no scale) and after each k-step's wgmma one
-    more with a constant A fragment of -(magic + 8), which takes the magic number and the zero point
-    off the same sums (they depend on the activations only); each k-tile's sums then take the group
-    scale into the running sums (two accumulator buffers alternate, so that one k-tile's wgmmas run
-    while the previous one's sums are scaled). Channelwise, the wgmmas accumulate straight into the
-    running sums.
     """
 
     block_m: int = 128
@@ -97,7 +90,6 @@ class Knobs:
     early_start: int = 0
     panel_m: int = 0
     stream_k: int = 0
-    fold_zero_point: bool = False
 
     @property
     def block_n(self) -> int:
@@ -151,8 +143,7 @@ class Knobs:
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
-                 (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
-                 ("_fz", self.fold_zero_point))
+                 (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -165,8 +156,7 @@ class Knobs:
         c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
-        o = 64 * 16 * 2 if self.fold_zero_point else 0     # the offsets' constant A operand
-        return x + w + c + y + o + 64
+        return x + w + c + y + 64
 
     def registers_estimate(self) -> int:
         acc = self.groups * self.block_m // 2
@@ -174,9 +164,7 @@ class Knobs:
         bufs = 1 if self.smem_weights else self.ahead + 1
         raw = bufs * self.k_steps * self.groups + bufs * self.groups
         tile_loop = 24 if self.persistent else 0     # ptxas spilled 10 registers with 16 here (block_m 256)
-        # fold_zero_point: two k-tiles' sums and scales beside the running sums, the constant fragment
-        fold = 2 * acc + 2 * self.groups + 4 if self.fold_zero_point else 0
-        return acc + a + raw + 40 + tile_loop + fold
+        return acc + a + raw + 40 + tile_loop
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
@@ -256,9 +244,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
         return ("staged_store is wired into the tma pipeline with split_k=1 only (split-K tiles meet in the common "
                 "epilogue; no k_split, no persistent loop)")
-    if kb.fold_zero_point and (not kb.tma or kb.persistent or kb.stream_k or kb.setmaxnreg or kb.k_split):
-        return ("fold_zero_point is wired into the tma pipeline of one tile per block (no persistent loop, "
-                "stream_k, setmaxnreg or k_split)")
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
