@@ -2,7 +2,8 @@
 
 Every kernel is timed the one way tilemarlin times anything (gen.measure.time_calls: a CUDA graph over
 enough weight copies that L2 holds none), in the same run, next to the ceilings measured in that run
-(HBM read bandwidth, FP16 tensor-core rate). Before a kernel is timed at a point, one call is checked
+(HBM read bandwidth, FP16 tensor-core rate), with nvidia-smi's readings of the SM clock and the power
+cap while each batch size was timed (gen/clocks.py). Before a kernel is timed at a point, one call is checked
 against the fp32 reference where the kernel computes exactly our quantized weight; a wrong result is
 recorded as a failure, never as a time. The run is saved as JSON (`meta` + one row per layer, M and
 kernel) after every layer, and the report (gen/report.py) is built from that JSON alone, so
@@ -18,12 +19,14 @@ import os
 import shlex
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
 from gen import report
+from gen.clocks import ClockLog, summarize
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
@@ -326,7 +329,9 @@ def _random_weights(layer, group: int) -> LayerWeights:
     return LayerWeights(layer.name, problem.k, problem.n, problem.group, codes, scales)
 
 
-def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list) -> None:
+def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: dict) -> None:
+    """Every point of one layer into `rows`; `windows` (M -> [(start, end)]) gets the wall-clock
+    interval in which each batch size was timed, for the clock readings."""
     import torch
 
     from schedules.quant import reference_matmul
@@ -346,8 +351,10 @@ def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list) -> None:
         x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
         reference = functools.cache(lambda: reference_matmul(x, w.codes, w.scales))   # only if needed
         line = []
+        start = time.time()
         measured = _measure_points({k: c for k, c in contenders.items() if k not in layer_errors}, x, reference,
                                    w, m, args.rounds)
+        windows.setdefault(m, []).append((start, time.time()))
         for kernel in args.kernels:
             if kernel in skipped:
                 continue
@@ -431,6 +438,22 @@ def _precompile_tilemarlin(layers: list, args) -> None:
         print(f"  {problem.name} {schedule.name}: {error}", file=sys.stderr)
 
 
+def _smi_device() -> str:
+    """nvidia-smi's name for CUDA device 0: its UUID (CUDA_VISIBLE_DEVICES may renumber the GPUs)."""
+    import torch
+
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)
+    return f"GPU-{uuid}" if uuid else "0"
+
+
+def clock_record(clocks: ClockLog, windows: dict) -> dict:
+    """The run's clock readings per batch size (all layers' intervals together; JSON keys are
+    strings), or why there are none."""
+    if clocks.unavailable:
+        return {"unavailable": clocks.unavailable}
+    return {"by_m": {str(m): summarize(clocks.between(spans)) for m, spans in sorted(windows.items())}}
+
+
 def _save(data: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
@@ -447,12 +470,14 @@ def _measure_and_report(args, model: str, layers: list) -> int:
     json_path = report.output_paths(args.out, stem)["json"]
     if "tilemarlin" in args.kernels:
         _precompile_tilemarlin(layers, args)
-    with torch.no_grad():
+    windows: dict[int, list] = {}
+    with torch.no_grad(), ClockLog(_smi_device()) as clocks:
         for layer in layers:
             weights = _random_weights(layer, args.group)
-            _measure_layer(weights, args, data["meta"]["skipped"], data["rows"])
+            _measure_layer(weights, args, data["meta"]["skipped"], data["rows"], windows)
             del weights
             _save(data, json_path)   # a crash later still leaves the layers done
+    data["meta"]["clocks"] = clock_record(clocks, windows)
     data["meta"]["complete"] = True
     _save(data, json_path)
     print(f"wrote {json_path}")

@@ -16,6 +16,7 @@ from pathlib import Path
 BASELINE = "fp16"        # every speedup is over torch.matmul in FP16
 OURS = "tilemarlin"
 PER_ROUND = f"{OURS} speedup per round"   # the summary's column of a --rounds run
+CLOCK = "SM clock (MHz)"                     # ... of a run with nvidia-smi's readings (gen/clocks.py)
 
 
 # --- the cost model: what one call must move and compute -------------------------------------
@@ -175,6 +176,9 @@ def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
     if per_round:
         header.append(PER_ROUND)
     header.append("ideal INT4 speedup")
+    clocks = data["meta"].get("clocks", {}).get("by_m")
+    if clocks:
+        header.append(CLOCK)
     rows = []
     for m in batch_sizes(data):
         row = [str(m), _fmt(times.get(m, {}).get(BASELINE)), _fmt(times.get(m, {}).get(OURS))]
@@ -183,8 +187,25 @@ def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
             spread = per_round.get(m)
             row.append(f"{min(spread):.2f}-{max(spread):.2f}" if spread else "-")
         row.append(_fmt(ideal_int4_speedup(shapes, m, meta["group"], meta["ceilings"]), 2))
+        if clocks:
+            row.append(clock_cell(clocks.get(str(m))))
         rows.append(row)
     return header, rows
+
+
+def clock_cell(reading: dict | None) -> str:
+    """The median SM clock while a batch size was timed, and the share of readings under the power
+    cap where there were any: "1980", "1515, 80 % power-capped"."""
+    if not reading:
+        return "-"
+    capped = reading["power_capped"]
+    return f"{reading['sm_mhz']:.0f}" + (f", {100 * capped:.0f} % power-capped" if capped else "")
+
+
+def clock_notes(meta: dict) -> list[str]:
+    """Why a run has no clock readings, if it should have had them."""
+    why = meta.get("clocks", {}).get("unavailable")
+    return [f"no SM clock readings: {why}"] if why else []
 
 
 def layer_table(data: dict, layer: str) -> tuple[list[str], list[list[str]]]:
@@ -225,7 +246,7 @@ def terminal_report(data: dict) -> str:
     for name, k, n in layers(data):
         parts.append(f"\n{name} (K={k}, N={n})\n" + text_table(*layer_table(data, name)))
     parts.append("\nall layers summed\n" + text_table(*summary_table(data)))
-    notes = [f"skipped {k}: {why}" for k, why in meta.get("skipped", {}).items()] + failures(data)
+    notes = [f"skipped {k}: {why}" for k, why in meta.get("skipped", {}).items()] + clock_notes(meta) + failures(data)
     if notes:
         parts.append("\n" + "\n".join(notes))
     return "\n".join(parts)
@@ -236,8 +257,10 @@ def markdown(data: dict) -> str:
 
     header, rows = summary_table(data)
     return render("bench_table.md.j2", meta=data["meta"], header=header, rows=rows, per_round=PER_ROUND in header,
+                  clocks=CLOCK in header,
                   layers=[f"{name} {k}x{n}" for name, k, n in layers(data)],
-                  notes=[f"{k} not measured: {why}" for k, why in data["meta"].get("skipped", {}).items()],
+                  notes=[f"{k} not measured: {why}" for k, why in data["meta"].get("skipped", {}).items()]
+                  + clock_notes(data["meta"]),
                   failures=failures(data))
 
 
