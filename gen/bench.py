@@ -451,7 +451,8 @@ def clock_record(clocks: ClockLog, windows: dict) -> dict:
     strings), or why there are none."""
     if clocks.unavailable:
         return {"unavailable": clocks.unavailable}
-    return {"by_m": {str(m): summarize(clocks.between(spans)) for m, spans in sorted(windows.items())}}
+    top = max(s.sm_mhz for s in clocks.samples)
+    return {"by_m": {str(m): summarize(clocks.between(spans), top) for m, spans in sorted(windows.items())}}
 
 
 def _save(data: dict, path: Path) -> None:

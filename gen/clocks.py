@@ -29,6 +29,9 @@ class Sample:
 
     @property
     def power_capped(self) -> bool:
+        """The power cap is among the throttle reasons. The flag can outlast the load that raised it
+        (readings at full clock during M = 1 after an M = 4096 point had it), so summarize counts
+        only readings with the clock also below the run's top clock."""
         return bool(self.reasons & POWER_CAP_BITS)
 
 
@@ -46,14 +49,15 @@ def parse_line(line: str) -> Sample | None:
         return None
 
 
-def summarize(samples: list[Sample]) -> dict | None:
-    """The median SM clock, the highest power reading and the share of readings under a power cap;
-    None without readings (a point shorter than the sampling period)."""
+def summarize(samples: list[Sample], top_mhz: float) -> dict | None:
+    """The median and lowest SM clock, the highest power reading and the share of readings in which
+    the power cap held the clock below `top_mhz` (the run's highest reading); None without readings
+    (a point shorter than the sampling period)."""
     if not samples:
         return None
-    return {"sm_mhz": statistics.median(s.sm_mhz for s in samples),
-            "max_watts": max(s.watts for s in samples),
-            "power_capped": sum(s.power_capped for s in samples) / len(samples),
+    held = sum(s.power_capped and s.sm_mhz < top_mhz for s in samples)
+    return {"sm_mhz": statistics.median(s.sm_mhz for s in samples), "min_mhz": min(s.sm_mhz for s in samples),
+            "max_watts": max(s.watts for s in samples), "power_capped": held / len(samples),
             "readings": len(samples)}
 
 

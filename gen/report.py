@@ -194,12 +194,15 @@ def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def clock_cell(reading: dict | None) -> str:
-    """The median SM clock while a batch size was timed, and the share of readings under the power
-    cap where there were any: "1980", "1515, 80 % power-capped"."""
+    """The median SM clock while a batch size was timed, its lowest reading where lower, and the
+    share of readings in which the power cap held it down: "1980", "1980 (min 1275), 23 % capped"."""
     if not reading:
         return "-"
+    cell = f"{reading['sm_mhz']:.0f}"
+    if reading.get("min_mhz", reading["sm_mhz"]) < reading["sm_mhz"]:
+        cell += f" (min {reading['min_mhz']:.0f})"
     capped = reading["power_capped"]
-    return f"{reading['sm_mhz']:.0f}" + (f", {100 * capped:.0f} % power-capped" if capped else "")
+    return cell + (f", {100 * capped:.0f} % capped" if capped else "")
 
 
 def clock_notes(meta: dict) -> list[str]:

@@ -36,10 +36,12 @@ def test_parse_line_skips_what_is_not_a_reading(line):
     assert parse_line(line) is None
 
 
-def test_summarize_gives_the_median_clock_peak_power_and_capped_share():
-    samples = [Sample(0, 1980, 130, 0), Sample(1, 1515, 700, 0x4), Sample(2, 1485, 690, 0x4), Sample(3, 1965, 540, 0x4)]
-    assert summarize(samples) == {"sm_mhz": 1740, "max_watts": 700, "power_capped": 0.75, "readings": 4}
-    assert summarize([]) is None
+def test_summarize_gives_the_clock_peak_power_and_the_share_held_down_by_the_cap():
+    samples = [Sample(0, 1980, 130, 0), Sample(1, 1515, 700, 0x4), Sample(2, 1485, 690, 0x4), Sample(3, 1965, 540, 0x4),
+               Sample(4, 1980, 200, 0x4)]       # the flag outlasting the load: at the top clock it does not count
+    assert summarize(samples, 1980) == {"sm_mhz": 1965, "min_mhz": 1485, "max_watts": 700, "power_capped": 0.6,
+                                        "readings": 5}
+    assert summarize([], 1980) is None
 
 
 def fake_smi(lines: list[str]) -> list[str]:
@@ -59,7 +61,8 @@ def test_clock_log_collects_in_the_background_and_cuts_windows():
     assert [s.sm_mhz for s in clocks.between([(now - 6, now - 3)])] == [1500, 1600]
     assert [s.sm_mhz for s in clocks.between([(now - 11, now - 9), (now - 2, now)])] == [1980, 1980]
     record = bench.clock_record(clocks, {4096: [(now - 6, now - 3)], 1: [(now - 0.5, now)]})
-    assert record["by_m"]["4096"]["power_capped"] == 1.0 and record["by_m"]["1"] is None
+    assert record["by_m"]["4096"]["power_capped"] == 1.0 and record["by_m"]["4096"]["min_mhz"] == 1500
+    assert record["by_m"]["1"] is None
 
 
 def test_without_nvidia_smi_the_log_says_why_and_finds_nothing():
@@ -74,12 +77,14 @@ def test_without_nvidia_smi_the_log_says_why_and_finds_nothing():
 
 def test_the_summary_shows_the_clock_per_batch_size(sample):
     data = {**sample, "meta": {**sample["meta"], "clocks": {"by_m": {
-        str(m): {"sm_mhz": 1980.0, "max_watts": 300.0, "power_capped": 0.0, "readings": 9} for m in report.batch_sizes(sample)}}}}
+        str(m): {"sm_mhz": 1980.0, "min_mhz": 1980.0, "max_watts": 300.0, "power_capped": 0.0, "readings": 9}
+        for m in report.batch_sizes(sample)}}}}
     m_last = str(report.batch_sizes(sample)[-1])
-    data["meta"]["clocks"]["by_m"][m_last] = {"sm_mhz": 1515.0, "max_watts": 706.0, "power_capped": 0.8, "readings": 20}
+    data["meta"]["clocks"]["by_m"][m_last] = {"sm_mhz": 1515.0, "min_mhz": 1275.0, "max_watts": 706.0,
+                                              "power_capped": 0.8, "readings": 20}
     header, rows = report.summary_table(data)
     assert header[-1] == report.CLOCK
-    assert rows[0][-1] == "1980" and rows[-1][-1] == "1515, 80 % power-capped"
+    assert rows[0][-1] == "1980" and rows[-1][-1] == "1515 (min 1275), 80 % capped"
     assert "power cap held the clock down" in report.markdown(data)
     assert report.CLOCK not in report.summary_table(sample)[0]      # a run from before the readings
 
