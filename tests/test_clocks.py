@@ -85,7 +85,8 @@ def test_the_summary_shows_the_clock_per_batch_size(sample):
     header, rows = report.summary_table(data)
     assert header[-1] == report.CLOCK
     assert rows[0][-1] == "1980" and rows[-1][-1] == "1515 (min 1275), 80 % capped"
-    assert "power cap held the clock down" in report.markdown(data)
+    text = report.markdown(data)
+    assert "TFLOP/s.\nThe SM clock is" in text and "held the clock down.\n\n| M |" in text
     assert report.CLOCK not in report.summary_table(sample)[0]      # a run from before the readings
 
 
