@@ -3,8 +3,8 @@
 Every kernel is timed the one way tilemarlin times anything (gen.measure.time_calls: a CUDA graph over
 enough weight copies that L2 holds none), in the same run, next to the ceilings measured in that run
 (HBM read bandwidth, FP16 tensor-core rate), with nvidia-smi's readings of the SM clock and the power
-cap while each batch size was timed (gen/clocks.py). Before a kernel is timed at a point, one call is checked
-against the fp32 reference where the kernel computes exactly our quantized weight; a wrong result is
+cap while each batch size was timed (gen/clocks.py). Before a kernel is timed at a point, one call is
+checked against the fp32 reference where the kernel computes exactly our quantized weight; a wrong result is
 recorded as a failure, never as a time. The run is saved as JSON (`meta` + one row per layer, M and
 kernel) after every layer, and the report (gen/report.py) is built from that JSON alone, so
 `--from-json` can rebuild tables and plots on a machine without a GPU.
