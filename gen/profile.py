@@ -3,6 +3,9 @@ for an external profiler (it measures nothing itself).
 
     ncu -k regex:w4a16_gemm --launch-skip 2 --launch-count 1 --section SpeedOfLight \\
         python -m gen profile --shape 4096x12288 --m 4096
+
+`--read-ncu FILE.csv` instead reads what `ncu --import R.ncu-rep --page source --csv --print-source sass`
+printed (on any machine) and says where the warps waited (gen/ncu_source.py).
 """
 from __future__ import annotations
 
@@ -12,18 +15,25 @@ import sys
 def register(subparsers) -> None:
     p = subparsers.add_parser("profile", help="run one layer's tuned kernel a few times, for ncu or nsys",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", required=True, help="KxN, e.g. 4096x12288")
-    p.add_argument("--m", type=int, required=True, help="rows of the activations (the batch)")
+    p.add_argument("--shape", help="KxN, e.g. 4096x12288 (required to run a kernel)")
+    p.add_argument("--m", type=int, help="rows of the activations, the batch (required to run a kernel)")
     p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     p.add_argument("--calls", type=int, default=3, help="calls to make (default 3: two to warm up, one to profile)")
+    p.add_argument("--read-ncu", metavar="FILE.csv", help="summarize ncu's SASS source page (stall reasons, "
+                   "opcodes, the lines with the most stall samples) instead of running anything")
+    p.add_argument("--top", type=int, default=15, help="with --read-ncu: lines to list (default 15)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from .models import parse_shapes
 
+    if args.read_ncu:
+        return _read_ncu(args.read_ncu, args.top)
     try:
+        if args.shape is None or args.m is None:
+            raise ValueError("--shape and --m name the kernel to run (or --read-ncu FILE.csv reads a profile)")
         layers = parse_shapes(args.shape)
         if len(layers) != 1:
             raise ValueError(f"--shape takes one KxN, got {args.shape!r}")
@@ -51,4 +61,16 @@ def run(args) -> int:
         torch.ops.tilemarlin.w4a16_gemm(x, qweight, qscales, n, k, args.group)
     torch.cuda.synchronize()
     print(f"ran {schedule.name} on {k}x{n} at M={args.m} {args.calls} times")
+    return 0
+
+
+def _read_ncu(path: str, top: int) -> int:
+    from .ncu_source import read, summary
+
+    try:
+        lines = read(path)
+    except (OSError, ValueError) as exc:
+        print(f"gen profile: {exc}", file=sys.stderr)
+        return 2
+    print(summary(lines, top))
     return 0
