@@ -60,8 +60,9 @@ def _int(text: str) -> int:
 def summary(lines: list[Line], top: int = 15) -> str:
     """Stall reasons by share of samples, opcodes by share of executed instructions (and of samples),
     and the `top` lines with the most samples, with their three largest reasons."""
-    executed = sum(line.executed for line in lines) or 1
-    samples = sum(line.samples for line in lines) or 1
+    total_executed = sum(line.executed for line in lines)
+    total_samples = sum(line.samples for line in lines)
+    executed, samples = total_executed or 1, total_samples or 1      # shares of nothing are zero
     reasons = Counter()
     for line in lines:
         reasons.update(line.stalls)
@@ -69,8 +70,7 @@ def summary(lines: list[Line], top: int = 15) -> str:
     for line in lines:
         ops[line.opcode] += line.executed
         op_samples[line.opcode] += line.samples
-    out = [f"{sum(line.executed for line in lines)} warp instructions executed, {sum(line.samples for line in lines)} "
-           "stall samples",
+    out = [f"{total_executed} warp instructions executed, {total_samples} stall samples",
            "stall reasons (share of samples): " + ", ".join(f"{r} {n / samples:.2f}" for r, n in reasons.most_common()
                                                             if n / samples >= 0.01),
            "opcodes (share of executed / of samples): " + ", ".join(

@@ -199,7 +199,7 @@ def clock_cell(reading: dict | None) -> str:
     if not reading:
         return "-"
     cell = f"{reading['sm_mhz']:.0f}"
-    if reading.get("min_mhz", reading["sm_mhz"]) < reading["sm_mhz"]:
+    if reading["min_mhz"] < reading["sm_mhz"]:
         cell += f" (min {reading['min_mhz']:.0f})"
     capped = reading["power_capped"]
     return cell + (f", {100 * capped:.0f} % capped" if capped else "")
