@@ -300,6 +300,9 @@ KNOB_FACTORS = {
         # at M <= 1024 a block-256 grid has at most 4 M tiles, so panels only add instructions.
         ("panel_m", 2): ((1024, 1.007), (2048, 1.0), (None, 0.95)),
         ("panel_m", 4): ((1024, 1.005), (2048, 1.0), (None, 0.952)),
+        # Session 16 (v40): medians of the pairs at M = 16-64 and 128-256 (every winner with and
+        # without the knob); unmeasured above.
+        "stage_unroll": ((64, 0.95), (256, 0.985), (None, 1.0)),
     },
 }
 
@@ -335,8 +338,10 @@ def _factor_rows(family: str, m: int) -> tuple[tuple[str, object, float], ...]:
 
 @functools.lru_cache(maxsize=256)
 def _candidates(problem: Problem, arch: Arch, families: tuple[str, ...]) -> tuple[Schedule, ...]:
-    """Every valid schedule of `families` (the space is M-independent, so it is built once)."""
-    return tuple(Schedule(name, knobs) for name in families for knobs in FAMILIES[name].space(problem, arch))
+    """Every valid schedule of `families` in name order (the space is M-independent, so it is built
+    once; rank's stable sort then breaks ties by name without a name per candidate and bucket)."""
+    schedules = (Schedule(name, knobs) for name in families for knobs in FAMILIES[name].space(problem, arch))
+    return tuple(sorted(schedules, key=lambda s: s.name))
 
 
 def rank(problem: Problem, m: int, arch: Arch, gpu: GpuSpec, families=None) -> list[Schedule]:
@@ -346,8 +351,8 @@ def rank(problem: Problem, m: int, arch: Arch, gpu: GpuSpec, families=None) -> l
         if name not in FAMILIES:
             raise ValueError(f"unknown schedule family {name!r}; known: {sorted(FAMILIES)}")
     candidates = _candidates(problem, arch, names)
-    # The name breaks ties, so that the order never depends on how the space was enumerated.
-    return sorted(candidates, key=lambda s: (estimate_us(problem, s, m, gpu), s.name))
+    # Stable on name order: ties never depend on how the space was enumerated.
+    return sorted(candidates, key=lambda s: estimate_us(problem, s, m, gpu))
 
 
 def best_schedule(problem: Problem, m: int, arch: Arch, gpu: GpuSpec | None = None) -> Schedule:

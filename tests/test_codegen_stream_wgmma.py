@@ -2,6 +2,7 @@
 show the family's design: wgmma with its A operand in registers (the decoded weights) and B from a
 shared-memory descriptor (the activations), activations by cp.async, the lop3 decode, the weights
 never in shared memory, every register buffer in registers, one barrier per k-tile."""
+import math
 import re
 
 import pytest
@@ -103,6 +104,18 @@ CASES = {
                                                                    cluster_reduce=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
+    # the consumers' k-loop unrolled by the stages (32 k-tiles: 2 before the loop, 5 trips of 6), in
+    # gate_up M=16's winner form, and in a cluster of two splits (qkv M=16's)
+    "tma_producer_stage_unroll": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
+                                                                 smem_weights=True, tma=True,
+                                                                 release_barriers=True, producer_warp=True,
+                                                                 pdl=True, staged_store=True, early_start=2,
+                                                                 stage_unroll=True)),
+    "tma_producer_cluster_stage_unroll": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2,
+                                                                         smem_weights=True, tma=True,
+                                                                         release_barriers=True, producer_warp=True,
+                                                                         cluster_reduce=True, early_start=2,
+                                                                         stage_unroll=True)),
 }
 
 
@@ -145,6 +158,10 @@ def test_not_offered_before_hopper():
     (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, staged_store=True), "tma pipeline"),
     (Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
            producer_warp=True, staged_store=True), "split_k=1"),
+    (Knobs(64, 1, 1, 64, 4, overlap=True, smem_weights=True, stage_unroll=True), "needs tma and overlap"),
+    (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, stage_unroll=True), "needs tma and overlap"),
+    (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
+           k_split=True, stage_unroll=True), "k_split"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -433,3 +450,22 @@ def test_staged_store_leaves_in_16_byte_chunks(compiled):
         assert count(r"bar\.sync\s+1,", ptx) == 2
     else:
         assert narrow > 0 and wide == 0 and "tm_copy16" not in src
+
+
+def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
+    """stage_unroll: the consumers' k-loop covers a multiple of `stages` k-tiles per trip, each with its
+    stage's barrier named by a constant (a trip's unrolled index), so no k-tile divides by `stages`."""
+    problem, knobs, src, _ = compiled
+    if not (knobs.tma and knobs.overlap) or knobs.persistent or knobs.stream_k or knobs.k_split:
+        return
+    loop = k_loops(src)[1] if knobs.producer_warp else k_loop(src)     # (the producer's loop comes first)
+    waits = re.findall(r"full\[([^\]]+)\]\.wait", loop)
+    if not knobs.stage_unroll:      # a trip of two k-tiles: the stage is computed from the trip number
+        assert waits and any("t0" in index for index in waits), waits
+        return
+    trips = re.search(r"for \(int t0 = 0; t0 < (\d+); \+\+t0\)", loop)
+    per_trip = math.lcm(2, knobs.stages)
+    assert trips and int(trips.group(1)) == problem.k // knobs.block_k // knobs.split_k // per_trip
+    assert re.search(rf"for \(int r = 0; r < {per_trip}; \+\+r\)", loop)
+    assert waits and all("t0" not in index for index in waits), waits
+

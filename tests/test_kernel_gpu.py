@@ -157,6 +157,16 @@ STREAM_WGMMA_KNOBS = {
     "swg_m128_k128_producer_cluster_split2_early": SW(128, 1, 1, 128, 4, overlap=True, split_k=2, smem_weights=True,
                                                       tma=True, release_barriers=True, producer_warp=True,
                                                       cluster_reduce=True, early_start=2),
+    # the k-loop unrolled by the 6 stages (2 k-tiles before it at K = 4096, 5 at 11008): gate_up M=16's
+    # winner form, qkv M=16's (split 2 in a cluster), and the block's own TMA pipeline (no producer
+    # warp), which refills a stage from inside the k-loop
+    "swg_m16_k128_producer_staged_unrolled": SW(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
+                                                release_barriers=True, producer_warp=True, pdl=True,
+                                                staged_store=True, early_start=2, stage_unroll=True),
+    "swg_m16_k128_producer_cluster_split2_unrolled": SW(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True,
+                                                        tma=True, release_barriers=True, producer_warp=True,
+                                                        cluster_reduce=True, early_start=2, stage_unroll=True),
+    "swg_m32_tma_s4_unrolled": SW(32, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, stage_unroll=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},

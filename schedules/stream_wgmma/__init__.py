@@ -61,9 +61,15 @@ AXES = {
     # P blocks share every tile's k-tiles evenly (stream-K), partial tiles meeting in the split-K
     # workspace: no wave quantization. CPU-checked, not measured (perf-notes v29).
     "stream_k": (0,),
+    # The consumers' k-loop unrolled by the stages, every stage index a constant: 18 % fewer
+    # instructions per k-tile at block_m 16; 0.91-0.98x at M = 16-256 (median 0.96, 17 pairs), but
+    # 1.4x where ptxas hoisted the constant descriptors into 148 registers (qkv 32, split 2 in a
+    # cluster; session 16, perf-notes v40).
+    "stage_unroll": (False, True),
 }
-# Knobs of the launch and the epilogue: the first search round keeps one of each point's variants.
-VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m")
+# Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
+# each point's variants.
+VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m", "stage_unroll")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order

@@ -339,22 +339,25 @@ def build(problem: Problem, knobs: Knobs):
     def consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, g0, by, bx, tx, wg, wq, lane,
                     count):
         """The consumers' k-loop of the tma pipeline (k-tile t is number g0 + t of the block's
-        sequence), unrolled by two so that the fragment buffers have constant register indices. An
-        odd k-tile count runs its first k-tile before the loop (in buffer 1): under a condition inside
-        the loop, or after it, ptxas waited for every wgmma before the next (its warning C7513, found
-        on down_proj with 43 k-tiles per split)."""
+        sequence), unrolled by two so that the fragment buffers have constant register indices (with
+        stage_unroll by a multiple of `stages` too). The k-tiles that do not fill a trip run before
+        the loop (an odd one in buffer 1): under a condition inside the loop, or after it, ptxas
+        waited for every wgmma before the next (its warning C7513, found on down_proj with 43 k-tiles
+        per split)."""
         mine = trips // ksplit          # k-tiles of this warpgroup; with k_split its own are kw, kw + 2, ...
         if stream_k:
             mine = count                # this segment's k-tiles, a runtime multiple of two: no peel
         if ksplit > 1:
             g0 = g0 + tx // (WARPGROUP * kb.warpgroups)
-        odd = 0 if stream_k else mine % unrolled
-        for r in T.unroll(odd):
+        # stage_unroll: a trip covers a multiple of `stages` k-tiles, so k-tile t's stage is a constant
+        per_trip = math.lcm(unrolled, stages) if kb.stage_unroll else unrolled
+        odd = 0 if stream_k else mine % per_trip
+        for r in T.unroll(odd):     # buffer (r + odd) % 2: k-tile `odd`, the loop's first, takes buffer 0
             consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                           g0 + r * ksplit, r, r + 1)
-        for t0 in T.serial(mine // unrolled):
-            for r in T.unroll(unrolled):
-                t = odd + t0 * unrolled + r
+                           g0 + r * ksplit, r, r + odd)
+        for t0 in T.serial(mine // per_trip):
+            for r in T.unroll(per_trip):
+                t = odd + t0 * per_trip + r
                 consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
                                lane, g0 + t * ksplit if ksplit > 1 else g0 + t, t, r)
 
@@ -442,6 +445,12 @@ def build(problem: Problem, knobs: Knobs):
         return T.cast(total if grouped else total * T.cast(S[0, col], "float32"), dtype)
 
     @T.macro
+    def finish_sums(acc):
+        """After the k-loop: wait for the last wgmmas, whose sums the epilogues read."""
+        T.warpgroup_wait(0)
+        T.warpgroup_fence_operand(acc, num_regs=acc_len)
+
+    @T.macro
     def acc_to_shared(acc, C_s, wg, wq, lane):
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
@@ -527,8 +536,7 @@ def build(problem: Problem, knobs: Knobs):
                 acc[i] = T.float32(0)
             consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, 0, by, bx, tx, wg, wq, lane,
                         trips)
-            T.warpgroup_wait(0)
-            T.warpgroup_fence_operand(acc, num_regs=acc_len)
+            finish_sums(acc)
             store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
 
     @T.macro
@@ -611,11 +619,9 @@ def build(problem: Problem, knobs: Knobs):
                 pass
             elif producer:
                 if not in_producer_warp():      # wgmma's warpgroup instructions, not for the producer warp
-                    T.warpgroup_wait(0)
-                    T.warpgroup_fence_operand(acc, num_regs=acc_len)
+                    finish_sums(acc)
             else:
-                T.warpgroup_wait(0)
-                T.warpgroup_fence_operand(acc, num_regs=acc_len)
+                finish_sums(acc)
 
             if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")

@@ -66,7 +66,10 @@ class Knobs:
     4096), which L2 holds, instead of every M tile's activations (32 MB at M = 4096, 90 MB for
     down_proj) once per wave; 0 keeps the grid's order (M tiles fastest). stream_k (P > 0, the
     producer warp's tma pipeline, split_k 1) launches P blocks that share all tiles' k-tiles evenly
-    in units of two k-tiles; partial tiles meet in the split-K workspace (stream-K).
+    in units of two k-tiles; partial tiles meet in the split-K workspace (stream-K). stage_unroll
+    (tma with overlap; not persistent, stream_k or k_split) unrolls the consumers' k-loop by a
+    multiple of `stages`, so that every stage index, barrier phase and descriptor offset in it is a
+    constant instead of a division per k-tile.
     """
 
     block_m: int = 128
@@ -90,6 +93,7 @@ class Knobs:
     early_start: int = 0
     panel_m: int = 0
     stream_k: int = 0
+    stage_unroll: bool = False
 
     @property
     def block_n(self) -> int:
@@ -143,7 +147,8 @@ class Knobs:
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
-                 (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k))
+                 (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
+                 ("_su", self.stage_unroll))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -233,6 +238,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         if kb.stream_k > problem.n // kb.block_n * kb.k_tiles(problem) // 2:
             return (f"stream_k={kb.stream_k} blocks exceed the {problem.n // kb.block_n * kb.k_tiles(problem) // 2} "
                     "units of one row of tiles (some would have no work at small M)")
+    if kb.stage_unroll and not (kb.tma and kb.overlap and not kb.persistent and not kb.stream_k and not kb.k_split):
+        return ("stage_unroll makes the stage indices of the overlapped tma k-loop constants: it needs tma and "
+                "overlap, and no persistent, stream_k or k_split (whose k-tile numbers start at run time)")
     if kb.panel_m < 0 or kb.panel_m == 1:
         return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
     if kb.panel_m and kb.persistent:
