@@ -28,6 +28,10 @@ from .search import DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS
 # Issue 3 asks a cold `gen tune --model llama-2-7b` to finish within 10 minutes on the H200: planning
 # and rounds one and two took ~430 s there (perf-notes v37), so later rounds get what is left of 520 s.
 DEFAULT_TIME_BUDGET_S = 520.0
+# A local round costs about this much besides its candidates' compiles and timings (the H200's cold
+# tune in session 16: rounds of 312, 216 and 72 candidates took 121, 99 and 56 s, ~36 s + 0.27 s per
+# candidate; scaling the last round's seconds per candidate sent round four past the budget).
+ROUND_FIXED_S = 30.0
 
 
 @dataclass
@@ -333,16 +337,34 @@ def compile_and_measure_with_progress(searches, arch, workers, labels: dict, lab
                             progress=lambda _: measured.update(1), on_bucket=on_bucket, measure=measure)
 
 
+def expected_round_s(past: list[tuple[int, float]], added: int) -> float:
+    """Seconds a local round of `added` candidates should take, from the (candidates, seconds) of the
+    rounds before it: a straight line through them when two or more differ in size (never below
+    their slowest second per candidate at zero fixed cost), else ROUND_FIXED_S (at most half the last
+    round) plus the last round's seconds per candidate on the rest."""
+    sizes = {n for n, _ in past}
+    if len(sizes) >= 2:
+        mean_n = sum(n for n, _ in past) / len(past)
+        mean_t = sum(t for _, t in past) / len(past)
+        slope = sum((n - mean_n) * (t - mean_t) for n, t in past) / sum((n - mean_n) ** 2 for n, _ in past)
+        if slope >= 0 and mean_t - slope * mean_n >= 0:
+            return mean_t - slope * mean_n + slope * added
+        return added * max(t / n for n, t in past)
+    n, took = past[-1]
+    fixed = min(ROUND_FIXED_S, took / 2)
+    return fixed + (took - fixed) * added / n
+
+
 def local_rounds(searches, args, arch, spec, labels: dict, started: float, record, finished) -> None:
     """Rounds two and on (--refine places per bucket): the neighbours of what measured fastest, the
     winners of the buckets beside and of the other layers at the same M (search.add_refinements);
     round two for every bucket, each later one only where the round before moved the winner, and only
-    if it is expected to end within --time-budget of `started` (the last round's seconds per
-    candidate). record(search) saves a measured bucket; finished(searches) marks buckets done."""
+    if it is expected to end within --time-budget of `started` (expected_round_s, from the rounds
+    before it). record(search) saves a measured bucket; finished(searches) marks buckets done."""
     from .search import add_refinements
 
     active = list(searches) if args.refine else []
-    last_took = last_added = 0
+    past = []       # (candidates, seconds) of the rounds run
     for round_no in range(2, 2 + REFINE_ROUNDS):
         if not active:
             return
@@ -351,7 +373,7 @@ def local_rounds(searches, args, arch, spec, labels: dict, started: float, recor
         before = {id(s): s.winner() for s in active}
         added = add_refinements(searches, arch, spec, per_bucket=args.refine, only=active)
         if round_no > 2 and added:
-            expected = last_took * added / last_added
+            expected = expected_round_s(past, added)
             if round_started - started + expected > args.time_budget:
                 for s in active:
                     del s.results[had[id(s)]:]
@@ -363,9 +385,9 @@ def local_rounds(searches, args, arch, spec, labels: dict, started: float, recor
             return
         compile_and_measure_with_progress(searches, arch, args.workers, labels, f"check + time, round {round_no}",
                                           on_bucket=record)
-        last_added, last_took = added, time.monotonic() - round_started
+        past.append((added, time.monotonic() - round_started))
         moved = [s for s in active if s.winner() is not before[id(s)]]
-        print(f"round {round_no} took {last_took:.0f} s and moved {len(moved)} of {len(active)} winners "
+        print(f"round {round_no} took {past[-1][1]:.0f} s and moved {len(moved)} of {len(active)} winners "
               f"({time.monotonic() - started:.0f} s in all)")
         finished([s for s in active if s.winner() is before[id(s)]])
         active = moved

@@ -339,3 +339,19 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
         assert rc == 0, err
         assert len(compiled) == rounds and f"round {rounds}: " in out and f"round {rounds + 1}: " not in out
     assert "round 3 (" in out and "skipped: it would end past --time-budget" in out
+
+
+def test_a_round_is_expected_to_cost_a_fixed_part_and_a_part_per_candidate():
+    from gen.tune import ROUND_FIXED_S, expected_round_s
+
+    # The H200's cold tune of session 16: 312 then 216 candidates took 121 and 99 s; the line through
+    # them says 72 candidates take ~66 s (they took 56), where the last round's seconds per candidate
+    # said 33 and let the round start 37 s before a budget it then overran by 19.
+    assert expected_round_s([(312, 121.0), (216, 99.0)], 72) == pytest.approx(49.5 + 72 * 22 / 96)
+    # One round so far: the fixed part plus the last round's rate on the rest.
+    assert expected_round_s([(312, 121.0)], 216) == pytest.approx(ROUND_FIXED_S + (121 - ROUND_FIXED_S) * 216 / 312)
+    assert expected_round_s([(10, 4.0)], 20) == pytest.approx(2 + 2 * 2)     # the fixed part at most half
+    # Rounds that got cheaper with more candidates (noise): never below the slowest rate seen.
+    assert expected_round_s([(100, 50.0), (200, 40.0)], 50) == pytest.approx(25.0)
+    # Equal sizes cannot fit a line: the last round's rule.
+    assert expected_round_s([(100, 50.0), (100, 60.0)], 100) == pytest.approx(60.0)
