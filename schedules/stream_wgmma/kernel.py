@@ -351,13 +351,13 @@ def build(problem: Problem, knobs: Knobs):
             g0 = g0 + tx // (WARPGROUP * kb.warpgroups)
         # stage_unroll: a trip covers a multiple of `stages` k-tiles, so k-tile t's stage is a constant
         per_trip = math.lcm(unrolled, stages) if kb.stage_unroll else unrolled
-        odd = 0 if stream_k else mine % per_trip
-        for r in T.unroll(odd):     # buffer (r + odd) % 2: k-tile `odd`, the loop's first, takes buffer 0
+        lead = 0 if stream_k else mine % per_trip      # k-tiles before the loop
+        for r in T.unroll(lead):    # buffer (r + lead) % 2: k-tile `lead`, the loop's first, takes buffer 0
             consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                           g0 + r * ksplit, r, r + odd)
+                           g0 + r * ksplit, r, r + lead)
         for t0 in T.serial(mine // per_trip):
             for r in T.unroll(per_trip):
-                t = odd + t0 * per_trip + r
+                t = lead + t0 * per_trip + r
                 consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
                                lane, g0 + t * ksplit if ksplit > 1 else g0 + t, t, r)
 
