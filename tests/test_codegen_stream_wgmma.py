@@ -111,6 +111,14 @@ CASES = {
                                                                  release_barriers=True, producer_warp=True,
                                                                  pdl=True, staged_store=True, early_start=2,
                                                                  stage_unroll=True)),
+    # ... and the producer warp's loop unrolled the same way (prepared, out of the search)
+    "tma_producer_stage_and_producer_unroll": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
+                                                                              smem_weights=True, tma=True,
+                                                                              release_barriers=True,
+                                                                              producer_warp=True, pdl=True,
+                                                                              staged_store=True, early_start=2,
+                                                                              stage_unroll=True,
+                                                                              producer_unroll=True)),
     "tma_producer_cluster_stage_unroll": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2,
                                                                          smem_weights=True, tma=True,
                                                                          release_barriers=True, producer_warp=True,
@@ -162,6 +170,8 @@ def test_not_offered_before_hopper():
     (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, stage_unroll=True), "needs tma and overlap"),
     (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            k_split=True, stage_unroll=True), "k_split"),
+    (Knobs(64, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
+           producer_unroll=True), "needs stage_unroll and producer_warp"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -328,18 +338,20 @@ def test_barriers_in_the_k_loops(compiled):
 
 
 def k_loops(src: str) -> list[str]:
-    """The kernel's loops over k-tiles: its outermost loops that nvcc is not asked to unroll."""
+    """The kernel's loops over k-tiles: its outermost loops that nvcc is not asked to unroll (nor
+    any loop inside an unrolled one, such as the k-tiles that stage_unroll runs before its loop)."""
     body = src[src.index("__global__ void __launch_bounds__"):]
     loops, end = [], 0
     for found in re.finditer(r"for \(int \w+ = 0;", body):
-        if found.start() < end or body[:found.start()].rstrip().endswith("#pragma unroll"):
+        if found.start() < end:
             continue
         depth, start = 0, body.index("{", found.start())
         for i in range(start, len(body)):
             depth += {"{": 1, "}": -1}.get(body[i], 0)
             if depth == 0:
-                loops.append(body[found.start():i + 1])
                 end = i + 1
+                if not body[:found.start()].rstrip().endswith("#pragma unroll"):
+                    loops.append(body[found.start():end])
                 break
     assert loops, "no k-loop found"
     return loops
@@ -463,9 +475,26 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
     if not knobs.stage_unroll:      # a trip of two k-tiles: the stage is computed from the trip number
         assert waits and any("t0" in index for index in waits), waits
         return
-    trips = re.search(r"for \(int t0 = 0; t0 < (\d+); \+\+t0\)", loop)
+    trips = re.search(r"for \(int (t0\w*) = 0; \1 < (\d+); \+\+\1\)", loop)
     per_trip = math.lcm(2, knobs.stages)
-    assert trips and int(trips.group(1)) == problem.k // knobs.block_k // knobs.split_k // per_trip
-    assert re.search(rf"for \(int r = 0; r < {per_trip}; \+\+r\)", loop)
+    assert trips and int(trips.group(2)) == problem.k // knobs.block_k // knobs.split_k // per_trip
+    assert re.search(rf"for \(int (r\w*) = 0; \1 < {per_trip}; \+\+\1\)", loop)
     assert waits and all("t0" not in index for index in waits), waits
 
+
+
+def test_producer_unroll_makes_the_producers_stage_indices_constant(compiled):
+    """producer_unroll: the producer warp's loop runs whole rounds of the stages (the k-tiles short of
+    a round before it), so its waits for released stages name them by constants too."""
+    problem, knobs, src, _ = compiled
+    if not knobs.producer_warp or knobs.persistent or knobs.stream_k or knobs.setmaxnreg:
+        return
+    producer = k_loops(src)[0]
+    assert "tma_load" in producer and "wgmma_rs" not in producer
+    waits = re.findall(r"empty\[([^\]]+)\]\.wait", producer)
+    assert waits
+    if knobs.producer_unroll:
+        assert re.search(rf"for \(int (r\w*) = 0; \1 < {knobs.stages}; \+\+\1\)", producer)
+        assert all("t0" not in index for index in waits), waits
+    else:
+        assert all(re.search(r"[a-z]", index) for index in waits), waits     # the k-tile number, at run time

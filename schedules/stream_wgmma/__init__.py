@@ -66,6 +66,8 @@ AXES = {
     # 1.4x where ptxas hoisted the constant descriptors into 148 registers (qkv 32, split 2 in a
     # cluster; session 16, perf-notes v40).
     "stage_unroll": (False, True),
+    # The producer warp's loop unrolled the same way (prepared in session 16, CPU only; perf-notes v40).
+    "producer_unroll": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

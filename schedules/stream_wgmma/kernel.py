@@ -291,19 +291,33 @@ def build(problem: Problem, knobs: Knobs):
                 T.barrier_arrive(full[tile % stages])
 
     @T.macro
+    def fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g, t, by, bx, tx):
+        """The producer's k-tile t, number g of the block's sequence: wait for its stage's release (from
+        the second round of the stages on), issue its copies, arrive."""
+        if g >= stages:
+            T.mbarrier_wait_parity(empty[g % stages], (g // stages - 1) % 2)
+        copy_stage(A, B, S, X_s, W_s, S_s, full, g, k0 + t, by, bx, 32)
+        T.call_extern("handle", "__syncwarp")
+        if tx == consumers:
+            T.barrier_arrive(full[g % stages])
+
+    @T.macro
     def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, g0, count, by, bx, tx):
         """producer_warp: the extra warp fills every stage as soon as the consumers have released its
         previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx.
         K-tile t (of `count`, from k-tile k0) of this tile is number g0 + t of the block's sequence
         (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase."""
-        for t in T.serial(count):
-            g = g0 + t
-            if g >= stages:
-                T.mbarrier_wait_parity(empty[g % stages], (g // stages - 1) % 2)
-            copy_stage(A, B, S, X_s, W_s, S_s, full, g, k0 + t, by, bx, 32)
-            T.call_extern("handle", "__syncwarp")
-            if tx == consumers:
-                T.barrier_arrive(full[g % stages])
+        if kb.producer_unroll:      # (g0 = 0 and count = trips, a constant: see check())
+            lead = count % stages   # k-tiles before the loop, which then runs whole rounds of the stages
+            for t in T.unroll(lead):
+                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx)
+            for t0 in T.serial(count // stages):
+                for r in T.unroll(stages):
+                    fill(A, B, S, X_s, W_s, S_s, full, empty, k0, lead + t0 * stages + r, lead + t0 * stages + r,
+                         by, bx, tx)
+        else:
+            for t in T.serial(count):
+                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g0 + t, t, by, bx, tx)
 
     @T.macro
     def stage_ready():
