@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -342,13 +343,10 @@ def expected_round_s(past: list[tuple[int, float]], added: int) -> float:
     rounds before it: a straight line through them when two or more differ in size (never below
     their slowest second per candidate at zero fixed cost), else ROUND_FIXED_S (at most half the last
     round) plus the last round's seconds per candidate on the rest."""
-    sizes = {n for n, _ in past}
-    if len(sizes) >= 2:
-        mean_n = sum(n for n, _ in past) / len(past)
-        mean_t = sum(t for _, t in past) / len(past)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in past) / sum((n - mean_n) ** 2 for n, _ in past)
-        if slope >= 0 and mean_t - slope * mean_n >= 0:
-            return mean_t - slope * mean_n + slope * added
+    if len({n for n, _ in past}) >= 2:
+        slope, fixed = statistics.linear_regression([n for n, _ in past], [t for _, t in past])
+        if slope >= 0 and fixed >= 0:
+            return fixed + slope * added
         return added * max(t / n for n, t in past)
     n, took = past[-1]
     fixed = min(ROUND_FIXED_S, took / 2)
