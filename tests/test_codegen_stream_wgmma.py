@@ -104,21 +104,13 @@ CASES = {
                                                                    cluster_reduce=True)),
     # bf16, channelwise, split-K through the common epilogue.
     "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
-    # the consumers' k-loop unrolled by the stages (32 k-tiles: 2 before the loop, 5 trips of 6), in
-    # gate_up M=16's winner form, and in a cluster of two splits (qkv M=16's)
+    # the consumers' and the producer warp's k-loops unrolled by the stages (32 k-tiles: 2 before the
+    # loop, 5 trips of 6), in gate_up M=16's winner form, and in a cluster of two splits (qkv M=16's)
     "tma_producer_stage_unroll": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
                                                                  smem_weights=True, tma=True,
                                                                  release_barriers=True, producer_warp=True,
                                                                  pdl=True, staged_store=True, early_start=2,
                                                                  stage_unroll=True)),
-    # ... and the producer warp's loop unrolled the same way (prepared, out of the search)
-    "tma_producer_stage_and_producer_unroll": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
-                                                                              smem_weights=True, tma=True,
-                                                                              release_barriers=True,
-                                                                              producer_warp=True, pdl=True,
-                                                                              staged_store=True, early_start=2,
-                                                                              stage_unroll=True,
-                                                                              producer_unroll=True)),
     "tma_producer_cluster_stage_unroll": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2,
                                                                          smem_weights=True, tma=True,
                                                                          release_barriers=True, producer_warp=True,
@@ -170,8 +162,6 @@ def test_not_offered_before_hopper():
     (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, stage_unroll=True), "needs tma and overlap"),
     (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            k_split=True, stage_unroll=True), "k_split"),
-    (Knobs(64, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
-           producer_unroll=True), "needs stage_unroll and producer_warp"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -483,9 +473,9 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
 
 
 
-def test_producer_unroll_makes_the_producers_stage_indices_constant(compiled):
-    """producer_unroll: the producer warp's loop runs whole rounds of the stages (the k-tiles short of
-    a round before it), so its waits for released stages name them by constants too."""
+def test_stage_unroll_makes_the_producers_stage_indices_constant(compiled):
+    """stage_unroll with a producer warp: its loop runs whole rounds of the stages (the k-tiles short
+    of a round before it), so its waits for released stages name them by constants too."""
     problem, knobs, src, _ = compiled
     if not knobs.producer_warp or knobs.persistent or knobs.stream_k or knobs.setmaxnreg:
         return
@@ -493,7 +483,7 @@ def test_producer_unroll_makes_the_producers_stage_indices_constant(compiled):
     assert "tma_load" in producer and "wgmma_rs" not in producer
     waits = re.findall(r"empty\[([^\]]+)\]\.wait", producer)
     assert waits
-    if knobs.producer_unroll:
+    if knobs.stage_unroll:
         assert re.search(rf"for \(int (r\w*) = 0; \1 < {knobs.stages}; \+\+\1\)", producer)
         assert all("t0" not in index for index in waits), waits
     else:

@@ -167,11 +167,6 @@ STREAM_WGMMA_KNOBS = {
                                                         tma=True, release_barriers=True, producer_warp=True,
                                                         cluster_reduce=True, early_start=2, stage_unroll=True),
     "swg_m32_tma_s4_unrolled": SW(32, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, stage_unroll=True),
-    # ... with the producer warp's loop unrolled the same way (prepared in session 16, not yet run)
-    "swg_m16_k128_producer_staged_unrolled_pu": SW(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
-                                                   release_barriers=True, producer_warp=True, pdl=True,
-                                                   staged_store=True, early_start=2, stage_unroll=True,
-                                                   producer_unroll=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},

@@ -64,10 +64,9 @@ AXES = {
     # The consumers' k-loop unrolled by the stages, every stage index a constant: 18 % fewer
     # instructions per k-tile at block_m 16; 0.91-0.98x at M = 16-256 (median 0.96, 17 pairs), but
     # 1.4x where ptxas hoisted the constant descriptors into 148 registers (qkv 32, split 2 in a
-    # cluster; session 16, perf-notes v40).
+    # cluster; session 16, perf-notes v40). The producer warp's loop too: 0.95-1.007x against the
+    # consumers' alone (13 pairs at M = 16-256, session 17, v41).
     "stage_unroll": (False, True),
-    # The producer warp's loop unrolled the same way (prepared in session 16, CPU only; perf-notes v40).
-    "producer_unroll": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

@@ -307,7 +307,7 @@ def build(problem: Problem, knobs: Knobs):
         previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx.
         K-tile t (of `count`, from k-tile k0) of this tile is number g0 + t of the block's sequence
         (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase."""
-        if kb.producer_unroll:      # (g0 = 0 and count = trips, a constant: see check())
+        if kb.stage_unroll and not kb.setmaxnreg:   # (g0 = 0 and count = trips, a constant: see check())
             lead = count % stages   # k-tiles before the loop, which then runs whole rounds of the stages
             for t in T.unroll(lead):
                 fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx)

@@ -69,8 +69,9 @@ class Knobs:
     in units of two k-tiles; partial tiles meet in the split-K workspace (stream-K). stage_unroll
     (tma with overlap; not persistent, stream_k or k_split) unrolls the consumers' k-loop by a
     multiple of `stages`, so that every stage index, barrier phase and descriptor offset in it is a
-    constant instead of a division per k-tile. producer_unroll (with stage_unroll and producer_warp)
-    does the same for the producer warp's loop.
+    constant instead of a division per k-tile; with producer_warp (not setmaxnreg's producer
+    warpgroup, whose 40 registers were not checked for the unrolled copies) the producer warp's loop
+    is unrolled by the stages too.
     """
 
     block_m: int = 128
@@ -95,7 +96,6 @@ class Knobs:
     panel_m: int = 0
     stream_k: int = 0
     stage_unroll: bool = False
-    producer_unroll: bool = False
 
     @property
     def block_n(self) -> int:
@@ -150,7 +150,7 @@ class Knobs:
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
-                 ("_su", self.stage_unroll), ("_pu", self.producer_unroll))
+                 ("_su", self.stage_unroll))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -243,9 +243,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.stage_unroll and not (kb.tma and kb.overlap and not kb.persistent and not kb.stream_k and not kb.k_split):
         return ("stage_unroll makes the stage indices of the overlapped tma k-loop constants: it needs tma and "
                 "overlap, and no persistent, stream_k or k_split (whose k-tile numbers start at run time)")
-    if kb.producer_unroll and not (kb.stage_unroll and kb.producer_warp and not kb.setmaxnreg):
-        return ("producer_unroll unrolls the producer warp's loop by the stages as stage_unroll does the "
-                "consumers': it needs stage_unroll and producer_warp (not setmaxnreg's producer warpgroup)")
     if kb.panel_m < 0 or kb.panel_m == 1:
         return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
     if kb.panel_m and kb.persistent:
