@@ -5,10 +5,22 @@ a hash of the lowered program (which carries our decode source as a prelude), th
 configs and TileLang's version: everything that changes the binary. A cached kernel loads in a
 fraction of a second instead of a 5-10 s nvcc run. `TILEMARLIN_CACHE_DIR` moves the whole cache
 (tuned tables and kernels) for installed, non-editable use.
+
+TileLang's key needs the prim_func, and building it from our schedule code takes ~0.3 s on the CPU,
+longer than checking and timing a small-M candidate: the tune's measuring process spent most of its
+time rebuilding kernels that the compile workers had built already. So each compiled kernel also gets
+an index entry (`index/`): its prim_func serialized by TVM, filed under a hash of (problem, schedule,
+arch, TileLang version, the contents of schedules/ and templates/). A later load deserializes it
+(~15 ms) and takes only TileLang's disk-cache path with it; the deserialized function is never
+compiled (TVM's JSON round trip keeps the printed program, which is TileLang's key, but drops parts
+that lowering needs), so a missing or unreadable kernel falls back to building as before.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
+import hashlib
+import json
 import multiprocessing
 import os
 import threading
@@ -57,10 +69,68 @@ def compile_schedule(problem: Problem, schedule: Schedule, arch: Arch):
             reason = fam.check(problem, schedule.knobs, arch)
             if reason:
                 raise ValueError(f"{schedule.name} is not valid for {problem.name} on {arch.name}: {reason}")
-            kernel = tilelang.compile(fam.build(problem, schedule.knobs), target=arch.target,
-                                      pass_configs=fam.PASS_CONFIGS)
+            entry = index_path(problem, schedule, arch)
+            kernel = _load_indexed(entry, arch, fam.PASS_CONFIGS)
+            if kernel is None:
+                func = fam.build(problem, schedule.knobs)
+                kernel = tilelang.compile(func, target=arch.target, pass_configs=fam.PASS_CONFIGS)
+                _write_index(entry, func)
             _LOADED[key] = kernel
         return kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _code_fingerprint() -> str:
+    """A hash of every file that builds a kernel (schedules/, templates/): an index entry written by
+    other code is never found."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for folder in ("schedules", "templates"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def index_path(problem: Problem, schedule: Schedule, arch: Arch) -> Path:
+    """The index entry of a kernel (see the module's docstring)."""
+    import tilelang
+
+    ident = json.dumps({"code": _code_fingerprint(), "tilelang": tilelang.__version__, "arch": arch.name,
+                        "problem": problem.name, "schedule": schedule.to_dict()}, sort_keys=True)
+    return kernel_dir() / "index" / f"{hashlib.sha256(ident.encode()).hexdigest()}.json"
+
+
+def _write_index(entry: Path, func) -> None:
+    import tvm
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(tvm.ir.save_json(func))
+    os.replace(tmp, entry)       # atomic: parallel compile workers may write the same entry
+
+
+def _load_indexed(entry: Path, arch: Arch, pass_configs: dict):
+    """The kernel of an index entry from TileLang's disk cache, or None (no entry, or its kernel is
+    gone or unreadable). Goes through TileLang's own key and loader, never its compiler."""
+    if not entry.is_file():
+        return None
+    try:
+        import tvm
+        from tilelang.cache import _resolve_cache_dispatch
+        from tilelang.transform.pass_config import normalize_pass_configs
+
+        func = tvm.ir.load_json(entry.read_text())
+        cache, context, _ = _resolve_cache_dispatch(arch.target, None, None, False)
+        configs = normalize_pass_configs(pass_configs)
+        tl_key = cache._generate_key(func=func, out_idx=None, execution_backend=context.execution_backend.name,
+                                     args=(), target=context.target, target_host=context.target_host,
+                                     pass_configs=configs, compile_flags=None)
+        return cache._load_kernel_from_disk(tl_key, context, None, configs, None, func, False)
+    except Exception:   # a stale or damaged entry: build the kernel again, which rewrites it
+        entry.unlink(missing_ok=True)
+        return None
 
 
 def _compile_job(problem: Problem, schedule_dict: dict, arch_name: str) -> str | None:

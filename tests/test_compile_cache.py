@@ -27,3 +27,58 @@ def test_a_file_in_the_way_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
     with pytest.raises(PermissionError, match="TILEMARLIN_CACHE_DIR"):
         kernel_dir()
+
+
+def _small_kernel():
+    from schedules.arch import get_arch
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+    from schedules.stream_mma import Knobs
+
+    return Problem(512, 1024, 128), Schedule("stream_mma", Knobs(warps=4, unroll=4, ahead=2)), get_arch("sm_90a")
+
+
+def test_a_compiled_kernel_loads_through_its_index_without_being_built(monkeypatch):
+    import gen.compile as gc
+
+    problem, schedule, arch = _small_kernel()
+    assert schedule.module.check(problem, schedule.knobs, arch) is None
+    monkeypatch.setattr(gc, "_LOADED", {})
+    first = gc.compile_schedule(problem, schedule, arch)
+    entry = gc.index_path(problem, schedule, arch)
+    assert entry.is_file()
+
+    def no_build(*args):
+        raise AssertionError("built although the index has the kernel")
+
+    monkeypatch.setattr(gc, "_LOADED", {})
+    monkeypatch.setattr(schedule.module, "build", no_build)
+    again = gc.compile_schedule(problem, schedule, arch)
+    assert again is not first and again.get_kernel_source() == first.get_kernel_source()
+    assert repr(again.params) == repr(first.params)
+
+
+def test_a_damaged_index_entry_is_rebuilt(monkeypatch):
+    import gen.compile as gc
+
+    problem, schedule, arch = _small_kernel()
+    monkeypatch.setattr(gc, "_LOADED", {})
+    source = gc.compile_schedule(problem, schedule, arch).get_kernel_source()
+    entry = gc.index_path(problem, schedule, arch)
+    entry.write_text("{not json")
+    monkeypatch.setattr(gc, "_LOADED", {})
+    assert gc.compile_schedule(problem, schedule, arch).get_kernel_source() == source
+    import json
+    json.loads(entry.read_text())          # rewritten by the build
+
+
+def test_the_index_is_keyed_by_the_code_that_builds_kernels(monkeypatch):
+    import gen.compile as gc
+
+    problem, schedule, arch = _small_kernel()
+    before = gc.index_path(problem, schedule, arch)
+    monkeypatch.setattr(gc, "_code_fingerprint", lambda: "schedules changed")
+    assert gc.index_path(problem, schedule, arch) != before
+    monkeypatch.undo()
+    other = type(schedule)("stream_mma", type(schedule.knobs)(warps=4, unroll=4, ahead=3))
+    assert gc.index_path(problem, other, arch) != before
