@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import gzip
 import hashlib
 import json
 import multiprocessing
@@ -99,7 +100,7 @@ def index_path(problem: Problem, schedule: Schedule, arch: Arch) -> Path:
 
     ident = json.dumps({"code": _code_fingerprint(), "tilelang": tilelang.__version__, "arch": arch.name,
                         "problem": problem.name, "schedule": schedule.to_dict()}, sort_keys=True)
-    return kernel_dir() / "index" / f"{hashlib.sha256(ident.encode()).hexdigest()}.json"
+    return kernel_dir() / "index" / f"{hashlib.sha256(ident.encode()).hexdigest()}.json.gz"
 
 
 def _write_index(entry: Path, func) -> None:
@@ -107,7 +108,7 @@ def _write_index(entry: Path, func) -> None:
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(tvm.ir.save_json(func))
+    tmp.write_bytes(gzip.compress(tvm.ir.save_json(func).encode(), compresslevel=6))   # ~235 KB of JSON
     os.replace(tmp, entry)       # atomic: parallel compile workers may write the same entry
 
 
@@ -121,7 +122,7 @@ def _load_indexed(entry: Path, arch: Arch, pass_configs: dict):
         from tilelang.cache import _resolve_cache_dispatch
         from tilelang.transform.pass_config import normalize_pass_configs
 
-        func = tvm.ir.load_json(entry.read_text())
+        func = tvm.ir.load_json(gzip.decompress(entry.read_bytes()).decode())
         cache, context, _ = _resolve_cache_dispatch(arch.target, None, None, False)
         configs = normalize_pass_configs(pass_configs)
         tl_key = cache._generate_key(func=func, out_idx=None, execution_backend=context.execution_backend.name,

@@ -69,11 +69,12 @@ def test_a_damaged_index_entry_is_rebuilt(monkeypatch):
     monkeypatch.setattr(gc, "_LOADED", {})
     source = gc.compile_schedule(problem, schedule, arch).get_kernel_source()
     entry = gc.index_path(problem, schedule, arch)
-    entry.write_text("{not json")
+    entry.write_bytes(b"not gzip")
     monkeypatch.setattr(gc, "_LOADED", {})
     assert gc.compile_schedule(problem, schedule, arch).get_kernel_source() == source
+    import gzip
     import json
-    json.loads(entry.read_text())          # rewritten by the build
+    json.loads(gzip.decompress(entry.read_bytes()))          # rewritten by the build
 
 
 def test_the_index_is_keyed_by_the_code_that_builds_kernels(monkeypatch):
