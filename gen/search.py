@@ -18,18 +18,21 @@ carries on with the remaining candidates; a child that dies or stops reporting i
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import functools
 import itertools
 import math
 import multiprocessing
+import os
 from dataclasses import dataclass, field
 
 from schedules.arch import Arch, get_arch
+from schedules import cost
 from schedules.cost import GpuSpec, estimate_us, rank
 from schedules.knob_space import axis_values
 from schedules.problem import Problem
-from schedules.registry import Schedule
+from schedules.registry import FAMILIES, Schedule
 from runtime.table import bucket_range
 
 DEFAULT_TOP = 12
@@ -91,17 +94,36 @@ def achieved_gbps(problem: Problem, m: int, us: float) -> float:
 
 
 def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = DEFAULT_TOP,
-         families=None) -> list[BucketSearch]:
+         families=None, workers: int | None = None) -> list[BucketSearch]:
     """The top `top` candidates of each (problem, bucket) by estimated time at the bucket's edge,
-    from `families` (registry.SEARCHED by default)."""
+    from `families` (registry.SEARCHED by default). Ranking a bucket estimates every point of the
+    space (~1.5 s for a Llama shape on one core, a minute for llama-2-7b's 52 buckets), so the buckets
+    are ranked in `workers` processes (default: one per CPU core) when there are several."""
     if top < 1:
         raise ValueError(f"--top must be at least 1, got {top}")
-    searches = []
-    for p, b in pairs:
-        ranked = first_round_ranking(p, b, arch, gpu, families)
-        searches.append(BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu))
-                                            for s in top_of_each_family(ranked, top)]))
-    return searches
+    # The families' AXES travel with the jobs: `gen tune --axes` changes them in this process only.
+    axes = {name: dict(fam.AXES) for name, fam in FAMILIES.items()}
+    jobs = [(p, b, arch.name, gpu, top, families, axes) for p, b in pairs]
+    workers = min(len(jobs), workers or os.cpu_count() or 1)
+    if workers > 1:
+        with cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            # Consecutive buckets of a shape go to one worker, which builds the shape's space once.
+            picks = list(pool.map(_first_round_pick, jobs, chunksize=-(-len(jobs) // workers)))
+    else:
+        picks = [_first_round_pick(job) for job in jobs]
+    return [BucketSearch(p, b, [Result(s, estimate_us(p, s, b, gpu)) for s in chosen])
+            for (p, b), chosen in zip(pairs, picks)]
+
+
+def _first_round_pick(job: tuple) -> list[Schedule]:
+    """One bucket's first-round candidates (a process-pool task of plan)."""
+    problem, bucket, arch_name, gpu, top, families, axes = job
+    changed = [name for name, values in axes.items() if FAMILIES[name].AXES != values]
+    for name in changed:
+        FAMILIES[name].AXES.update(axes[name])     # same keys and order: from_axes stays positional
+    if changed:
+        cost._candidates.cache_clear()
+    return top_of_each_family(first_round_ranking(problem, bucket, get_arch(arch_name), gpu, families), top)
 
 
 def first_round_ranking(problem: Problem, m: int, arch: Arch, gpu: GpuSpec, families=None) -> list[Schedule]:

@@ -534,3 +534,30 @@ def test_families_far_out_of_reach_are_not_measured():
     # families named on purpose are all measured
     named = s.plan([(QKV, 4096)], H200, spec, families=["stream_mma", "stream_wgmma"])[0]
     assert {r.schedule.family for r in named.results} == {"stream_mma", "stream_wgmma"}
+
+
+def _picks(searches):
+    return [(s.problem, s.bucket, [(r.schedule, r.estimate_us) for r in s.results]) for s in searches]
+
+
+def test_plan_in_processes_picks_what_one_process_picks():
+    s = _search()
+    pairs = [(QKV, 1), (QKV, 64), (Problem.make(n=4096, k=11008), 16)]
+    assert _picks(s.plan(pairs, H200, _spec(), top=4, workers=2)) == _picks(s.plan(pairs, H200, _spec(), top=4, workers=1))
+
+
+def test_plan_workers_rank_the_axes_of_this_process(monkeypatch):
+    """`gen tune --axes` changes the families' AXES in the tuning process; the ranking processes
+    must rank that space, not the one they import."""
+    from schedules import cost, stream_mma
+
+    s = _search()
+    monkeypatch.setitem(stream_mma.AXES, "warps", (4,))
+    cost._candidates.cache_clear()
+    try:
+        searches = s.plan([(QKV, 1), (QKV, 2)], H200, _spec(), top=6, families=["stream_mma"], workers=2)
+    finally:
+        monkeypatch.undo()
+        cost._candidates.cache_clear()
+    knobs = [r.schedule.knobs for search in searches for r in search.results]
+    assert knobs and all(k.warps == 4 for k in knobs)
