@@ -81,7 +81,7 @@ def register(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
     p.add_argument("--arch", help="target arch for --dry-run (default sm_90a); with a GPU it must match the GPU")
-    p.add_argument("--workers", type=int, help="parallel compile processes (default: one per CPU core)")
+    p.add_argument("--workers", type=int, help="parallel ranking and compile processes (default: one per CPU core)")
     p.set_defaults(func=run)
 
 
@@ -419,7 +419,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
           f"{len(pending)} to tune, {len(targets) * len(buckets) - len(pending)} already in {path}")
 
     spec = GpuSpec.current()
-    searches = plan(pending, arch, spec, top=args.top, families=args.families)
+    searches = plan(pending, arch, spec, top=args.top, families=args.families, workers=args.workers)
     add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
     if args.variant_changes:
         varied = add_variants(searches, table, args.variant_changes, arch, spec, families=args.families)
@@ -491,7 +491,7 @@ def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
           f"cost model only (estimates for {spec.name}), and no tuned table is written"
           + (" (no second round: --refine works from measured times)." if args.refine else "."))
     searches = plan([(t.problem, b) for t in targets for b in buckets], arch, spec, top=args.top,
-                    families=args.families)
+                    families=args.families, workers=args.workers)
     compile_with_progress(searches, arch, args.workers)
 
     labels = {t.problem: t.label for t in targets}
