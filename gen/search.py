@@ -118,12 +118,18 @@ def plan(pairs: list[tuple[Problem, int]], arch: Arch, gpu: GpuSpec, top: int = 
 def _first_round_pick(job: tuple) -> list[Schedule]:
     """One bucket's first-round candidates (a process-pool task of plan)."""
     problem, bucket, arch_name, gpu, top, families, axes = job
+    use_axes(axes)
+    return top_of_each_family(first_round_ranking(problem, bucket, get_arch(arch_name), gpu, families), top)
+
+
+def use_axes(axes: dict[str, dict[str, tuple]]) -> None:
+    """Put `axes` (family name -> knob -> values) in place of those families' AXES in this process,
+    and drop the cost model's candidate lists built from the old ones (only when something changed)."""
     changed = [name for name, values in axes.items() if FAMILIES[name].AXES != values]
     for name in changed:
-        FAMILIES[name].AXES.update(axes[name])     # same keys and order: from_axes stays positional
+        FAMILIES[name].AXES.update(axes[name])     # same keys, same order: from_axes stays positional
     if changed:
         cost._candidates.cache_clear()
-    return top_of_each_family(first_round_ranking(problem, bucket, get_arch(arch_name), gpu, families), top)
 
 
 def first_round_ranking(problem: Problem, m: int, arch: Arch, gpu: GpuSpec, families=None) -> list[Schedule]:

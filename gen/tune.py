@@ -155,19 +155,16 @@ def parse_variants(text: str | None) -> dict[str, list[dict]]:
 def searched_axes(overrides: dict[str, dict[str, tuple]]):
     """The families' AXES with `overrides` (parse_axes) in place for the duration of a tune: the plan,
     the cost model's candidate lists and the second round's neighbours all read them there."""
-    from schedules import cost
     from schedules.registry import family
+
+    from .search import use_axes
 
     saved = {name: dict(family(name).AXES) for name in overrides}
     try:
-        for name, axes in overrides.items():
-            family(name).AXES.update(axes)        # same keys, same order: from_axes stays positional
-        cost._candidates.cache_clear()
+        use_axes({name: {**saved[name], **axes} for name, axes in overrides.items()})
         yield
     finally:
-        for name, axes in saved.items():
-            family(name).AXES.update(axes)
-        cost._candidates.cache_clear()
+        use_axes(saved)
 
 
 def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
