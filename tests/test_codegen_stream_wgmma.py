@@ -111,12 +111,6 @@ CASES = {
                                                                  release_barriers=True, producer_warp=True,
                                                                  pdl=True, staged_store=True, early_start=2,
                                                                  stage_unroll=True)),
-    # down_proj's K: 86 k-tiles split 4 ways, 22 each, the last split's 2 past K (pad_k)
-    "tma_producer_cluster_split4_pad_k": (Problem(1024, 11008, 128), Knobs(32, 1, 1, 128, 8, overlap=True, split_k=4,
-                                                                          smem_weights=True, tma=True,
-                                                                          release_barriers=True, producer_warp=True,
-                                                                          cluster_reduce=True, stage_unroll=True,
-                                                                          pad_k=True)),
     "tma_producer_cluster_stage_unroll": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2,
                                                                          smem_weights=True, tma=True,
                                                                          release_barriers=True, producer_warp=True,
@@ -168,44 +162,9 @@ def test_not_offered_before_hopper():
     (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, stage_unroll=True), "needs tma and overlap"),
     (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            k_split=True, stage_unroll=True), "k_split"),
-    (Knobs(64, 1, 1, 64, 4, overlap=True, split_k=4, smem_weights=True, tma=True, pad_k=True), "pad_k adds nothing"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
-
-
-@pytest.mark.parametrize("knobs,fragment", [
-    (Knobs(32, 1, 1, 128, 4, overlap=True, split_k=4, smem_weights=True, tma=True), "pad_k pads them"),
-    (Knobs(32, 1, 1, 128, 4, overlap=True, split_k=4, smem_weights=True, pad_k=True), "needs tma"),
-    (Knobs(32, 1, 1, 128, 4, overlap=True, split_k=4, smem_weights=True, tma=True, release_barriers=True,
-           producer_warp=True, stream_k=64, pad_k=True), "stream_k"),
-])
-def test_uneven_splits_need_pad_k_and_tma(knobs, fragment):
-    """down_proj's K = 11008: 86 k-tiles of 128, which split evenly only 2 or 43 ways."""
-    assert fragment in stream_wgmma.check(Problem(4096, 11008, 128), knobs, SM90)
-
-
-def test_pad_k_leaves_no_split_empty():
-    kb = Knobs(32, 1, 1, 128, 2, overlap=True, split_k=4, smem_weights=True, tma=True, pad_k=True)
-    assert "leaves the last split no k-tile" in stream_wgmma.check(Problem(4096, 640, 128), kb, SM90)  # 5 = 2+2+1+0
-    kb8 = Knobs(32, 1, 1, 128, 2, overlap=True, split_k=8, smem_weights=True, tma=True, pad_k=True)
-    assert kb8.trips(Problem(4096, 11008, 128)) == 11 and stream_wgmma.check(Problem(4096, 11008, 128), kb8, SM90) is None
-    early = Knobs(32, 1, 1, 128, 2, overlap=True, split_k=4, smem_weights=True, tma=True, cluster_reduce=True,
-                  early_start=3, pad_k=True)     # 11 k-tiles: 3 + 3 + 3 + 2
-    assert "exceeds the last split's 2 k-tiles" in stream_wgmma.check(Problem(4096, 1408, 128), early, SM90)
-
-
-def test_pad_k_runs_every_split_the_same_k_tiles_past_k(compiled):
-    """Each split starts trips = ceil(k_tiles / split_k) k-tiles after the one before; the last one's
-    TMA boxes past K come back zero-filled (the tensor maps keep K's true extent)."""
-    problem, knobs, src, _ = compiled
-    if not knobs.pad_k:
-        return
-    trips = knobs.trips(problem)
-    assert trips * knobs.split_k > knobs.k_tiles(problem)
-    assert f"((int)blockIdx.z) * {trips * knobs.block_k})" in src             # activations, along K
-    assert f"((int)blockIdx.z) * {trips * knobs.k_steps})" in src             # packed rows
-    assert "if (" not in "".join(line for line in src.splitlines() if "tma_load(B_desc" in line)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

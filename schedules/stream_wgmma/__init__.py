@@ -67,9 +67,6 @@ AXES = {
     # cluster; session 16, perf-notes v40). The producer warp's loop too: 0.95-1.007x against the
     # consumers' alone (13 pairs at M = 16-256, session 17, v41).
     "stage_unroll": (False, True),
-    # Uneven splits of K, the last split's k-tiles past K zero-filled by TMA (prepared in session 17,
-    # CPU only; perf-notes v41): down_proj's 86 k-tiles of 128 split only 2 ways without it.
-    "pad_k": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

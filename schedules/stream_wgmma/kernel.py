@@ -109,7 +109,7 @@ def build(problem: Problem, knobs: Knobs):
     steps, stages, ahead, prefetch, overlap = kb.k_steps, kb.stages, kb.ahead, kb.prefetch, kb.overlap
     threads = kb.threads
     consumers = kb.consumer_threads     # threads of the warpgroups; with producer_warp one warp (or warpgroup) more
-    trips = kb.trips(problem)      # with pad_k the last split's k-tiles run past K (TMA's zero fill)
+    trips = kb.k_tiles(problem) // kb.split_k
     grouped = not problem.channelwise
     split = kb.uses_workspace
     grid_n = n // bn

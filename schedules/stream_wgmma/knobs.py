@@ -71,10 +71,7 @@ class Knobs:
     multiple of `stages`, so that every stage index, barrier phase and descriptor offset in it is a
     constant instead of a division per k-tile; with producer_warp (not setmaxnreg's producer
     warpgroup, whose 40 registers were not checked for the unrolled copies) the producer warp's loop
-    is unrolled by the stages too. pad_k (tma, split_k > 1) lets the k-tiles split unevenly: every
-    split runs ceil(k_tiles / split_k) k-tiles and the last one's k-tiles past K come from TMA's
-    out-of-bounds fill (zero activations, zero codes, zero scales: they add nothing), so that a K
-    of 43 x 256 (down_proj) can split 3, 4, 6 or 8 ways instead of only 2.
+    is unrolled by the stages too.
     """
 
     block_m: int = 128
@@ -99,7 +96,6 @@ class Knobs:
     panel_m: int = 0
     stream_k: int = 0
     stage_unroll: bool = False
-    pad_k: bool = False
 
     @property
     def block_n(self) -> int:
@@ -154,16 +150,12 @@ class Knobs:
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
-                 ("_su", self.stage_unroll), ("_pk", self.pad_k))
+                 ("_su", self.stage_unroll))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
-
-    def trips(self, problem: Problem) -> int:
-        """K-tiles per split (with pad_k the last split's run past K)."""
-        return -(-self.k_tiles(problem) // self.split_k)
 
     def shared_bytes(self, problem: Problem) -> int:
         x = self.stages * self.block_m * self.block_k * 2
@@ -234,19 +226,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "early_start overlaps a programmatic launch of the tiled kernel: it needs pdl or cluster_reduce"
     if kb.early_start * kb.k_steps + kb.early_start > 32:
         return f"early_start={kb.early_start} asks for more rows than the 32 lanes of one warp prefetch"
-    if kb.pad_k:
-        if not kb.k_tiles(problem) % kb.split_k:
-            return f"{kb.k_tiles(problem)} k-tiles split evenly into split_k={kb.split_k}: pad_k adds nothing"
-        if not (kb.tma and kb.split_k > 1) or kb.stream_k or kb.persistent or kb.k_split:
-            return ("pad_k reads the k-tiles past K through TMA's zero fill: it needs tma and split_k > 1, and no "
-                    "stream_k, persistent or k_split (which split the k-tiles their own ways)")
-        if kb.k_tiles(problem) <= (kb.split_k - 1) * kb.trips(problem):
-            return f"with pad_k, split_k={kb.split_k} leaves the last split no k-tile of the {kb.k_tiles(problem)}"
-    elif kb.k_tiles(problem) % kb.split_k:
-        return f"{kb.k_tiles(problem)} k-tiles do not split evenly into split_k={kb.split_k} (pad_k pads them)"
-    last_split = kb.k_tiles(problem) - (kb.split_k - 1) * kb.trips(problem)    # its k-tiles within K
-    if kb.early_start > last_split:
-        return f"early_start={kb.early_start} exceeds the last split's {last_split} k-tiles"
+    if kb.early_start > kb.k_tiles(problem) // kb.split_k:
+        return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
     if kb.stream_k < 0:
         return f"stream_k={kb.stream_k}: 0 (one block per tile) or the number of blocks"
     if kb.stream_k:
@@ -277,7 +258,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
         return f"stages={kb.stages} leaves no activation stage in flight" + (" with overlap" if kb.overlap else "")
-    if kb.trips(problem) < kb.stages:
+    if kb.k_tiles(problem) % kb.split_k:
+        return f"{kb.k_tiles(problem)} k-tiles do not split evenly into split_k={kb.split_k}"
+    if kb.k_tiles(problem) // kb.split_k < kb.stages:
         return f"each split has fewer k-tiles than stages={kb.stages}"
     chunks = kb.block_m * kb.block_k // 8
     if not kb.tma and chunks % kb.threads and kb.threads % chunks:
