@@ -157,3 +157,20 @@ def test_prepared_stream_knobs_are_estimated_cheaper_where_they_should_be():
     t = lambda kb, m: estimate_us(o_proj, Schedule("stream_mma", kb), m, SPEC)
     assert t(fold, 1) <= t(base, 1) and t(cluster, 1) < t(base, 1)
     assert t(cluster, 64) < t(base, 64)
+
+
+def test_blocks_that_crowd_some_sms_cost_the_busiest_sm():
+    """qkv at M = 16, one 64-row tile per block: 192 blocks put 2 on 60 SMs and 1 on 72, so the
+    unsplit kernel takes as long as two tiles per SM; split in two (384 blocks, 3 on 120 SMs) each
+    SM does at most 1.5 tiles. Measured on the H200: 14.8 against 10.7 us (perf-notes v42); an even
+    share of the blocks had it the other way round (12.1 against 13.7 us estimated)."""
+    from schedules.stream_wgmma import Knobs as SWK
+    base = dict(block_m=16, groups=1, warpgroups=1, block_k=128, stages=6, overlap=True, smem_weights=True,
+                tma=True, release_barriers=True, producer_warp=True, early_start=2, stage_unroll=True)
+    whole = Schedule("stream_wgmma", SWK(**base, pdl=True, staged_store=True))
+    halves = Schedule("stream_wgmma", SWK(**base, split_k=2, cluster_reduce=True))
+    assert estimate_us(QKV, halves, 16, SPEC) < 0.95 * estimate_us(QKV, whole, 16, SPEC)
+    # an even grid is not crowded: 264 blocks (2 per SM) cost twice 132 blocks' per-SM work, not more
+    even = Problem.make(n=264 * 64, k=4096)
+    half = Problem.make(n=132 * 64, k=4096)
+    assert estimate_us(even, whole, 16, SPEC) < 2.1 * estimate_us(half, whole, 16, SPEC)
