@@ -116,6 +116,18 @@ CASES = {
                                                                          release_barriers=True, producer_warp=True,
                                                                          cluster_reduce=True, early_start=2,
                                                                          stage_unroll=True)),
+    # the wgmmas committed a k-step at a time (ring), in gate_up M=16's winner form and split in a cluster
+    "tma_producer_ring": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
+                                                         release_barriers=True, producer_warp=True, pdl=True,
+                                                         staged_store=True, early_start=2, stage_unroll=True,
+                                                         ring=True)),
+    "tma_producer_cluster_ring": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, overlap=True, split_k=2,
+                                                                 smem_weights=True, tma=True, release_barriers=True,
+                                                                 producer_warp=True, cluster_reduce=True,
+                                                                 early_start=2, stage_unroll=True, ring=True)),
+    "bf16_channelwise_ring": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(32, 2, 1, 64, 4, overlap=True,
+                                                                                   smem_weights=True, tma=True,
+                                                                                   ring=True)),
 }
 
 
@@ -162,6 +174,10 @@ def test_not_offered_before_hopper():
     (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, stage_unroll=True), "needs tma and overlap"),
     (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            k_split=True, stage_unroll=True), "k_split"),
+    (Knobs(16, 1, 1, 128, 4, smem_weights=True, tma=True, ring=True), "with overlap"),
+    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, ring=True), "tma pipeline"),
+    (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
+           k_split=True, ring=True), "no k_split"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -184,7 +200,7 @@ def test_wgmma_takes_the_weights_from_registers(compiled):
     assert rs, "no register-A wgmma of the expected shape"
     assert count(r"wgmma\.mma_async", ptx) == len(rs), "every wgmma has its A in registers"
     assert count(r"wgmma\.commit_group", ptx) > 0 and count(r"wgmma\.wait_group", ptx) > 0
-    if knobs.overlap:
+    if knobs.overlap and not knobs.ring:     # (ring waits a k-step at a time: its own test)
         assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) > 0
 
 
@@ -258,7 +274,7 @@ def test_tma_boxes_are_one_swizzle_atom_wide(compiled):
         # (the copy loop's variable is h, or h_1 where the pipeline has two of them)
         assert all(re.search(rf"\(h(_\d+)? \* {knobs.block_m * 64}\)", c) and re.search(r"\(h(_\d+)? \* 64\)", c)
                    for c in copies)
-        assert f"(u_2 >> 2) * {knobs.block_m * 8}" in src
+        assert re.search(rf"\(u(_\d+)? >> 2\) \* {knobs.block_m * 8}\b", src)
     else:
         assert all("h *" not in c for c in copies)
 
@@ -488,3 +504,18 @@ def test_stage_unroll_makes_the_producers_stage_indices_constant(compiled):
         assert all("t0" not in index for index in waits), waits
     else:
         assert all(re.search(r"[a-z]", index) for index in waits), waits     # the k-tile number, at run time
+
+
+def test_ring_keeps_a_k_tile_of_wgmmas_in_flight_with_one_k_tile_of_fragments(compiled, tmp_path):
+    """ring: one commit group per k-step, each decode waiting until only `steps - 1` groups are
+    pending (the same step of the previous k-tile is done); at block_m 16 the fragments of one
+    k-tile instead of two leave ~70 registers, five blocks of 160 threads per SM (v43)."""
+    problem, knobs, src, ptx = compiled
+    if not knobs.ring:
+        return
+    waits = count(rf"wgmma\.wait_group\.sync\.aligned\s+{knobs.k_steps - 1};", ptx)
+    commits = count(r"wgmma\.commit_group", ptx)
+    assert waits >= knobs.k_steps and commits >= knobs.k_steps and commits == waits
+    if knobs.block_m == 16 and knobs.groups == 1:
+        out = ptxas_output(ptx, "sm_90a", tmp_path)
+        assert int(re.search(r"Used (\d+) registers", out).group(1)) <= 72, out

@@ -255,6 +255,30 @@ def build(problem: Problem, knobs: Knobs):
         T.warpgroup_commit_batch()
 
     @T.macro
+    def mma_ring(w, sc, a, acc, desc, tile):
+        """ring: the stage's k-steps one commit group each, decoded into the fragment slot of the same
+        step of the previous k-tile once that step's wgmmas are done (`steps` groups back): the wgmmas
+        stay `steps` deep in flight with one k-tile of fragments, half of what two whole buffers hold.
+        When it returns, every wgmma of the previous k-tile is done."""
+        T.warpgroup_fence_operand(acc, num_regs=acc_len)
+        for u in T.unroll(steps):
+            T.warpgroup_wait(steps - 1)
+            for i in T.unroll(g):
+                if grouped:
+                    T.call_extern("handle", decode_scaled, T.access_ptr(w[u * g + i], "r"),
+                                  T.access_ptr(sc[2 * i], "r"), T.access_ptr(a[(u * g + i) * 8], "w"))
+                else:
+                    T.call_extern("handle", decode, T.access_ptr(w[u * g + i], "r"),
+                                  T.access_ptr(a[(u * g + i) * 8], "w"))
+            T.warpgroup_arrive()
+            for i in T.unroll(g):
+                T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
+                               a.data, (u * g + i) * 8,
+                               desc.data, tile % stages * stage_units + x_offset(u),
+                               acc.data, i * (bm // 2), 1, 1, 1)
+            T.warpgroup_commit_batch()
+
+    @T.macro
     def copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, leaders):
         if atoms == 1:
             T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
@@ -336,9 +360,12 @@ def build(problem: Problem, knobs: Knobs):
         producer_warp the producer warp)."""
         T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
         read_w(W_s, S_s, w, sc, g, wg, wq, lane)
-        decode_stage(w, sc, a, 0, r % 2)
-        mma_stage(a, r % 2, acc, desc, g)
-        T.warpgroup_wait(1 if overlap else 0)
+        if kb.ring:
+            mma_ring(w, sc, a, acc, desc, g)
+        else:
+            decode_stage(w, sc, a, 0, r % 2)
+            mma_stage(a, r % 2, acc, desc, g)
+            T.warpgroup_wait(1 if overlap else 0)
         if release:
             # This thread is done with k-tile t (with overlap: its previous one, ksplit earlier in the
             # block's sequence) and its stage.
@@ -567,7 +594,7 @@ def build(problem: Problem, knobs: Knobs):
         S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
         sc = T.alloc_local((bufs * per_s,), dtype)
-        a = T.alloc_local(((2 if overlap else 1) * a_len,), dtype)
+        a = T.alloc_local(((2 if overlap and not kb.ring else 1) * a_len,), dtype)
         acc = T.alloc_local((acc_len,), "float32")
         desc = T.alloc_wgmma_desc()
         if kb.staged_store:
