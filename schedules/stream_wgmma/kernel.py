@@ -222,17 +222,22 @@ def build(problem: Problem, knobs: Knobs):
                         sc[buf * per_s + 2 * i + h] = S[kt * bk // group, weight_col(bx, wg, wq, lane, i, h)]
 
     @T.macro
+    def decode_step(w, sc, a, buf, abuf, u):
+        """Decode k-step u of register buffer `buf` into A fragment buffer `abuf`."""
+        for i in T.unroll(g):
+            if grouped:
+                T.call_extern("handle", decode_scaled, T.access_ptr(w[buf * per_w + u * g + i], "r"),
+                              T.access_ptr(sc[buf * per_s + 2 * i], "r"),
+                              T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
+            else:
+                T.call_extern("handle", decode, T.access_ptr(w[buf * per_w + u * g + i], "r"),
+                              T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
+
+    @T.macro
     def decode_stage(w, sc, a, buf, abuf):
         """Decode register buffer `buf` into A fragment buffer `abuf`."""
         for u in T.unroll(steps):
-            for i in T.unroll(g):
-                if grouped:
-                    T.call_extern("handle", decode_scaled, T.access_ptr(w[buf * per_w + u * g + i], "r"),
-                                  T.access_ptr(sc[buf * per_s + 2 * i], "r"),
-                                  T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
-                else:
-                    T.call_extern("handle", decode, T.access_ptr(w[buf * per_w + u * g + i], "r"),
-                                  T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
+            decode_step(w, sc, a, buf, abuf, u)
 
     def x_offset(u):
         """K-step u's activations from its stage's start, in 16-byte units (tma with block_k 128: the
@@ -242,16 +247,21 @@ def build(problem: Problem, knobs: Knobs):
         return u * step_units
 
     @T.macro
+    def wgmma_step(a, abuf, acc, desc, tile, u):
+        """K-step u's wgmmas, one m64n{bm}k16 per group, A from fragment buffer `abuf`."""
+        for i in T.unroll(g):
+            T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
+                           a.data, abuf * a_len + (u * g + i) * 8,
+                           desc.data, tile % stages * stage_units + x_offset(u),
+                           acc.data, i * (bm // 2), 1, 1, 1)
+
+    @T.macro
     def mma_stage(a, abuf, acc, desc, tile):
         """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group."""
         T.warpgroup_fence_operand(acc, num_regs=acc_len)
         T.warpgroup_arrive()
         for u in T.unroll(steps):
-            for i in T.unroll(g):
-                T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
-                               a.data, abuf * a_len + (u * g + i) * 8,
-                               desc.data, tile % stages * stage_units + x_offset(u),
-                               acc.data, i * (bm // 2), 1, 1, 1)
+            wgmma_step(a, abuf, acc, desc, tile, u)
         T.warpgroup_commit_batch()
 
     @T.macro
@@ -263,19 +273,9 @@ def build(problem: Problem, knobs: Knobs):
         T.warpgroup_fence_operand(acc, num_regs=acc_len)
         for u in T.unroll(steps):
             T.warpgroup_wait(steps - 1)
-            for i in T.unroll(g):
-                if grouped:
-                    T.call_extern("handle", decode_scaled, T.access_ptr(w[u * g + i], "r"),
-                                  T.access_ptr(sc[2 * i], "r"), T.access_ptr(a[(u * g + i) * 8], "w"))
-                else:
-                    T.call_extern("handle", decode, T.access_ptr(w[u * g + i], "r"),
-                                  T.access_ptr(a[(u * g + i) * 8], "w"))
+            decode_step(w, sc, a, 0, 0, u)
             T.warpgroup_arrive()
-            for i in T.unroll(g):
-                T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
-                               a.data, (u * g + i) * 8,
-                               desc.data, tile % stages * stage_units + x_offset(u),
-                               acc.data, i * (bm // 2), 1, 1, 1)
+            wgmma_step(a, 0, acc, desc, tile, u)
             T.warpgroup_commit_batch()
 
     @T.macro
