@@ -171,11 +171,14 @@ STREAM_WGMMA_KNOBS = {
     # not yet run on the GPU): gate_up M=16's winner form, split in a cluster, and two groups
     "swg_m16_k128_producer_staged_unrolled_ring": SW(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
                                                      release_barriers=True, producer_warp=True, pdl=True,
-                                                     staged_store=True, early_start=2, stage_unroll=True, ring=True),
+                                                     staged_store=True, early_start=2, stage_unroll=True, ring=8),
     "swg_m16_k128_producer_cluster_split2_ring": SW(16, 1, 1, 128, 4, overlap=True, split_k=2, smem_weights=True,
                                                     tma=True, release_barriers=True, producer_warp=True,
-                                                    cluster_reduce=True, early_start=2, stage_unroll=True, ring=True),
-    "swg_m64_g2_tma_ring": SW(64, 2, 1, 64, 4, overlap=True, smem_weights=True, tma=True, ring=True),
+                                                    cluster_reduce=True, early_start=2, stage_unroll=True, ring=8),
+    "swg_m64_g2_tma_ring": SW(64, 2, 1, 64, 4, overlap=True, smem_weights=True, tma=True, ring=2),
+    "swg_m16_k128_producer_cluster_split2_ring2": SW(16, 1, 1, 128, 4, overlap=True, split_k=2, smem_weights=True,
+                                                     tma=True, release_barriers=True, producer_warp=True,
+                                                     cluster_reduce=True, early_start=2, stage_unroll=True, ring=2),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},

@@ -67,9 +67,9 @@ AXES = {
     # cluster; session 16, perf-notes v40). The producer warp's loop too: 0.95-1.007x against the
     # consumers' alone (13 pairs at M = 16-256, session 17, v41).
     "stage_unroll": (False, True),
-    # The wgmmas committed a k-step at a time, one k-tile of fragments (prepared in session 18, CPU
-    # only; perf-notes v43).
-    "ring": (False,),
+    # The wgmmas committed a k-step at a time, D k-steps of fragments in flight (prepared in session
+    # 18, CPU only; perf-notes v43).
+    "ring": (0,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

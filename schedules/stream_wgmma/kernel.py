@@ -221,17 +221,21 @@ def build(problem: Problem, knobs: Knobs):
                     for h in T.unroll(2):
                         sc[buf * per_s + 2 * i + h] = S[kt * bk // group, weight_col(bx, wg, wq, lane, i, h)]
 
+    def fragment_slot(u):
+        """K-step u's fragments within their buffer (ring = D: slot u % D of D)."""
+        return u % kb.ring if kb.ring else u
+
     @T.macro
     def decode_step(w, sc, a, buf, abuf, u):
-        """Decode k-step u of register buffer `buf` into A fragment buffer `abuf`."""
+        """Decode k-step u of register buffer `buf` into its fragment slot of A buffer `abuf`."""
         for i in T.unroll(g):
             if grouped:
                 T.call_extern("handle", decode_scaled, T.access_ptr(w[buf * per_w + u * g + i], "r"),
                               T.access_ptr(sc[buf * per_s + 2 * i], "r"),
-                              T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
+                              T.access_ptr(a[abuf * a_len + (fragment_slot(u) * g + i) * 8], "w"))
             else:
                 T.call_extern("handle", decode, T.access_ptr(w[buf * per_w + u * g + i], "r"),
-                              T.access_ptr(a[abuf * a_len + (u * g + i) * 8], "w"))
+                              T.access_ptr(a[abuf * a_len + (fragment_slot(u) * g + i) * 8], "w"))
 
     @T.macro
     def decode_stage(w, sc, a, buf, abuf):
@@ -248,10 +252,10 @@ def build(problem: Problem, knobs: Knobs):
 
     @T.macro
     def wgmma_step(a, abuf, acc, desc, tile, u):
-        """K-step u's wgmmas, one m64n{bm}k16 per group, A from fragment buffer `abuf`."""
+        """K-step u's wgmmas, one m64n{bm}k16 per group, A from its fragment slot of buffer `abuf`."""
         for i in T.unroll(g):
             T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
-                           a.data, abuf * a_len + (u * g + i) * 8,
+                           a.data, abuf * a_len + (fragment_slot(u) * g + i) * 8,
                            desc.data, tile % stages * stage_units + x_offset(u),
                            acc.data, i * (bm // 2), 1, 1, 1)
 
@@ -266,13 +270,14 @@ def build(problem: Problem, knobs: Knobs):
 
     @T.macro
     def mma_ring(w, sc, a, acc, desc, tile):
-        """ring: the stage's k-steps one commit group each, decoded into the fragment slot of the same
-        step of the previous k-tile once that step's wgmmas are done (`steps` groups back): the wgmmas
-        stay `steps` deep in flight with one k-tile of fragments, half of what two whole buffers hold.
-        When it returns, every wgmma of the previous k-tile is done."""
+        """ring = D: the stage's k-steps one commit group each, k-step u decoded into fragment slot
+        u % D once the wgmmas that read it last (D groups back) are done: D k-steps of wgmmas in
+        flight with D k-steps of fragments (two whole buffers hold 2 * steps). D divides `steps`, so
+        the slots are constants; since D <= steps, every wgmma of the previous k-tile is done when
+        this returns."""
         T.warpgroup_fence_operand(acc, num_regs=acc_len)
         for u in T.unroll(steps):
-            T.warpgroup_wait(steps - 1)
+            T.warpgroup_wait(kb.ring - 1)
             decode_step(w, sc, a, 0, 0, u)
             T.warpgroup_arrive()
             wgmma_step(a, 0, acc, desc, tile, u)
@@ -594,7 +599,7 @@ def build(problem: Problem, knobs: Knobs):
         S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
         sc = T.alloc_local((bufs * per_s,), dtype)
-        a = T.alloc_local(((2 if overlap and not kb.ring else 1) * a_len,), dtype)
+        a = T.alloc_local((kb.ring * g * 8 if kb.ring else (2 if overlap else 1) * a_len,), dtype)
         acc = T.alloc_local((acc_len,), "float32")
         desc = T.alloc_wgmma_desc()
         if kb.staged_store:

@@ -71,11 +71,12 @@ class Knobs:
     multiple of `stages`, so that every stage index, barrier phase and descriptor offset in it is a
     constant instead of a division per k-tile; with producer_warp (not setmaxnreg's producer
     warpgroup, whose 40 registers were not checked for the unrolled copies) the producer warp's loop
-    is unrolled by the stages too. ring (the overlapped tma k-loop, not k_split) commits each k-step's
-    wgmmas as a group of its own and decodes a k-step into the fragment registers of the same step of
-    the previous k-tile once those wgmmas are done, `steps` groups back: as many wgmmas in flight
-    with one k-tile of A fragments instead of two (32 registers fewer at block_k 128), so that more
-    blocks fit per SM (perf-notes v43).
+    is unrolled by the stages too. ring = D > 0 (the overlapped tma k-loop, not k_split; D divides
+    the k-steps of a stage) commits each k-step's wgmmas as a group of their own and decodes k-step u
+    into fragment slot u % D once the wgmmas that read the slot last, D groups back, are done: D
+    k-steps of wgmmas in flight with D k-steps of A fragments instead of two whole stages' (at
+    block_k 128, D = 8 saves 32 registers, D = 4 48), so that more blocks fit per SM (perf-notes
+    v43); 0 keeps the two whole buffers.
     """
 
     block_m: int = 128
@@ -100,7 +101,7 @@ class Knobs:
     panel_m: int = 0
     stream_k: int = 0
     stage_unroll: bool = False
-    ring: bool = False
+    ring: int = 0
 
     @property
     def block_n(self) -> int:
@@ -155,7 +156,7 @@ class Knobs:
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
-                 ("_su", self.stage_unroll), ("_ring", self.ring))
+                 ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -251,6 +252,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.ring and not (kb.tma and kb.overlap and not kb.k_split):
         return ("ring overlaps the decode with the previous k-tile's wgmmas one k-step at a time: it needs the "
                 "tma pipeline with overlap, and no k_split (two warpgroups on alternate k-tiles)")
+    if kb.ring < 0 or kb.ring and (kb.ring < 2 or kb.k_steps % kb.ring):
+        return (f"ring={kb.ring}: 0 (two whole fragment buffers) or k-steps in flight, at least 2 and dividing "
+                f"the stage's {kb.k_steps} k-steps")
     if kb.panel_m < 0 or kb.panel_m == 1:
         return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
     if kb.panel_m and kb.persistent:
