@@ -74,9 +74,9 @@ class Knobs:
     is unrolled by the stages too. ring = D > 0 (the overlapped tma k-loop, not k_split; D divides
     the k-steps of a stage) commits each k-step's wgmmas as a group of their own and decodes k-step u
     into fragment slot u % D once the wgmmas that read the slot last, D groups back, are done: D
-    k-steps of wgmmas in flight with D k-steps of A fragments instead of two whole stages' (at
-    block_k 128, D = 8 saves 32 registers, D = 4 48), so that more blocks fit per SM (perf-notes
-    v43); 0 keeps the two whole buffers.
+    k-steps of wgmmas in flight with D k-steps of A fragments instead of two whole stages' (ptxas at
+    block_m 16, block_k 128: ~67 registers with D = 8 or 4, ~54 with D = 2, against ~104), so that
+    more blocks fit per SM (perf-notes v43); 0 keeps the two whole buffers.
     """
 
     block_m: int = 128
