@@ -167,7 +167,7 @@ def one_per_variant(ranked: list[Schedule]) -> list[Schedule]:
     return kept
 
 
-@functools.lru_cache(maxsize=1 << 18)     # the same schedules come back in every bucket of a problem
+@functools.lru_cache(maxsize=1 << 19)     # the same schedules come back in every bucket of a problem
 def without_variants(schedule: Schedule) -> tuple:
     """The schedule's family and its values on the family's AXES other than VARIANT_AXES."""
     variant = getattr(schedule.module, "VARIANT_AXES", ())

@@ -307,6 +307,9 @@ KNOB_FACTORS = {
         # Session 16 (v40): medians of the pairs at M = 16-64 and 128-256 (every winner with and
         # without the knob); unmeasured above.
         "stage_unroll": ((64, 0.95), (256, 0.985), (None, 1.0)),
+        # Session 19 (v44): medians of the pairs at M = 16-32, 64 and 128-256 (every block_k 128
+        # winner with and without the ring); unmeasured above.
+        ("ring", 8): ((32, 1.04), (64, 1.01), (256, 0.98), (None, 1.0)),
     },
 }
 

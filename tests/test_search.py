@@ -84,6 +84,24 @@ def test_first_round_spends_no_places_on_variants_of_one_kernel():
     assert Schedule("stream_mma", replace(best.knobs, sum_slices=False)) in moved
 
 
+def test_first_round_keeps_the_ring_variant_where_it_was_measured_faster():
+    from dataclasses import replace
+
+    from schedules.registry import Schedule
+
+    s = _search()
+    # ring (the wgmmas a k-step at a time) is a variant axis: one of its values per kernel goes in,
+    # the one its measured factor favours (D = 8 0.95-0.98x at M = 128-256, slower at M = 16-32,
+    # perf-notes v44); a block_k 64 kernel has 4 k-steps, which 8 does not divide
+    for m, ring in ((16, 0), (128, 8)):
+        kept = [x for x in s.first_round_ranking(QKV, m, H200, _spec())
+                if x.family == "stream_wgmma" and x.knobs.block_k == 128 and x.knobs.tma and x.knobs.overlap]
+        assert kept and {x.knobs.ring for x in kept} == {ring}, (m, {x.knobs.ring for x in kept})
+        assert len({replace(x.knobs, ring=0) for x in kept}) == len(kept)
+    plain = kept[0]
+    assert Schedule("stream_wgmma", replace(plain.knobs, ring=0)) in s.neighbours(plain, QKV, H200)
+
+
 def test_compile_jobs_are_deduplicated_across_buckets():
     s = _search()
     small = s.plan([(QKV, b) for b in (1, 2)], H200, _spec(), top=4)
