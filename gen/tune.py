@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.table import BUCKETS
+from runtime.table import BUCKETS, FORMAT as TABLE_FORMAT, TableError, TunedTable
 from schedules.problem import SUPPORTED_DTYPES, Problem
 
 from .search import DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS
@@ -69,7 +69,8 @@ def register(subparsers) -> None:
                    "interrupted forced run of the same buckets resumes where it stopped)")
     p.add_argument("--restart", action="store_true", help="with --force: start over, ignoring an interrupted run")
     p.add_argument("--seed", metavar="SWEEP.json", help="also measure, per bucket, the 3 fastest correct candidates "
-                   "that `gen sweep --json` recorded at the bucket's edge M for the same shape")
+                   "that `gen sweep --json` recorded at the bucket's edge M for the same shape, or that another "
+                   "tuned table (e.g. a cold run's) recorded for the same shape and bucket")
     p.add_argument("--axes", metavar='"FAMILY.KNOB=V1,V2 ..."',
                    help="search these values of a family's axes in this run instead of its AXES (knob "
                         "development: e.g. stream_wgmma.setmaxnreg=0,1)")
@@ -205,7 +206,7 @@ def run(args) -> int:
             raise ValueError(f"--refine must be 0 (no second round) or more, got {args.refine}")
         if args.time_budget <= 0:
             raise ValueError(f"--time-budget must be a positive number of seconds, got {args.time_budget}")
-        args.seed_records = load_sweep(args.seed) if args.seed else []
+        args.seed_records = load_seeds(args.seed) if args.seed else []
         axes = parse_axes(args.axes)
         args.variant_changes = parse_variants(args.variants)
         if args.variant_changes and not args.force:
@@ -230,8 +231,10 @@ def _run(args, targets: list[Target], buckets: list[int]) -> int:
     return tune_on_gpu(args, targets, buckets)
 
 
-def load_sweep(path: str) -> list[dict]:
-    """The records of a `gen sweep --json` file; a missing or unreadable file is a ValueError that says so."""
+def load_seeds(path: str) -> list[dict]:
+    """The records of a `gen sweep --json` file, or of a tuned table (another run's or machine's: each
+    entry's recorded timings as a sweep record at the bucket's edge), for --seed; a missing or
+    unreadable file, or one that is neither, is a ValueError that says so."""
     try:
         with open(path) as f:
             records = json.load(f)
@@ -239,8 +242,16 @@ def load_sweep(path: str) -> list[dict]:
         raise ValueError(f"--seed {path}: {exc.strerror}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"--seed {path} is not JSON ({exc})") from None
+    if isinstance(records, dict) and records.get("format") == TABLE_FORMAT:
+        try:
+            table = TunedTable.read(path)
+        except TableError as exc:
+            raise ValueError(f"--seed {path}: {exc}") from None
+        return [{"problem": e["problem"], "m": e["bucket"],
+                 "results": e["all_timings"] or [{"schedule": e["schedule"], "us": e["us"]}]}
+                for e in table.to_json()["entries"]]
     if not isinstance(records, list):
-        raise ValueError(f"--seed {path} is not a `gen sweep --json` file (expected a list of records)")
+        raise ValueError(f"--seed {path} is neither a `gen sweep --json` file (a list of records) nor a tuned table")
     return records
 
 

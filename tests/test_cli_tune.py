@@ -252,6 +252,30 @@ def test_a_bad_seed_file_is_an_error_that_names_it(capsys, tmp_path):
     assert rc == 2 and "gen sweep --json" in err
 
 
+def test_another_tuned_table_seeds_its_recorded_candidates(tmp_path):
+    from gen.search import add_seeds, plan
+    from schedules import stream_mma
+
+    qkv = Problem.make(n=12288, k=4096)
+    fast = Schedule("stream_mma", stream_mma.Knobs(1, 1, 8, 4, 8, ahead=3))
+    slow = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 16, ahead=2))
+    other = TunedTable(GpuKey("NVIDIA H200", "sm_90a", 132), versions={"tilelang": "0.1.15"})
+    other.record(qkv, 1, fast, 9.0, all_timings=[{"schedule": slow.to_dict(), "us": 20.0, "error": None},
+                                                  {"schedule": fast.to_dict(), "us": 9.0, "error": None}])
+    other.record(qkv, 16, slow, 30.0)           # an entry without recorded timings seeds its winner
+    path = tmp_path / "cold.json"
+    other.save(path)
+    records = tune.load_seeds(str(path))
+    assert [(r["m"], len(r["results"])) for r in records] == [(1, 2), (16, 1)]
+    searches = plan([(qkv, 1), (qkv, 16)], get_arch("sm_90a"), GpuSpec.for_arch(get_arch("sm_90a")), top=1)
+    assert add_seeds(searches, records, get_arch("sm_90a"), GpuSpec.for_arch(get_arch("sm_90a")), per_bucket=1) == 2
+    assert searches[0].results[-1].schedule == fast and searches[1].results[-1].schedule == slow
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"format": "tilemarlin-tuned-table", "schema": 0}')
+    with pytest.raises(ValueError, match="broken.json: table schema 0"):
+        tune.load_seeds(str(broken))
+
+
 def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch):
     """tune_on_gpu's wiring without a GPU: both rounds compile and measure (a problem measured while
     the next compiles), every bucket lands in the table with all its timings, a forced run leaves no
