@@ -67,10 +67,10 @@ AXES = {
     # cluster; session 16, perf-notes v40). The producer warp's loop too: 0.95-1.007x against the
     # consumers' alone (13 pairs at M = 16-256, session 17, v41).
     "stage_unroll": (False, True),
-    # The wgmmas committed a k-step at a time, D k-steps of fragments in flight: D = 8 0.94-0.97x at
-    # M = 128-256 where it won (qkv 128, o 128 / 256, down 128), 1.0-1.02x at M = 32-64, 1.06-1.22x at
-    # block_m 16 (gate_up 16, qkv 16); D = 2 won by 0.3-1.3 % at two M = 256 block_k 64 kernels and
-    # was never better than 8 at block_k 128 (session 19, perf-notes v44).
+    # The wgmmas committed a k-step at a time, D k-steps of fragments in flight: D = 8 0.95-0.985x at
+    # M = 128-256 (qkv 128, o 128 / 256, down 128), 0.996-1.05x at M = 32-64, 1.02-1.22x at block_m 16
+    # (qkv 16, gate_up 16); D = 2 won by 0.3-1.3 % at two M = 256 block_k 64 kernels and was never
+    # better than 8 at block_k 128 (session 19, perf-notes v44).
     "ring": (0, 8),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
