@@ -105,6 +105,11 @@ def register(subparsers) -> None:
     parser.add_argument("--rounds", type=parse_rounds, default=DEFAULT_ROUNDS,
                         help="times each point is timed, the kernels taking turns; the median counts "
                              "(default: %(default)s)")
+    parser.add_argument("--between", action="store_true",
+                        help="run the activations' producer (x.mul_(1), in place) before every timed call, as "
+                             "a model's elementwise kernels run before its GEMMs, and subtract the producer's "
+                             "own time, timed alone in the same round: a kernel that starts early then overlaps "
+                             "a kernel that does not release it early, not a replay of itself")
     parser.add_argument("--out", default="docs/bench",
                         help="folder for the JSON, plots and markdown (default: %(default)s)")
     parser.add_argument("--markdown", action="store_true",
@@ -278,10 +283,25 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}"[:300]
 
 
-def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rounds: int) -> dict:
+PRODUCER_CALLS = 64   # the producer timed alone: enough back-to-back calls for a steady per-call time
+
+
+def _after_producer(call, x):
+    """`call` preceded by the activations' producer: x.mul_(1) rewrites x in place (the same values,
+    exactly), so the GEMM reads what a kernel just wrote, as in a model."""
+    def produced_then_called():
+        x.mul_(1)
+        return call()
+    return produced_then_called
+
+
+def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rounds: int,
+                    between: bool = False) -> dict:
     """A row per kernel at one point: each checked (where exact), then timed `rounds` times, the
     kernels taking turns and each round starting one kernel later, so that a drift of the GPU's
-    clocks meets all of them alike; the median counts. Any failure becomes that kernel's error."""
+    clocks meets all of them alike; the median counts. Any failure becomes that kernel's error.
+    With `between`, every timed call runs after the activations' producer, whose own time (timed
+    alone at the start of each round) comes off that round's times (`producer_us` in the rows)."""
     from gen.measure import time_calls
     from schedules.quant import relative_error
 
@@ -298,17 +318,23 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
             times[kernel] = []
         except Exception as exc:  # a kernel that fails is a result, not a crash
             rows[kernel].update(us=None, error=_error_text(exc))
-    order = list(times)
+    order, producer = list(times), []
+    if between:
+        calls = {kernel: [_after_producer(call, x) for call in kernel_calls] for kernel, kernel_calls in calls.items()}
     for r in range(rounds):
+        if between and order:
+            producer.append(time_calls([lambda: x.mul_(1)] * PRODUCER_CALLS, replays=replays_for(m)))
         for kernel in order[r % len(order):] + order[:r % len(order)] if order else ():
             if kernel not in times:
                 continue
             try:
-                times[kernel].append(time_calls(calls[kernel], replays=replays_for(m)))
+                times[kernel].append(time_calls(calls[kernel], replays=replays_for(m)) - (producer[-1] if between else 0.0))
             except Exception as exc:
                 del times[kernel]
                 rows[kernel].update(us=None, error=_error_text(exc))
     for kernel, samples in times.items():
+        if between:
+            rows[kernel]["producer_us"] = statistics.median(producer)
         us = statistics.median(samples)
         nbytes = report.bytes_moved(kernel, w.k, w.n, m, w.group)
         rows[kernel].update(us=us, bytes=nbytes, gbps=nbytes / us / 1e3, tflops=report.flops(w.k, w.n, m) / us / 1e6)
@@ -353,7 +379,7 @@ def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: di
         line = []
         start = time.time()
         measured = _measure_points({k: c for k, c in contenders.items() if k not in layer_errors}, x, reference,
-                                   w, m, args.rounds)
+                                   w, m, args.rounds, between=args.between)
         windows.setdefault(m, []).append((start, time.time()))
         for kernel in args.kernels:
             if kernel in skipped:
@@ -390,6 +416,7 @@ def _meta(args, model: str, layers: list) -> dict:
         "ms": args.ms,
         "kernels": args.kernels,
         "rounds": args.rounds,
+        "between": args.between,
         "skipped": {},
         "complete": False,
     }

@@ -95,6 +95,8 @@ def test_markdown_summary_table(sample):
     assert "rounds" not in text                       # a run of one round says nothing about rounds
     assert "the median of 3 rounds in which the kernels took turns" in report.markdown(
         {**sample, "meta": {**sample["meta"], "rounds": 3}})
+    assert "producer" not in text and "the producer's own time, timed alone in each round, is subtracted" in \
+        report.markdown({**sample, "meta": {**sample["meta"], "between": True}})
 
 
 def test_speedup_per_round_spans_the_rounds_of_a_rounds_run(sample):
@@ -332,3 +334,32 @@ def test_a_small_bench_on_the_gpu(tmp_path):
         assert row["us"] is not None, row
         assert row["rel_err"] <= bench.REL_ERR_LIMIT and row["gbps"] > 0
         assert len(row["us_rounds"]) == 3 and row["us"] == sorted(row["us_rounds"])[1]
+
+
+def test_between_times_each_call_after_the_producer_and_takes_the_producers_time_off(monkeypatch):
+    from gen import measure
+    from schedules.quant import reference_matmul
+
+    w, x = _cpu_layer(), torch.randn(4, 256, dtype=torch.float16)
+    before = x.clone()
+    seen = []
+    kernel_call = lambda: seen.append("gemm") or (x.float() @ bench_dequant(w)).half()   # noqa: E731
+    contender = bench.Contender(lambda x: [kernel_call] * 2, exact=True)
+    producer_times, kernel_times, timed = iter([2.0, 3.0]), iter([12.0, 14.0]), []
+
+    def fake_time_calls(calls, replays):
+        seen.clear()
+        calls[0]()
+        if seen:                         # a GEMM call, wrapped: the producer first, then the kernel
+            timed.append(("gemm", len(calls)))
+            return next(kernel_times)
+        timed.append(("producer", len(calls)))
+        return next(producer_times)
+
+    monkeypatch.setattr(measure, "time_calls", fake_time_calls)
+    row = bench._measure_points({"fp16": contender}, x, lambda: reference_matmul(x, w.codes, w.scales), w, 4,
+                                rounds=2, between=True)["fp16"]
+    assert timed == [("producer", bench.PRODUCER_CALLS), ("gemm", 2)] * 2
+    assert row["us_rounds"] == [10.0, 11.0] and row["us"] == 10.5 and row["producer_us"] == 2.5
+    assert torch.equal(x, before)        # the producer rewrites the activations with the same values
+    assert parse(["--between"]).between and not parse([]).between
