@@ -320,7 +320,8 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
             rows[kernel].update(us=None, error=_error_text(exc))
     order, producer = list(times), []
     if between:
-        calls = {kernel: [_after_producer(call, x) for call in kernel_calls] for kernel, kernel_calls in calls.items()}
+        calls = {kernel: [_after_producer(call, x) for call in kernel_calls]
+                 for kernel, kernel_calls in calls.items()}
     for r in range(rounds):
         if between and order:
             producer.append(time_calls([lambda: x.mul_(1)] * PRODUCER_CALLS, replays=replays_for(m)))
@@ -328,7 +329,8 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
             if kernel not in times:
                 continue
             try:
-                times[kernel].append(time_calls(calls[kernel], replays=replays_for(m)) - (producer[-1] if between else 0.0))
+                us = time_calls(calls[kernel], replays=replays_for(m))
+                times[kernel].append(us - producer[-1] if between else us)
             except Exception as exc:
                 del times[kernel]
                 rows[kernel].update(us=None, error=_error_text(exc))
