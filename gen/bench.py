@@ -286,11 +286,10 @@ def _error_text(exc: BaseException) -> str:
 PRODUCER_CALLS = 64   # the producer timed alone: enough back-to-back calls for a steady per-call time
 
 
-def _after_producer(call, x):
-    """`call` preceded by the activations' producer: x.mul_(1) rewrites x in place (the same values,
-    exactly), so the GEMM reads what a kernel just wrote, as in a model."""
+def _after_producer(call, produce):
+    """`call` preceded by the activations' producer."""
     def produced_then_called():
-        x.mul_(1)
+        produce()
         return call()
     return produced_then_called
 
@@ -319,12 +318,15 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
         except Exception as exc:  # a kernel that fails is a result, not a crash
             rows[kernel].update(us=None, error=_error_text(exc))
     order, producer = list(times), []
+    # The producer rewrites x in place with the same values (x * 1 is exact), so that the GEMM reads
+    # what a kernel just wrote, as in a model.
+    produce = functools.partial(x.mul_, 1)
     if between:
-        calls = {kernel: [_after_producer(call, x) for call in kernel_calls]
+        calls = {kernel: [_after_producer(call, produce) for call in kernel_calls]
                  for kernel, kernel_calls in calls.items()}
     for r in range(rounds):
         if between and order:
-            producer.append(time_calls([lambda: x.mul_(1)] * PRODUCER_CALLS, replays=replays_for(m)))
+            producer.append(time_calls([produce] * PRODUCER_CALLS, replays=replays_for(m)))
         for kernel in order[r % len(order):] + order[:r % len(order)] if order else ():
             if kernel not in times:
                 continue

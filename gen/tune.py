@@ -244,7 +244,7 @@ def load_seeds(path: str) -> list[dict]:
         raise ValueError(f"--seed {path} is not JSON ({exc})") from None
     if isinstance(records, dict) and records.get("format") == TABLE_FORMAT:
         try:
-            table = TunedTable.read(path)
+            table = TunedTable.from_json(records)
         except TableError as exc:
             raise ValueError(f"--seed {path}: {exc}") from None
         return [{"problem": e["problem"], "m": e["bucket"],

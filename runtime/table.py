@@ -186,6 +186,11 @@ class TunedTable:
             raise TableError(f"not valid JSON ({exc}); the file is corrupt or truncated") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise TableError(f"cannot be read ({exc})") from None
+        return cls.from_json(data)
+
+    @classmethod
+    def from_json(cls, data) -> "TunedTable":
+        """A table from a parsed table file, stale or not; raises TableError when it is not one."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise TableError(f"not a tilemarlin tuned table (format field {_field(data, 'format')!r})")
         if data.get("schema") != SCHEMA_VERSION:
