@@ -283,17 +283,6 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {line}"[:300]
 
 
-PRODUCER_CALLS = 64   # the producer timed alone: enough back-to-back calls for a steady per-call time
-
-
-def _after_producer(call, produce):
-    """`call` preceded by the activations' producer."""
-    def produced_then_called():
-        produce()
-        return call()
-    return produced_then_called
-
-
 def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rounds: int,
                     between: bool = False) -> dict:
     """A row per kernel at one point: each checked (where exact), then timed `rounds` times, the
@@ -301,7 +290,7 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
     clocks meets all of them alike; the median counts. Any failure becomes that kernel's error.
     With `between`, every timed call runs after the activations' producer, whose own time (timed
     alone at the start of each round) comes off that round's times (`producer_us` in the rows)."""
-    from gen.measure import time_calls
+    from gen.measure import activation_producer, after, time_calls, time_producer
     from schedules.quant import relative_error
 
     rows, calls, times = {}, {}, {}
@@ -318,15 +307,12 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
         except Exception as exc:  # a kernel that fails is a result, not a crash
             rows[kernel].update(us=None, error=_error_text(exc))
     order, producer = list(times), []
-    # The producer rewrites x in place with the same values (x * 1 is exact), so that the GEMM reads
-    # what a kernel just wrote, as in a model.
-    produce = functools.partial(x.mul_, 1)
+    produce = activation_producer(x)
     if between:
-        calls = {kernel: [_after_producer(call, produce) for call in kernel_calls]
-                 for kernel, kernel_calls in calls.items()}
+        calls = {kernel: [after(produce, call) for call in kernel_calls] for kernel, kernel_calls in calls.items()}
     for r in range(rounds):
         if between and order:
-            producer.append(time_calls([produce] * PRODUCER_CALLS, replays=replays_for(m)))
+            producer.append(time_producer(produce, replays=replays_for(m)))
         for kernel in order[r % len(order):] + order[:r % len(order)] if order else ():
             if kernel not in times:
                 continue

@@ -97,9 +97,9 @@ def show_tables(args, paths: list[Path]) -> int:
             rows.append([f"{p.k}x{p.n}", "cw" if p.channelwise else p.group, p.dtype, bucket, e.schedule.name,
                          f"{e.us:.1f}", f"{e.fp16_us:.1f}" if e.fp16_us else "-",
                          f"{e.speedup:.2f}x" if e.speedup else "-", f"{e.gbps:.0f}" if e.gbps else "-",
-                         f"{ok}/{len(e.all_timings)}"])
+                         f"{ok}/{len(e.all_timings)}", e.harness])
         print(format_table(["KxN", "group", "dtype", "bucket", "winner", "us", "FP16 us", "vs FP16", "GB/s",
-                            "correct/tried"], rows))
+                            "correct/tried", "timed"], rows))
     return 0
 
 

@@ -4,9 +4,15 @@ Each call site gets its own copy of the weights; the copies are captured round-r
 graph, so a replay streams every copy from HBM once and Python's launch overhead is not timed; a
 spinning kernel ahead of each timed replay keeps the graph's own launch out of the interval too. The
 result is the median over replays of (graph time / calls), in microseconds.
+
+Back to back, a kernel that launches its successor early (programmatic launches) overlaps a replay
+of itself. In a model a GEMM follows an elementwise kernel that does not release it early; the
+"between" harness times that case: every call after the activations' producer, the producer's own
+time taken off.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 from typing import Callable
 
@@ -53,6 +59,34 @@ def time_calls(calls: list[Callable[[], object]], replays: int = 30, warmup: int
         samples.append(start.elapsed_time(end) * 1000.0 / len(calls))
     del graph
     return statistics.median(samples)
+
+
+PRODUCER_CALLS = 64   # the producer timed alone: enough back-to-back calls for a steady per-call time
+
+
+def activation_producer(x: torch.Tensor) -> Callable[[], object]:
+    """The kernel that writes a GEMM's activations in a model, as a call: x rewritten in place with
+    the same values (x * 1 is exact), so that the GEMM reads what a kernel has just written."""
+    return functools.partial(x.mul_, 1)
+
+
+def after(produce: Callable[[], object], call: Callable[[], object]) -> Callable[[], object]:
+    """`call` preceded by `produce`."""
+    def produced_then_called():
+        produce()
+        return call()
+    return produced_then_called
+
+
+def time_producer(produce: Callable[[], object], replays: int = 30) -> float:
+    """Median microseconds of the producer alone, back to back."""
+    return time_calls([produce] * PRODUCER_CALLS, replays=replays)
+
+
+def time_calls_between(calls: list[Callable[[], object]], x: torch.Tensor, replays: int = 30) -> float:
+    """time_calls of each call after the producer of its activations `x`, less the producer's time."""
+    produce = activation_producer(x)
+    return time_calls([after(produce, call) for call in calls], replays=replays) - time_producer(produce, replays)
 
 
 def hbm_read_bandwidth(gib: float = 2.0) -> float:

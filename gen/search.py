@@ -390,13 +390,13 @@ def _note_compile_errors(searches: list[BucketSearch], errors: dict) -> None:
 
 
 def compile_and_measure(searches: list[BucketSearch], arch: Arch, workers: int | None = None, compiled=None,
-                        progress=None, on_bucket=None, measure=None) -> None:
+                        progress=None, on_bucket=None, measure=None, between: bool = False) -> None:
     """Compile the candidates not measured yet and check + time them, a problem as soon as all its
     kernels are built: the GPU measures one problem while the CPU cores compile the next (a cold tune
     spends about as long in nvcc as on the GPU). Compile failures become `compile:` errors.
 
-    compiled(job, error) follows every compile job; progress and on_bucket are measure_problem's and
-    are called from the measuring thread. A MeasureError is raised once the compiles are done.
+    compiled(job, error) follows every compile job; progress, on_bucket and between are
+    measure_problem's, and the first two are called from the measuring thread. A MeasureError is raised once the compiles are done.
     `measure` replaces measure_problem (tests).
     """
     from concurrent.futures import ThreadPoolExecutor
@@ -414,7 +414,8 @@ def compile_and_measure(searches: list[BucketSearch], arch: Arch, workers: int |
         def start(problem):
             mine = [s for s in searches if s.problem == problem]
             _note_compile_errors(mine, errors)
-            measuring.append(gpu.submit(measure, problem, arch, mine, progress=progress, on_bucket=on_bucket))
+            measuring.append(gpu.submit(measure, problem, arch, mine, progress=progress, on_bucket=on_bucket,
+                                        between=between))
 
         def built(job, error):
             errors[job] = error
@@ -443,9 +444,10 @@ class MeasureError(RuntimeError):
 
 
 def measure_problem(problem: Problem, arch: Arch, searches: list[BucketSearch], progress=None, on_bucket=None,
-                    stall_timeout_s: float = STALL_TIMEOUT_S, child_main=None) -> None:
+                    stall_timeout_s: float = STALL_TIMEOUT_S, child_main=None, between: bool = False) -> None:
     """Check and time the compiled candidates of `searches` (all of `problem`) that have no time yet,
-    in child processes.
+    in child processes; with `between`, candidates and FP16 alike are timed after the activations'
+    producer (gen.measure.time_calls_between) instead of back to back.
 
     Fills each Result's us / rel_err / error and each search's fp16_us; calls progress(result) after
     every candidate and on_bucket(search) when a bucket is complete. `child_main` replaces the
@@ -462,7 +464,7 @@ def measure_problem(problem: Problem, arch: Arch, searches: list[BucketSearch], 
     while todo:
         tasks = [(b, [(i, by_bucket[b].results[i].schedule) for i in idx]) for b, idx in todo.items()]
         parent_end, child_end = ctx.Pipe(duplex=False)
-        child = ctx.Process(target=child_main, args=(child_end, problem, arch.name, tasks))
+        child = ctx.Process(target=child_main, args=(child_end, problem, arch.name, tasks, between))
         child.start()
         child_end.close()
         started, progressed = None, False
@@ -522,13 +524,13 @@ def _finish(search: BucketSearch, i: int, fields: dict, todo: dict, progress, on
 
 # --- measuring (child side) ----------------------------------------------------------------------
 
-def _measure_child(conn, problem: Problem, arch_name: str, tasks: list) -> None:
+def _measure_child(conn, problem: Problem, arch_name: str, tasks: list, between: bool) -> None:
     """Entry point of the measuring process; reports over `conn` (see measure_problem)."""
     import logging
 
     logging.disable(logging.WARNING)
     try:
-        bench = _Bench(problem)
+        bench = _Bench(problem, between)
     except Exception as exc:
         conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
         return
@@ -565,9 +567,10 @@ def _cuda_usable() -> bool:
 
 
 class _Bench:
-    """Random weights of one problem on the GPU, packed per family, with copies for timing."""
+    """Random weights of one problem on the GPU, packed per family, with copies for timing, timed back
+    to back or, with `between`, after the activations' producer."""
 
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, between: bool = False):
         import torch
 
         from schedules.quant import torch_dtype
@@ -576,6 +579,7 @@ class _Bench:
             raise RuntimeError("no CUDA device is visible")
         torch.manual_seed(0)
         self.problem = problem
+        self.between = between
         self.dtype = torch_dtype(problem.dtype)
         p = problem
         self.codes = torch.randint(0, 1 << p.bits, (p.k, p.n), dtype=torch.uint8, device="cuda")
@@ -596,10 +600,16 @@ class _Bench:
             self._packed[layout] = [(qw, qs)] + [(qw.clone(), qs.clone()) for _ in range(n - 1)]
         return self._packed[layout]
 
+    def _time(self, calls: list, a) -> float:
+        """Median us per call of `calls`, whose activations are `a`, in this bench's harness."""
+        from gen.measure import time_calls, time_calls_between
+
+        return time_calls_between(calls, a) if self.between else time_calls(calls)
+
     def time_fp16(self, m: int) -> float:
         import torch
 
-        from gen.measure import copies_for, time_calls
+        from gen.measure import copies_for
         from schedules.quant import dequantize
 
         if self.fp16_weights is None:
@@ -607,14 +617,13 @@ class _Bench:
             self.fp16_weights = [w] + [w.clone() for _ in range(copies_for(w.numel() * w.element_size()) - 1)]
         a = torch.randn(m, self.problem.k, dtype=self.dtype, device="cuda")
         out = torch.empty(m, self.problem.n, dtype=self.dtype, device="cuda")
-        return time_calls([functools.partial(torch.matmul, a, w, out=out) for w in self.fp16_weights])
+        return self._time([functools.partial(torch.matmul, a, w, out=out) for w in self.fp16_weights], a)
 
     def check_and_time(self, schedule: Schedule, arch: Arch, bucket: int) -> dict:
         """{"us", "rel_err"} of a correct candidate, or {"error", "rel_err"} of a wrong one."""
         import torch
 
         from gen.compile import compile_schedule
-        from gen.measure import time_calls
         from schedules.quant import reference_matmul, relative_error
 
         p, fam, knobs = self.problem, schedule.module, schedule.knobs
@@ -649,7 +658,7 @@ class _Bench:
         a, out, _ = run(bucket, *copies[0])
         calls = [functools.partial(kernel, *fam.kernel_args(p, knobs, a, qw, qs, out, ws, counters))
                  for qw, qs in copies]
-        us = time_calls(calls)
+        us = self._time(calls, a)
         # The replays must still compute the right thing (e.g. split-K state across graph replays).
         err = relative_error(out, reference_matmul(a, self.codes, self.scales, p.bits))
         if not err < tol:

@@ -35,6 +35,9 @@ def register(subparsers) -> None:
     p.add_argument("--json", metavar="FILE",
                    help="write every candidate's time, error and knobs to FILE (rewritten after every bucket)")
     p.add_argument("--workers", type=int, help="parallel compile processes (default: one per CPU core)")
+    p.add_argument("--between", action="store_true",
+                   help="time every candidate (and FP16) after the activations' producer, as a model runs its GEMMs, "
+                        "instead of back to back")
     p.set_defaults(func=run)
 
 
@@ -112,7 +115,7 @@ def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
 
     try:
         compile_and_measure_with_progress(searches, arch, args.workers, {t.problem: t.label for t in targets},
-                                          on_bucket=save)
+                                          on_bucket=save, between=args.between)
     except MeasureError as exc:
         print(f"gen sweep: {exc}", file=sys.stderr)
         return 1

@@ -78,6 +78,10 @@ def register(subparsers) -> None:
                    help="also measure, per bucket, the current winner with these knobs changed (any knob of "
                         "its family, searched or not; several values: one variant each, several knobs: every "
                         "combination): an A/B of a prepared knob in one run, e.g. with --force --top 1 --refine 0")
+    p.add_argument("--between", action="store_true",
+                   help="time every candidate (and FP16) after the activations' producer, as a model runs its GEMMs, "
+                        "instead of back to back (gen bench --between); buckets tuned the other way are re-tuned, "
+                        "and the table records the harness per entry")
     p.add_argument("--families", help="schedule families to search, comma separated (default: marlin_mma, stream_mma and stream_wgmma where the arch offers them)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
@@ -202,6 +206,8 @@ def run(args) -> int:
             raise ValueError(f"--top must be at least 1, got {args.top}")
         if args.restart and not args.force:
             raise ValueError("--restart starts a forced re-tune over: it goes with --force")
+        if args.between and args.dry_run:
+            raise ValueError("--between chooses how candidates are timed on the GPU; a --dry-run times nothing")
         if args.refine < 0:
             raise ValueError(f"--refine must be 0 (no second round) or more, got {args.refine}")
         if args.time_budget <= 0:
@@ -255,9 +261,14 @@ def load_seeds(path: str) -> list[dict]:
     return records
 
 
-def pending_pairs(targets: list[Target], buckets: list[int], table, force: bool) -> list[tuple[Problem, int]]:
-    """The (problem, bucket) pairs to tune: those not in `table` yet, or all of them with --force."""
-    return [(t.problem, b) for t in targets for b in buckets if force or table.entry(t.problem, b) is None]
+def pending_pairs(targets: list[Target], buckets: list[int], table, force: bool,
+                  harness: str = "replay") -> list[tuple[Problem, int]]:
+    """The (problem, bucket) pairs to tune: those not in `table` yet or timed in another harness than
+    `harness` (their times and winner answer another question), or all of them with --force."""
+    def tuned(problem, bucket):
+        entry = table.entry(problem, bucket)
+        return entry is not None and entry.harness == harness
+    return [(t.problem, b) for t in targets for b in buckets if force or not tuned(t.problem, b)]
 
 
 class ForcedRun:
@@ -321,10 +332,10 @@ class _CompileBar:
 
 
 def compile_and_measure_with_progress(searches, arch, workers, labels: dict, label="check + time",
-                                      on_bucket=None) -> None:
+                                      on_bucket=None, between: bool = False) -> None:
     """Compile and measure the searches' new candidates (the GPU measures a problem while the CPU
     compiles the next, search.compile_and_measure), behind two progress bars (shared with gen sweep).
-    `labels` names each problem on the measuring bar."""
+    `labels` names each problem on the measuring bar; `between` picks the harness (measure_problem)."""
     from collections import Counter
 
     from tqdm import tqdm
@@ -343,7 +354,8 @@ def compile_and_measure_with_progress(searches, arch, workers, labels: dict, lab
             return measure_problem(problem, *args, **kwargs)
 
         compile_and_measure(searches, arch, workers, compiled=_CompileBar(built, not_measured),
-                            progress=lambda _: measured.update(1), on_bucket=on_bucket, measure=measure)
+                            progress=lambda _: measured.update(1), on_bucket=on_bucket, measure=measure,
+                            between=between)
 
 
 def expected_round_s(past: list[tuple[int, float]], added: int) -> float:
@@ -390,7 +402,7 @@ def local_rounds(searches, args, arch, spec, labels: dict, started: float, recor
         if not added:
             return
         compile_and_measure_with_progress(searches, arch, args.workers, labels, f"check + time, round {round_no}",
-                                          on_bucket=record)
+                                          on_bucket=record, between=args.between)
         past.append((added, time.monotonic() - round_started))
         moved = [s for s in active if s.winner() is not before[id(s)]]
         print(f"round {round_no} took {past[-1][1]:.0f} s and moved {len(moved)} of {len(active)} winners "
@@ -415,7 +427,8 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     gpu = GpuKey.current()
     path = table_path(gpu)
     table = TunedTable.load(path, gpu)
-    pending = pending_pairs(targets, buckets, table, args.force)
+    harness = "between" if args.between else "replay"
+    pending = pending_pairs(targets, buckets, table, args.force, harness)
     forced = None
     if args.force:
         forced = ForcedRun(path, pending) if args.restart else ForcedRun.resume(path, pending)
@@ -424,7 +437,8 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
                   "(--restart to start over)")
             pending = [(p, b) for p, b in pending if not forced.is_done(p, b)]
     print(f"tuning on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs): {len(targets)} shapes x {len(buckets)} buckets, "
-          f"{len(pending)} to tune, {len(targets) * len(buckets) - len(pending)} already in {path}")
+          f"{len(pending)} to tune, {len(targets) * len(buckets) - len(pending)} already in {path}"
+          + (", timing every call after the activations' producer (--between)" if args.between else ""))
 
     spec = GpuSpec.current()
     searches = plan(pending, arch, spec, top=args.top, families=args.families, workers=args.workers)
@@ -441,7 +455,8 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
         if best is not None:
             timings = with_earlier_timings(search.timings(), table.entry(search.problem, search.bucket))
             table.record(search.problem, search.bucket, best.schedule, best.us, fp16_us=search.fp16_us,
-                         gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=timings)
+                         gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=timings,
+                         harness=harness)
             table.save(path)   # after every bucket: an interrupted run resumes from here
 
     def finished(done):
@@ -451,7 +466,8 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
 
     labels = {t.problem: t.label for t in targets}
     try:
-        compile_and_measure_with_progress(searches, arch, args.workers, labels, on_bucket=record)
+        compile_and_measure_with_progress(searches, arch, args.workers, labels, on_bucket=record,
+                                          between=args.between)
         local_rounds(searches, args, arch, spec, labels, started, record, finished)
         finished(searches)
     except MeasureError as exc:

@@ -3,7 +3,8 @@
 One JSON file per GPU (named by GpuKey.slug) under cache_root()/tuned/. It records the schema
 version, the GPU, the versions of tilemarlin, TileLang, CUDA and torch it was tuned with, and per
 entry the problem, the bucket, the winning schedule, its time and every candidate's timing or
-failure. A file that cannot be parsed, has another schema, was tuned for another GPU or with another
+failure, and the harness that timed them when it is not the default (gen/measure.py: "between",
+each call after the activations' producer; absent means back-to-back replays). A file that cannot be parsed, has another schema, was tuned for another GPU or with another
 TileLang (the kernels it names would compile differently) is reported with a warning and ignored:
 the runtime then falls back to the cost model, which is slower but never wrong.
 
@@ -31,6 +32,8 @@ FORMAT = "tilemarlin-tuned-table"
 # Decode (1..16) needs fine buckets: the kernel's block_m and split-K change there. Prefill only
 # needs powers of two. The last bucket also serves every M above it.
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+HARNESSES = ("replay", "between")   # how a bucket's candidates were timed (gen/measure.py)
 
 
 def bucket_of(m: int) -> int:
@@ -114,13 +117,19 @@ def current_versions() -> dict[str, str]:
 @dataclass
 class Entry:
     """The winner of one (problem, bucket): its schedule, median us per call at the bucket's upper
-    edge, FP16 torch.matmul's time in the same run, achieved GB/s, and every candidate's result."""
+    edge, FP16 torch.matmul's time in the same run, achieved GB/s, every candidate's result, and the
+    harness that timed them (one of HARNESSES)."""
 
     schedule: Schedule
     us: float
     fp16_us: float | None = None
     gbps: float | None = None
     all_timings: list[dict] = field(default_factory=list)
+    harness: str = "replay"
+
+    def __post_init__(self):
+        if self.harness not in HARNESSES:
+            raise ValueError(f"harness {self.harness!r} is not one of {HARNESSES}")
 
     @property
     def speedup(self) -> float | None:
@@ -172,7 +181,8 @@ class TunedTable:
             "versions": self.versions,
             "entries": [
                 {"problem": _problem_dict(p), "bucket": b, "schedule": e.schedule.to_dict(), "us": e.us,
-                 "fp16_us": e.fp16_us, "gbps": e.gbps, "all_timings": e.all_timings}
+                 "fp16_us": e.fp16_us, "gbps": e.gbps, "all_timings": e.all_timings,
+                 **({"harness": e.harness} if e.harness != "replay" else {})}
                 for (p, b), e in self.items()
             ],
         }
@@ -209,7 +219,8 @@ class TunedTable:
                     raise ValueError(f"bucket {bucket} is not one of {BUCKETS}")
                 table._entries[(Problem(**e["problem"]), bucket)] = Entry(
                     schedule=Schedule.from_dict(e["schedule"]), us=float(e["us"]), fp16_us=e.get("fp16_us"),
-                    gbps=e.get("gbps"), all_timings=list(e.get("all_timings", [])))
+                    gbps=e.get("gbps"), all_timings=list(e.get("all_timings", [])),
+                    harness=e.get("harness", "replay"))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise TableError(f"entry {i} is malformed ({type(exc).__name__}: {exc})") from None
         return table

@@ -359,7 +359,7 @@ def test_between_times_each_call_after_the_producer_and_takes_the_producers_time
     monkeypatch.setattr(measure, "time_calls", fake_time_calls)
     row = bench._measure_points({"fp16": contender}, x, lambda: reference_matmul(x, w.codes, w.scales), w, 4,
                                 rounds=2, between=True)["fp16"]
-    assert timed == [("producer", bench.PRODUCER_CALLS), ("gemm", 2)] * 2
+    assert timed == [("producer", measure.PRODUCER_CALLS), ("gemm", 2)] * 2
     assert row["us_rounds"] == [10.0, 11.0] and row["us"] == 10.5 and row["producer_us"] == 2.5
     assert torch.equal(x, before)        # the producer rewrites the activations with the same values
     assert parse(["--between"]).between and not parse([]).between

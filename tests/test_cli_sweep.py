@@ -124,7 +124,8 @@ def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch)
     monkeypatch.setattr("gen.compile.compile_many", compile_many)
     out_json = tmp_path / "sweep.json"
 
-    def measure(problem, arch, mine, progress=None, on_bucket=None, **_):
+    def measure(problem, arch, mine, progress=None, on_bucket=None, between=False):
+        assert between                   # --between is passed on to the measuring
         if problem.n == 1024:
             assert len(json.loads(out_json.read_text())) == 2     # the first layer's buckets are on disk already
             raise search.MeasureError("the GPU fell off the bus")
@@ -137,7 +138,7 @@ def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch)
 
     monkeypatch.setattr(search, "measure_problem", measure)
     rc, _, err = call(capsys, "--family", "stream_mma", "--knobs", "warps=4,8 unroll=4", "--shapes", "4096x4096,4096x1024",
-                      "--ms", "1,16", "--json", str(out_json))
+                      "--ms", "1,16", "--json", str(out_json), "--between")
     assert rc == 1 and "fell off the bus" in err
     records = json.loads(out_json.read_text())
     assert [(r["problem"]["n"], r["m"]) for r in records] == [(4096, 1), (4096, 16)]

@@ -75,6 +75,8 @@ def test_bad_arguments_exit_2(capsys):
     assert rc == 2 and "--top" in err
     rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--time-budget", "0")
     assert rc == 2 and "--time-budget" in err
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--dry-run", "--between")
+    assert rc == 2 and "--between" in err and "times nothing" in err
 
 
 def test_resume_skips_tuned_buckets():
@@ -84,6 +86,8 @@ def test_resume_skips_tuned_buckets():
     pending = tune.pending_pairs(targets, [1, 16], table, force=False)
     assert pending == [(targets[0].problem, 1), (targets[1].problem, 1), (targets[1].problem, 16)]
     assert len(tune.pending_pairs(targets, [1, 16], table, force=True)) == 4
+    # An entry timed in the other harness answers another question: it is tuned again.
+    assert (targets[0].problem, 16) in tune.pending_pairs(targets, [1, 16], table, force=False, harness="between")
 
 
 def test_a_forced_run_resumes_only_the_same_buckets(tmp_path):
@@ -342,6 +346,27 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
     compiled.clear()
     rc, out, _ = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128")
     assert rc == 0 and "0 to tune" in out and not compiled
+    # --between times in the other harness: every bucket timed back to back is tuned again, each
+    # measurement told so, and the entries record it; then it is a resumed run like any other.
+    harnesses = []
+
+    def measure_between(problem, arch, mine, progress=None, on_bucket=None, between=False):
+        harnesses.append(between)
+        fake_measure(problem, arch, mine, progress, on_bucket)
+
+    monkeypatch.setattr(search, "measure_problem", measure_between)
+    rc, out, err = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--top", "2",
+                        "--refine", "0", "--between")
+    assert rc == 0 and "4 to tune" in out and "--between" in out, err
+    assert harnesses and all(harnesses)
+    table = TunedTable.load(table_path(GPU), GPU)
+    assert {table.entry(Problem.make(n=n, k=4096), b).harness for n in (4096, 1024) for b in (1, 128)} == {"between"}
+    rc, out, _ = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--between")
+    assert rc == 0 and "0 to tune" in out
+    rc, out, _ = call(capsys, "tune", "--shapes", "4096x4096", "--buckets", "1", "--top", "1", "--refine", "0")
+    assert rc == 0 and "1 to tune" in out and not harnesses[-1]
+    assert TunedTable.load(table_path(GPU), GPU).entry(Problem.make(n=4096, k=4096), 1).harness == "replay"
+    monkeypatch.setattr(search, "measure_problem", fake_measure)
     # Every new candidate faster than all before: each round moves every winner, so the rounds go on
     # to the last one that the time budget allows.
     ticks = itertools.count()

@@ -329,6 +329,37 @@ def test_round_two_measures_only_the_new_candidates():
     assert [r.us for r in x.results] == [5.0, 4.0, 3.0] and done == [x] and x.winner().us == 3.0
 
 
+def test_the_harness_reaches_the_measuring_child():
+    s = _search()
+    for between, fp16_us in ((False, 10.0), (True, 11.0)):
+        x = _bucket(s, 1, ["ok:5"])
+        s.measure_problem(QKV, H200, [x], child_main=fake_child, between=between)
+        assert x.fp16_us == fp16_us and x.results[0].us == 5.0
+
+
+def test_between_times_each_call_after_the_producer_less_the_producers_own_time(monkeypatch):
+    import torch
+
+    from gen import measure
+
+    x = torch.ones(3, 8, dtype=torch.float16)
+    seen = []
+    calls = [lambda: seen.append("gemm")] * 2
+
+    def fake_time_calls(timed, replays):
+        seen.clear()
+        timed[0]()
+        if "gemm" in seen:
+            assert len(timed) == 2 and seen == ["gemm"]
+            return 9.0
+        assert len(timed) == measure.PRODUCER_CALLS
+        return 1.5
+
+    monkeypatch.setattr(measure, "time_calls", fake_time_calls)
+    assert measure.time_calls_between(calls, x) == 7.5
+    assert torch.equal(x, torch.ones(3, 8, dtype=torch.float16))   # rewritten with the same values
+
+
 def test_compile_failures_become_results(monkeypatch):
     s = _search()
     searches = s.plan([(QKV, 1), (QKV, 16)], H200, _spec(), top=3)
@@ -366,9 +397,9 @@ def test_achieved_gbps():
 # A fake child reads its "schedules" as instructions: "ok:<us>", "wrong", "crash" (the process dies),
 # "hang", "lost" (the CUDA context is gone: report and ask for a restart).
 
-def fake_child(conn, problem, arch_name, tasks):
+def fake_child(conn, problem, arch_name, tasks, between):
     for bucket, candidates in tasks:
-        conn.send(("fp16", bucket, 10.0))
+        conn.send(("fp16", bucket, 11.0 if between else 10.0))   # tells the parent which harness it was asked for
         for i, what in candidates:
             conn.send(("start", bucket, i))
             if what.startswith("ok:"):
@@ -388,11 +419,11 @@ def fake_child(conn, problem, arch_name, tasks):
     conn.send(("done",))
 
 
-def fatal_child(conn, problem, arch_name, tasks):
+def fatal_child(conn, problem, arch_name, tasks, between):
     conn.send(("fatal", "RuntimeError: no CUDA device is visible"))
 
 
-def dying_child(conn, problem, arch_name, tasks):
+def dying_child(conn, problem, arch_name, tasks, between):
     os._exit(1)
 
 
@@ -490,7 +521,7 @@ def test_a_problem_is_measured_while_the_next_one_compiles(monkeypatch):
             progress(job, "nvcc: out of registers" if job == (QKV, broken) else None)
         return {}
 
-    def fake_measure(problem, arch, mine, progress=None, on_bucket=None):
+    def fake_measure(problem, arch, mine, progress=None, on_bucket=None, between=False):
         events.append(("measure", problem))
         assert {x.problem for x in mine} == {problem}
         for x in mine:       # the compile errors are on the results before the GPU sees them
@@ -530,7 +561,7 @@ def test_a_measuring_failure_is_raised_once_the_compiles_are_done(monkeypatch):
             progress(job, None)
         return {}
 
-    def no_gpu(problem, arch, mine, progress=None, on_bucket=None):
+    def no_gpu(problem, arch, mine, progress=None, on_bucket=None, **_):
         raise s.MeasureError("no CUDA device")
 
     monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)

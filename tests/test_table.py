@@ -65,6 +65,22 @@ def test_round_trip(tmp_path):
     assert loaded.lookup(PROBLEM, 9) == SCHEDULE     # 9..16 share the bucket
     assert loaded.lookup(PROBLEM, 8) is None
     assert loaded.lookup(Problem.make(n=4096, k=4096), 16) is None
+    assert entry.harness == "replay" and "harness" not in data["entries"][0]   # the default is not written
+
+
+def test_harness_round_trips_and_an_unknown_one_is_malformed(tmp_path):
+    path = tmp_path / "t.json"
+    table = TunedTable(GPU)
+    table.record(PROBLEM, 16, SCHEDULE, 7.5, harness="between")
+    table.save(path)
+    assert json.loads(path.read_text())["entries"][0]["harness"] == "between"
+    assert TunedTable.load(path, GPU).entry(PROBLEM, 16).harness == "between"
+    with pytest.raises(ValueError, match="harness 'graph'"):
+        table.record(PROBLEM, 16, SCHEDULE, 7.5, harness="graph")
+    data = json.loads(path.read_text())
+    data["entries"][0]["harness"] = "graph"
+    path.write_text(json.dumps(data))
+    _assert_ignored(path, "entry 0 is malformed")
 
 
 def test_record_rejects_non_bucket():
