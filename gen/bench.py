@@ -63,6 +63,17 @@ def parse_rounds(text: str) -> int:
     return rounds
 
 
+def parse_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds <= 60:
+        raise argparse.ArgumentTypeError(f"--sustain takes seconds per point and kernel, more than 0 and at most 60, "
+                                         f"got {text!r}")
+    return seconds
+
+
 def parse_kernels(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [name for name in names if name not in KERNELS]
@@ -110,6 +121,11 @@ def register(subparsers) -> None:
                              "a model's elementwise kernels run before its GEMMs, and subtract the producer's "
                              "own time, timed alone in the same round: a kernel that starts early then overlaps "
                              "a kernel that does not release it early, not a replay of itself")
+    parser.add_argument("--sustain", type=parse_seconds, metavar="SECONDS",
+                        help="run each kernel at each point back to back for this long (per round), as a long "
+                             "prefill does, so that the power controller settles: times are means over the run, "
+                             "and the rows get the board's millijoules per call (NVML's energy counter) and the "
+                             "SM clock held")
     parser.add_argument("--out", default="docs/bench",
                         help="folder for the JSON, plots and markdown (default: %(default)s)")
     parser.add_argument("--markdown", action="store_true",
@@ -120,6 +136,10 @@ def register(subparsers) -> None:
 def run(args) -> int:
     if args.from_json:
         return _report_from_json(args)
+    if args.sustain and args.between:
+        print("gen bench: --sustain and --between time different things (a steady load at the power cap, "
+              "a GEMM after a model's elementwise kernel); run them separately", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -284,13 +304,16 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rounds: int,
-                    between: bool = False) -> dict:
+                    between: bool = False, sustain: float | None = None, nvml=None) -> dict:
     """A row per kernel at one point: each checked (where exact), then timed `rounds` times, the
     kernels taking turns and each round starting one kernel later, so that a drift of the GPU's
     clocks meets all of them alike; the median counts. Any failure becomes that kernel's error.
     With `between`, every timed call runs after the activations' producer, whose own time (timed
-    alone at the start of each round) comes off that round's times (`producer_us` in the rows)."""
-    from gen.measure import activation_producer, after, time_calls, time_producer
+    alone at the start of each round) comes off that round's times (`producer_us` in the rows).
+    With `sustain` (seconds), each timing is gen.measure.time_sustained's, and the rows get the
+    median of the rounds' millijoules per call and SM clocks (`mj_per_call`, `sm_mhz`; None
+    without `nvml`)."""
+    from gen.measure import activation_producer, after, time_calls, time_producer, time_sustained
     from schedules.quant import relative_error
 
     rows, calls, times = {}, {}, {}
@@ -306,7 +329,7 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
             times[kernel] = []
         except Exception as exc:  # a kernel that fails is a result, not a crash
             rows[kernel].update(us=None, error=_error_text(exc))
-    order, producer = list(times), []
+    order, producer, sustained = list(times), [], {kernel: [] for kernel in times}
     produce = activation_producer(x)
     if between:
         calls = {kernel: [after(produce, call) for call in kernel_calls] for kernel, kernel_calls in calls.items()}
@@ -317,7 +340,11 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
             if kernel not in times:
                 continue
             try:
-                us = time_calls(calls[kernel], replays=replays_for(m))
+                if sustain:
+                    sustained[kernel].append(time_sustained(calls[kernel], sustain, nvml))
+                    us = sustained[kernel][-1]["us"]
+                else:
+                    us = time_calls(calls[kernel], replays=replays_for(m))
                 times[kernel].append(us - producer[-1] if between else us)
             except Exception as exc:
                 del times[kernel]
@@ -330,6 +357,10 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
         rows[kernel].update(us=us, bytes=nbytes, gbps=nbytes / us / 1e3, tflops=report.flops(w.k, w.n, m) / us / 1e6)
         if rounds > 1:
             rows[kernel]["us_rounds"] = samples
+        if sustain:
+            for field in ("mj_per_call", "sm_mhz"):
+                values = [run[field] for run in sustained[kernel] if run[field] is not None]
+                rows[kernel][field] = statistics.median(values) if values else None
     return rows
 
 
@@ -345,7 +376,7 @@ def _random_weights(layer, group: int) -> LayerWeights:
     return LayerWeights(layer.name, problem.k, problem.n, problem.group, codes, scales)
 
 
-def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: dict) -> None:
+def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: dict, nvml=None) -> None:
     """Every point of one layer into `rows`; `windows` (M -> [(start, end)]) gets the wall-clock
     interval in which each batch size was timed, for the clock readings."""
     import torch
@@ -369,7 +400,7 @@ def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: di
         line = []
         start = time.time()
         measured = _measure_points({k: c for k, c in contenders.items() if k not in layer_errors}, x, reference,
-                                   w, m, args.rounds, between=args.between)
+                                   w, m, args.rounds, between=args.between, sustain=args.sustain, nvml=nvml)
         windows.setdefault(m, []).append((start, time.time()))
         for kernel in args.kernels:
             if kernel in skipped:
@@ -407,6 +438,7 @@ def _meta(args, model: str, layers: list) -> dict:
         "kernels": args.kernels,
         "rounds": args.rounds,
         "between": args.between,
+        "sustain": args.sustain,
         "skipped": {},
         "complete": False,
     }
@@ -463,6 +495,19 @@ def _smi_device() -> str:
     return f"GPU-{uuid}" if uuid else "0"
 
 
+def _energy_counter(meta: dict):
+    """The GPU's NVML energy counter for --sustain, or None with the reason in meta["energy"]
+    (the run then times without energy)."""
+    from gen.energy import EnergyUnavailable, Nvml
+
+    try:
+        return Nvml(_smi_device())
+    except EnergyUnavailable as exc:
+        meta["energy"] = {"unavailable": str(exc)}
+        print(f"no energy readings: {exc}", file=sys.stderr)
+        return None
+
+
 def clock_record(clocks: ClockLog, windows: dict) -> dict:
     """The run's clock readings per batch size (all layers' intervals together; JSON keys are
     strings), or why there are none."""
@@ -489,10 +534,11 @@ def _measure_and_report(args, model: str, layers: list) -> int:
     if "tilemarlin" in args.kernels:
         _precompile_tilemarlin(layers, args)
     windows: dict[int, list] = {}
+    nvml = _energy_counter(data["meta"]) if args.sustain else None
     with torch.no_grad(), ClockLog(_smi_device()) as clocks:
         for layer in layers:
             weights = _random_weights(layer, args.group)
-            _measure_layer(weights, args, data["meta"]["skipped"], data["rows"], windows)
+            _measure_layer(weights, args, data["meta"]["skipped"], data["rows"], windows, nvml)
             del weights
             _save(data, json_path)   # a crash later still leaves the layers done
     data["meta"]["clocks"] = clock_record(clocks, windows)

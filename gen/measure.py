@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -29,8 +30,8 @@ def copies_for(bytes_per_copy: int, device=None, min_copies: int = 2, max_copies
 LAUNCH_COVER_CYCLES = 200_000   # ~0.1 ms at H200 clocks: far more than a graph launch takes
 
 
-def time_calls(calls: list[Callable[[], object]], replays: int = 30, warmup: int = 3) -> float:
-    """Median microseconds per call of `calls`, captured in order into one CUDA graph."""
+def _captured(calls: list[Callable[[], object]], warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """`calls` captured in order into one CUDA graph, after a first run of each and `warmup` replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -46,19 +47,54 @@ def time_calls(calls: list[Callable[[], object]], replays: int = 30, warmup: int
             call()
     for _ in range(warmup):
         graph.replay()
+    return graph
+
+
+def _timed_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds that `replays` back-to-back replays of `graph` take on the GPU."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
+    # The GPU spins while the CPU enqueues the timed replays, so the interval holds the replays'
+    # kernels only, not the launch latency or a CPU that is busy elsewhere (compiles run beside).
+    torch.cuda._sleep(LAUNCH_COVER_CYCLES)
+    start.record()
     for _ in range(replays):
-        # The GPU spins while the CPU enqueues the timed replay, so the interval holds the replay's
-        # kernels only, not the launch latency or a CPU that is busy elsewhere (compiles run beside).
-        torch.cuda._sleep(LAUNCH_COVER_CYCLES)
-        start.record()
         graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / len(calls))
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def time_calls(calls: list[Callable[[], object]], replays: int = 30, warmup: int = 3) -> float:
+    """Median microseconds per call of `calls`, captured in order into one CUDA graph."""
+    graph = _captured(calls, warmup)
+    samples = [_timed_replays(graph, 1) * 1000.0 / len(calls) for _ in range(replays)]
     del graph
     return statistics.median(samples)
+
+
+SUSTAIN_CHUNK_S = 0.05   # replays enqueued between two reads of the clock
+
+
+def time_sustained(calls: list[Callable[[], object]], seconds: float, nvml=None) -> dict:
+    """`calls` replayed back to back for `seconds`, as a long prefill keeps the GPU busy, so that the
+    board's power controller settles on the clock this load holds: {"us": microseconds per call over
+    the whole run, "mj_per_call": the board's millijoules per call (NVML's energy counter, read
+    around the run, which also holds the short spins between chunks, ~0.2 % of it), "sm_mhz": the
+    median SM clock read between chunks}. Without `nvml` (a gen.energy.Nvml) the last two are None."""
+    graph = _captured(calls)
+    chunk = max(1, int(SUSTAIN_CHUNK_S * 1000.0 / _timed_replays(graph, 1)))
+    busy_ms, replays, clocks = 0.0, 0, []
+    energy_before = nvml.energy_mj() if nvml else None
+    started = time.monotonic()
+    while time.monotonic() - started < seconds:
+        busy_ms += _timed_replays(graph, chunk)
+        replays += chunk
+        if nvml:
+            clocks.append(nvml.sm_mhz())
+    per_call = replays * len(calls)
+    mj = (nvml.energy_mj() - energy_before) / per_call if nvml else None
+    del graph
+    return {"us": busy_ms * 1000.0 / per_call, "mj_per_call": mj, "sm_mhz": statistics.median(clocks) if clocks else None}
 
 
 PRODUCER_CALLS = 64   # the producer timed alone: enough back-to-back calls for a steady per-call time

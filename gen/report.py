@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 BASELINE = "fp16"        # every speedup is over torch.matmul in FP16
 OURS = "tilemarlin"
 PER_ROUND = f"{OURS} speedup per round"   # the summary's column of a --rounds run
 CLOCK = "SM clock (MHz)"                     # ... of a run with nvidia-smi's readings (gen/clocks.py)
+ENERGY = "{} mJ per call (sum)"              # ... of a --sustain run with NVML's energy counter (gen/energy.py)
+HELD = f"SM clock held, {BASELINE} / {OURS} (MHz)"   # ... of a --sustain run: the median over the layers
 
 
 # --- the cost model: what one call must move and compute -------------------------------------
@@ -98,20 +101,21 @@ def kernels(data: dict) -> list[str]:
     return [k for k in dict.fromkeys(order) if k in timed]
 
 
-def layer_times(data: dict, layer: str) -> dict[int, dict[str, float]]:
-    """m -> kernel -> us for one layer (failed points left out)."""
+def layer_times(data: dict, layer: str, field: str = "us") -> dict[int, dict[str, float]]:
+    """m -> kernel -> us (or another field of the rows, e.g. mj_per_call) for one layer (failed
+    points, and points without that field, left out)."""
     table: dict[int, dict[str, float]] = {}
     for row in data["rows"]:
-        if row["layer"] == layer and row["us"] is not None:
-            table.setdefault(row["m"], {})[row["kernel"]] = row["us"]
+        if row["layer"] == layer and row["us"] is not None and row.get(field) is not None:
+            table.setdefault(row["m"], {})[row["kernel"]] = row[field]
     return table
 
 
-def summed_times(data: dict) -> dict[int, dict[str, float]]:
-    """m -> kernel -> us summed over all layers; only where the kernel has a time for every layer,
-    since a sum with a layer missing would flatter it."""
+def summed_times(data: dict, field: str = "us") -> dict[int, dict[str, float]]:
+    """m -> kernel -> us (or `field`) summed over all layers; only where the kernel has a value for
+    every layer, since a sum with a layer missing would flatter it."""
     names = [name for name, _, _ in layers(data)]
-    per_layer = [layer_times(data, name) for name in names]
+    per_layer = [layer_times(data, name, field) for name in names]
     table: dict[int, dict[str, float]] = {}
     for m in batch_sizes(data):
         for kernel in kernels(data):
@@ -128,6 +132,12 @@ def speedups(times: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
         if BASELINE in row:
             out[m] = {k: row[BASELINE] / us for k, us in row.items() if k != BASELINE}
     return out
+
+
+def held_clock(data: dict, m: int, kernel: str) -> float | None:
+    """The median over the layers of the SM clock `kernel` held at M = m in a --sustain run."""
+    clocks = [r["sm_mhz"] for r in data["rows"] if r["m"] == m and r["kernel"] == kernel and r.get("sm_mhz")]
+    return statistics.median(clocks) if clocks else None
 
 
 def round_speedups(data: dict) -> dict[int, list[float]]:
@@ -176,6 +186,9 @@ def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
     if per_round:
         header.append(PER_ROUND)
     header.append("ideal INT4 speedup")
+    energy = summed_times(data, "mj_per_call")
+    if energy:
+        header += [ENERGY.format(BASELINE), ENERGY.format(OURS), HELD]
     clocks = data["meta"].get("clocks", {}).get("by_m")
     if clocks:
         header.append(CLOCK)
@@ -187,6 +200,9 @@ def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
             spread = per_round.get(m)
             row.append(f"{min(spread):.2f}-{max(spread):.2f}" if spread else "-")
         row.append(_fmt(ideal_int4_speedup(shapes, m, meta["group"], meta["ceilings"]), 2))
+        if energy:
+            row += [_fmt(energy.get(m, {}).get(kernel), 2) for kernel in (BASELINE, OURS)]
+            row.append(" / ".join(_fmt(held_clock(data, m, kernel), 0) for kernel in (BASELINE, OURS)))
         if clocks:
             row.append(clock_cell(clocks.get(str(m))))
         rows.append(row)

@@ -192,6 +192,9 @@ def test_ms_are_parsed_sorted_and_deduplicated():
     (["--group=abc"], "'abc' is not a group size"),
     (["--rounds=0"], "--rounds must be a positive whole number, got '0'"),
     (["--rounds=two"], "--rounds must be a positive whole number, got 'two'"),
+    (["--sustain=0"], "--sustain takes seconds per point and kernel, more than 0 and at most 60, got '0'"),
+    (["--sustain=long"], "got 'long'"),
+    (["--sustain=120"], "at most 60"),
     (["--model", "x", "--shapes", "4096x4096"], "not allowed with argument"),
     (["--model", "x", "--from-json", "f.json"], "not allowed with argument"),
 ])
@@ -363,3 +366,127 @@ def test_between_times_each_call_after_the_producer_and_takes_the_producers_time
     assert row["us_rounds"] == [10.0, 11.0] and row["us"] == 10.5 and row["producer_us"] == 2.5
     assert torch.equal(x, before)        # the producer rewrites the activations with the same values
     assert parse(["--between"]).between and not parse([]).between
+
+
+# --- --sustain: a steady load at the power cap, with the board's energy ---------------------------------
+
+def test_sustain_and_between_are_refused_together(capsys):
+    args = parse(["--sustain", "1.5", "--between"])
+    assert args.sustain == 1.5 and args.func(args) == 2
+    assert "run them separately" in capsys.readouterr().err
+
+
+def test_sustain_times_each_round_for_that_long_and_keeps_energy_and_clock(monkeypatch):
+    from gen import measure
+    from schedules.quant import reference_matmul
+
+    w, x = _cpu_layer(), torch.randn(4, 256, dtype=torch.float16)
+    contender = bench.Contender(lambda x: [lambda: (x.float() @ bench_dequant(w)).half()] * 2, exact=True)
+    runs = iter([{"us": 10.0, "mj_per_call": 7.0, "sm_mhz": 1410.0}, {"us": 12.0, "mj_per_call": 9.0, "sm_mhz": 1500.0},
+                 {"us": 11.0, "mj_per_call": 8.0, "sm_mhz": 1440.0}])
+    asked = []
+
+    def fake_sustained(calls, seconds, nvml):
+        asked.append((len(calls), seconds, nvml))
+        return next(runs)
+
+    monkeypatch.setattr(measure, "time_sustained", fake_sustained)
+    monkeypatch.setattr(measure, "time_calls", lambda *a, **k: pytest.fail("a sustained run times nothing else"))
+    row = bench._measure_points({"fp16": contender}, x, lambda: reference_matmul(x, w.codes, w.scales), w, 4,
+                                rounds=3, sustain=2.0, nvml="counter")["fp16"]
+    assert asked == [(2, 2.0, "counter")] * 3
+    assert row["us_rounds"] == [10.0, 12.0, 11.0] and row["us"] == 11.0
+    assert row["mj_per_call"] == 8.0 and row["sm_mhz"] == 1440.0
+
+
+def _sustained_sample(sample: dict) -> dict:
+    """The sample as a --sustain run with energy on every layer at M = 1 and 16, none at 4096."""
+    rows = []
+    for r in sample["rows"]:
+        if r["us"] is not None and r["kernel"] in ("fp16", "tilemarlin") and r["m"] != 4096:
+            r = {**r, "mj_per_call": r["us"] * (0.7 if r["kernel"] == "fp16" else 0.6),
+                 "sm_mhz": 1410.0 if r["kernel"] == "fp16" else 1575.0}
+        rows.append(r)
+    return {"meta": {**sample["meta"], "sustain": 1.5}, "rows": rows}
+
+
+def test_a_sustained_run_reports_energy_and_the_held_clocks(sample):
+    data = _sustained_sample(sample)
+    energy = report.summed_times(data, "mj_per_call")
+    assert energy[1] == pytest.approx({"fp16": 28.0, "tilemarlin": 12.0}) and 4096 not in energy
+    header, rows = report.summary_table(data)
+    assert header[-3:] == ["fp16 mJ per call (sum)", "tilemarlin mJ per call (sum)",
+                           "SM clock held, fp16 / tilemarlin (MHz)"]
+    assert rows[0][-3:] == ["28.00", "12.00", "1410 / 1575"] and rows[-1][-3:] == ["-", "-", "- / -"]
+    text = report.markdown(data)
+    assert "ran back to back for 1.5 s" in text and "NVML's energy counter" in text
+    unavailable = {**data, "meta": {**data["meta"], "energy": {"unavailable": "NVML cannot be loaded"}}}
+    assert "No energy was read: NVML cannot be loaded" in report.markdown(unavailable)
+    assert "mJ" not in report.markdown(sample)       # a plain run has no energy columns
+
+
+class FakeNvmlLibrary:
+    """libnvidia-ml as gen.energy calls it: each function fills its out-argument and returns a status."""
+
+    def __init__(self, energies=(1000, 1600)):
+        self.energies, self.opened = iter(energies), None
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlDeviceGetHandleByUUID(self, uuid, handle):
+        self.opened = uuid
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, index, handle):
+        self.opened = index.value
+        return 0
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle, out):
+        out._obj.value = next(self.energies)
+        return 0
+
+    def nvmlDeviceGetClockInfo(self, handle, clock, out):
+        assert clock.value == 1      # NVML_CLOCK_SM
+        out._obj.value = 1410
+        return 0
+
+
+def test_nvml_reads_the_energy_counter_and_the_sm_clock():
+    from gen.energy import Nvml
+
+    lib = FakeNvmlLibrary(energies=(1000, 1000, 1600))
+    nvml = Nvml("GPU-1234", library=lib)     # opening reads the counter once
+    assert lib.opened == b"GPU-1234" and nvml.energy_mj() == 1000 and nvml.energy_mj() == 1600
+    assert nvml.sm_mhz() == 1410
+    assert Nvml("0", library=FakeNvmlLibrary()).sm_mhz() == 1410
+
+
+def test_nvml_that_cannot_load_or_count_says_so(monkeypatch):
+    import ctypes
+
+    from gen import energy
+
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    with pytest.raises(energy.EnergyUnavailable, match="libnvidia-ml.so.1.*cannot be loaded"):
+        energy.Nvml("0")
+    for failing in ("nvmlInit_v2", "nvmlDeviceGetTotalEnergyConsumption"):
+        lib = FakeNvmlLibrary()
+        setattr(lib, failing, lambda *args: 999)
+        with pytest.raises(energy.EnergyUnavailable, match=f"{failing} failed with status 999"):
+            energy.Nvml("GPU-1234", library=lib)
+
+
+@pytest.mark.gpu
+def test_a_sustained_timing_on_the_gpu_reads_time_energy_and_clock():
+    from gen import energy, measure
+
+    a = torch.randn(256, 4096, dtype=torch.float16, device="cuda")
+    b = torch.randn(4096, 4096, dtype=torch.float16, device="cuda")
+    nvml = energy.Nvml(bench._smi_device())
+    run = measure.time_sustained([lambda: a @ b] * 2, 0.3, nvml)
+    assert 1 < run["us"] < 10_000 and run["mj_per_call"] > 0 and run["sm_mhz"] > 100
+    assert measure.time_sustained([lambda: a @ b], 0.1)["mj_per_call"] is None
