@@ -453,7 +453,10 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     def record(search):
         best = search.winner()
         if best is not None:
-            timings = with_earlier_timings(search.timings(), table.entry(search.problem, search.bucket))
+            earlier = table.entry(search.problem, search.bucket)
+            if earlier is not None and earlier.harness != harness:
+                earlier = None      # times from the other harness answer another question: not kept
+            timings = with_earlier_timings(search.timings(), earlier)
             table.record(search.problem, search.bucket, best.schedule, best.us, fp16_us=search.fp16_us,
                          gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=timings,
                          harness=harness)
