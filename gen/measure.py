@@ -94,7 +94,8 @@ def time_sustained(calls: list[Callable[[], object]], seconds: float, nvml=None)
     per_call = replays * len(calls)
     mj = (nvml.energy_mj() - energy_before) / per_call if nvml else None
     del graph
-    return {"us": busy_ms * 1000.0 / per_call, "mj_per_call": mj, "sm_mhz": statistics.median(clocks) if clocks else None}
+    return {"us": busy_ms * 1000.0 / per_call, "mj_per_call": mj,
+            "sm_mhz": statistics.median(clocks) if clocks else None}
 
 
 PRODUCER_CALLS = 64   # the producer timed alone: enough back-to-back calls for a steady per-call time

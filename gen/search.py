@@ -396,7 +396,8 @@ def compile_and_measure(searches: list[BucketSearch], arch: Arch, workers: int |
     spends about as long in nvcc as on the GPU). Compile failures become `compile:` errors.
 
     compiled(job, error) follows every compile job; progress, on_bucket and between are
-    measure_problem's, and the first two are called from the measuring thread. A MeasureError is raised once the compiles are done.
+    measure_problem's, and the first two are called from the measuring thread. A MeasureError is
+    raised once the compiles are done.
     `measure` replaces measure_problem (tests).
     """
     from concurrent.futures import ThreadPoolExecutor

@@ -261,14 +261,19 @@ def load_seeds(path: str) -> list[dict]:
     return records
 
 
+def entry_in_harness(table, problem: Problem, bucket: int, harness: str):
+    """The table's entry for (problem, bucket) if it was timed in `harness`, else None: times and a
+    winner from the other harness answer another question, so they are neither resumed nor kept."""
+    entry = table.entry(problem, bucket)
+    return entry if entry is not None and entry.harness == harness else None
+
+
 def pending_pairs(targets: list[Target], buckets: list[int], table, force: bool,
                   harness: str = "replay") -> list[tuple[Problem, int]]:
-    """The (problem, bucket) pairs to tune: those not in `table` yet or timed in another harness than
-    `harness` (their times and winner answer another question), or all of them with --force."""
-    def tuned(problem, bucket):
-        entry = table.entry(problem, bucket)
-        return entry is not None and entry.harness == harness
-    return [(t.problem, b) for t in targets for b in buckets if force or not tuned(t.problem, b)]
+    """The (problem, bucket) pairs to tune: those without an entry timed in `harness`, or all of
+    them with --force."""
+    return [(t.problem, b) for t in targets for b in buckets
+            if force or entry_in_harness(table, t.problem, b, harness) is None]
 
 
 class ForcedRun:
@@ -453,9 +458,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     def record(search):
         best = search.winner()
         if best is not None:
-            earlier = table.entry(search.problem, search.bucket)
-            if earlier is not None and earlier.harness != harness:
-                earlier = None      # times from the other harness answer another question: not kept
+            earlier = entry_in_harness(table, search.problem, search.bucket, harness)
             timings = with_earlier_timings(search.timings(), earlier)
             table.record(search.problem, search.bucket, best.schedule, best.us, fp16_us=search.fp16_us,
                          gbps=achieved_gbps(search.problem, search.bucket, best.us), all_timings=timings,

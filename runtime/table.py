@@ -4,9 +4,10 @@ One JSON file per GPU (named by GpuKey.slug) under cache_root()/tuned/. It recor
 version, the GPU, the versions of tilemarlin, TileLang, CUDA and torch it was tuned with, and per
 entry the problem, the bucket, the winning schedule, its time and every candidate's timing or
 failure, and the harness that timed them when it is not the default (gen/measure.py: "between",
-each call after the activations' producer; absent means back-to-back replays). A file that cannot be parsed, has another schema, was tuned for another GPU or with another
-TileLang (the kernels it names would compile differently) is reported with a warning and ignored:
-the runtime then falls back to the cost model, which is slower but never wrong.
+each call after the activations' producer; absent means back-to-back replays). A file that cannot
+be parsed, has another schema, was tuned for another GPU or with another TileLang (the kernels it
+names would compile differently) is reported with a warning and ignored: the runtime then falls
+back to the cost model, which is slower but never wrong.
 
 Tuners save under a file lock and merge with what is on disk, so two tuners running at once (say,
 one per model) keep each other's entries; the file is replaced atomically, so a reader never sees

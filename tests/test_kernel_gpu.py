@@ -167,8 +167,8 @@ STREAM_WGMMA_KNOBS = {
                                                         tma=True, release_barriers=True, producer_warp=True,
                                                         cluster_reduce=True, early_start=2, stage_unroll=True),
     "swg_m32_tma_s4_unrolled": SW(32, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, stage_unroll=True),
-    # the wgmmas committed a k-step at a time with one k-tile of fragments (prepared in session 18,
-    # not yet run on the GPU): gate_up M=16's winner form, split in a cluster, and two groups
+    # ring = D, the wgmmas committed a k-step at a time with D k-steps of fragments (perf-notes
+    # v43-v44): gate_up M=16's winner form, split in a cluster (D = 8 and 2), and two groups
     "swg_m16_k128_producer_staged_unrolled_ring": SW(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
                                                      release_barriers=True, producer_warp=True, pdl=True,
                                                      staged_store=True, early_start=2, stage_unroll=True, ring=8),
