@@ -15,8 +15,10 @@ _ENV = jinja2.Environment(
 )
 
 _DEQUANT = {
-    "float16": dict(vec="half2", magic="0x64006400u", name="f16_u4", magic_value=1024, raw_hi_mult=16),
-    "bfloat16": dict(vec="__nv_bfloat162", magic="0x43004300u", name="bf16_u4", magic_value=128, raw_hi_mult=1),
+    "float16": dict(vec="half2", magic="0x64006400u", name="f16_u4", magic_value=1024,
+                    raw_hi_magic=64, raw_hi_magic_bits="0x54005400u"),
+    "bfloat16": dict(vec="__nv_bfloat162", magic="0x43004300u", name="bf16_u4", magic_value=128,
+                     raw_hi_magic=128, raw_hi_magic_bits="0x43004300u"),
 }
 
 
@@ -38,11 +40,11 @@ def mma_operand_dtype(dtype: str) -> str:
 
 
 def raw_decode(dtype: str, bits: int = 4) -> tuple[str, int, int]:
-    """(extern name, magic value, multiplier of pairs 1 and 3) of the raw-code decode in A order:
-    pairs 0 and 2 decode to magic + code, pairs 1 and 3 to magic + multiplier * code."""
+    """(extern name, magic of pairs 0 and 2, magic of pairs 1 and 3) of the raw-code decode in A order:
+    every pair decodes to its magic value + code."""
     _check(dtype, bits)
     d = _DEQUANT[dtype]
-    return f"tm_decode_raw_a_{d['name']}", d["magic_value"], d["raw_hi_mult"]
+    return f"tm_decode_raw_a_{d['name']}", d["magic_value"], d["raw_hi_magic"]
 
 
 @lru_cache(maxsize=None)

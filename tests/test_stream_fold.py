@@ -16,11 +16,11 @@ def raw_decode_replay(dtype):
     name, _, _ = raw_decode(dtype)
     src = render_dequant(dtype)
     body = src[src.index(name):].split("}", 1)[0]
-    magic = int(re.search(r"MAGIC = (0x[0-9a-f]+)u", body).group(1), 16)
-    statements = re.findall(r"out\[(\d)\] = tilemarlin::lop3_and_or\(([^,]+), (0x[0-9a-f]+)u, MAGIC\)", body)
-    assert sorted(int(i) for i, _, _ in statements) == [0, 1, 2, 3]
-    ops = {int(i): (SHIFTS[expr.strip()], int(mask, 16)) for i, expr, mask in statements}
-    return lambda q: [((q >> ops[i][0]) & ops[i][1]) | magic for i in range(4)]
+    magics = {m: int(v, 16) for m, v in re.findall(r"(MAGIC\w*) = (0x[0-9a-f]+)u", body)}
+    statements = re.findall(r"out\[(\d)\] = tilemarlin::lop3_and_or\(([^,]+), (0x[0-9a-f]+)u, (MAGIC\w*)\)", body)
+    assert sorted(int(i) for i, _, _, _ in statements) == [0, 1, 2, 3]
+    ops = {int(i): (SHIFTS[expr.strip()], int(mask, 16), magics[magic]) for i, expr, mask, magic in statements}
+    return lambda q: [((q >> ops[i][0]) & ops[i][1]) | ops[i][2] for i in range(4)]
 
 
 def halves(u, dtype):
@@ -41,7 +41,7 @@ def a_fragment_positions():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_raw_decode_gives_exact_offset_codes_in_a_order(dtype):
-    _, magic_value, hi_mult = raw_decode(dtype)
+    _, lo_magic, hi_magic = raw_decode(dtype)
     replay = raw_decode_replay(dtype)
     kmap, nmap = _subtile_map()                     # nibble i of lane l -> (k, n) in the sub-tile
     rows, cols = a_fragment_positions()             # A = W^T: row n, col k
@@ -53,26 +53,25 @@ def test_raw_decode_gives_exact_offset_codes_in_a_order(dtype):
             for q, reg in enumerate(replay(word)):
                 for e, value in enumerate(halves(reg, dtype)):
                     n, k = rows[lane, q, e], cols[lane, q, e]
-                    mult = 1 if k % 16 < 8 else hi_mult
-                    assert value == magic_value + mult * codes[k, n], (lane, q, e)
+                    magic = lo_magic if k % 16 < 8 else hi_magic
+                    assert value == magic + codes[k, n], (lane, q, e)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_offsets_come_off_the_sums(dtype):
     """What one batch computes, with the MMAs as exact float64 products: (P - off) * scale equals the
     reference sum of (code - 8) * scale * x, for every weight column and row of M."""
-    _, magic_value, hi_mult = raw_decode(dtype)
-    lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult     # as kernel.py builds a_off
+    _, lo_magic, hi_magic = raw_decode(dtype)
+    lo_off, hi_off = lo_magic + 8, hi_magic + 8                     # as kernel.py builds a_off
     rng = np.random.default_rng(2)
     k, n, m = 64, 16, 3                                             # 4 k-steps, one group
     codes = rng.integers(0, 16, size=(k, n))
     scale = rng.uniform(0.001, 0.02, size=n)
     x = rng.standard_normal((m, k)).astype(np.float16).astype(np.float64)
     hi = (np.arange(k) % 16) >= 8
-    raw = magic_value + np.where(hi[:, None], hi_mult, 1) * codes   # what the decode hands the MMA
-    x_mma = np.where(hi[None, :], (x / hi_mult).astype(np.float16).astype(np.float64), x)
-    sums = x_mma @ raw                                              # P^T: [m, n]
-    offsets = x_mma @ np.where(hi, hi_off, lo_off)                  # the constant-A MMA: [m]
+    raw = np.where(hi[:, None], hi_magic, lo_magic) + codes         # what the decode hands the MMA
+    sums = x @ raw                                                  # P^T: [m, n]
+    offsets = x @ np.where(hi, hi_off, lo_off)                      # the constant-A MMA: [m]
     got = (sums - offsets[:, None]) * scale[None, :]
     want = x @ ((codes - 8) * scale[None, :])
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

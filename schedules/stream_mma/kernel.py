@@ -88,13 +88,12 @@ def build(problem: Problem, knobs: Knobs):
     grid_n = n // bn
     mma_dtype = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
-    decode_raw, magic_value, hi_mult = raw_decode(dtype, problem.bits)
-    # fold_zero_point: the MMA sees (magic + code) against x on pairs 0/2 (k % 16 < 8) and
-    # (magic + hi_mult * code) against x / hi_mult on pairs 1/3, so every product carries an offset
-    # that does not depend on the weight column: per row of M it is lo_off * sum(x, k % 16 < 8) +
-    # hi_off * sum(x / hi_mult, k % 16 >= 8) with the zero point 8 included, which one more MMA per
-    # k-step computes from a constant A fragment.
-    lo_off, hi_off = magic_value + 8, magic_value + 8 * hi_mult
+    decode_raw, lo_magic, hi_magic = raw_decode(dtype, problem.bits)
+    # fold_zero_point: the MMA sees (lo_magic + code) on pairs 0/2 (k % 16 < 8) and (hi_magic + code)
+    # on pairs 1/3, so every product carries an offset that does not depend on the weight column: per
+    # row of M it is lo_off * sum(x, k % 16 < 8) + hi_off * sum(x, k % 16 >= 8) with the zero point 8
+    # included, which one more MMA per k-step computes from a constant A fragment.
+    lo_off, hi_off = lo_magic + 8, hi_magic + 8
     prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD
                + (CLUSTER_HELPERS if cluster else "") + (EARLY_START_HELPERS if kb.early_start else "")
                + split_k_prelude(bm, bn, kb.split_k, kb.threads, problem.n, problem.channelwise, cluster))
@@ -175,12 +174,8 @@ def build(problem: Problem, knobs: Knobs):
     @T.macro
     def offsets(x, a_off, off, xb, u):
         """fold_zero_point: k-step u's activations against the constant A fragment, into the offsets'
-        sums (pairs 1 and 3 meet x / hi_mult, scaled here in place)."""
+        sums."""
         for mi in T.unroll(m_tiles):
-            if hi_mult != 1:
-                for v in T.unroll(2):
-                    xi = xb + x_index(u, mi) + 2 + v
-                    x[xi] = x[xi] * T.cast(1.0 / hi_mult, dtype)
             T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
                       a_off.data, 0, x.data, xb + x_index(u, mi), off.data, mi * 4, False)
 
