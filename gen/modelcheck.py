@@ -43,7 +43,10 @@ class Quality:
 
 def load_timings(table_paths: list[str], sweep_paths: list[str]) -> dict:
     """{(problem, m): {schedule: us}} from tuned tables and sweep records; a schedule whose knobs this
-    version no longer has is skipped, a missing or malformed file is a ValueError that names it."""
+    version no longer has is skipped, and so are timings made after the activations' producer
+    (harness "between": the cost model estimates a kernel replayed back to back); a missing or
+    malformed file is a ValueError that names it."""
+    from runtime.table import HARNESSES
     from schedules.problem import Problem
     from schedules.registry import Schedule
 
@@ -62,14 +65,19 @@ def load_timings(table_paths: list[str], sweep_paths: list[str]) -> dict:
         try:
             with open(path) as f:
                 data = json.load(f)
-            records = [(e["problem"], e["bucket"], e.get("all_timings", [])) for e in data["entries"]] \
-                if kind == "table" else [(r["problem"], r["m"], r["results"]) for r in data]
+            records = [(e["problem"], e["bucket"], e.get("harness", "replay"), e.get("all_timings", []))
+                       for e in data["entries"]] if kind == "table" else \
+                [(r["problem"], r["m"], r.get("harness", "replay"), r["results"]) for r in data]
         except OSError as exc:
             raise ValueError(f"{path}: {exc.strerror}") from None
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
             what = "a tuned table" if kind == "table" else "a `gen sweep --json` file"
             raise ValueError(f"{path} is not {what} ({exc!r})") from None
-        for problem_dict, m, timings in records:
+        for problem_dict, m, harness, timings in records:
+            if harness not in HARNESSES:
+                raise ValueError(f"{path}: harness {harness!r} is not one of {HARNESSES}")
+            if harness != "replay":
+                continue
             for timing in timings:
                 add(problem_dict, m, timing)
     return groups

@@ -111,7 +111,7 @@ def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
         if search is not None:
             finished.append(search)
         if args.json:
-            write_records(Path(args.json), finished)
+            write_records(Path(args.json), finished, args.between)
 
     try:
         compile_and_measure_with_progress(searches, arch, args.workers, {t.problem: t.label for t in targets},
@@ -121,17 +121,20 @@ def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
         return 1
     print(report(targets, ms, searches, args.show, format_table))
     if args.json:
-        write_records(Path(args.json), searches)
+        write_records(Path(args.json), searches, args.between)
         print(f"wrote {args.json}")
     return 0
 
 
-def write_records(path: Path, searches) -> None:
-    """The searches' timings as `gen sweep --json` records (what --seed and gen modelcheck read)."""
+def write_records(path: Path, searches, between: bool = False) -> None:
+    """The searches' timings as `gen sweep --json` records (what --seed and gen modelcheck read); timed
+    after the activations' producer (--between), each record says so (`"harness": "between"`, as a
+    tuned table's entries do), since those times include a kernel boundary the cost model leaves out."""
     from runtime.table import atomic_write
 
+    harness = {"harness": "between"} if between else {}
     atomic_write(path, json.dumps([{"problem": dataclasses.asdict(s.problem), "m": s.bucket, "fp16_us": s.fp16_us,
-                                    "results": s.timings()} for s in searches], indent=1))
+                                    **harness, "results": s.timings()} for s in searches], indent=1))
 
 
 def report(targets, ms, searches, show: int, format_table) -> str:

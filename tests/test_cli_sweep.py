@@ -143,3 +143,4 @@ def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch)
     records = json.loads(out_json.read_text())
     assert [(r["problem"]["n"], r["m"]) for r in records] == [(4096, 1), (4096, 16)]
     assert all(res["us"] == 3.0 for r in records for res in r["results"])
+    assert all(r["harness"] == "between" for r in records)      # what gen modelcheck leaves out

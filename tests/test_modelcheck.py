@@ -94,3 +94,24 @@ def test_reach_tells_which_winners_a_cold_tune_would_measure(tmp_path, capsys):
     assert "measures 1 of 3 winners" in out and "outside the space" in out and far.name in out
     assert main(["modelcheck", "--reach", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_timings_after_the_producer_are_left_out(tmp_path):
+    """Records and entries timed in the between harness include a kernel boundary the cost model does
+    not estimate: load_timings skips them; an unknown harness is an error that names the file."""
+    table, sweep = _files(tmp_path, agree=True)
+    records = json.loads(open(sweep).read())
+    between = tmp_path / "between.json"
+    between.write_text(json.dumps([{**r, "m": 32, "harness": "between"} for r in records]))
+    groups = load_timings([table], [sweep, str(between)])
+    assert sorted(m for _, m in groups) == [1, 16]
+    data = json.loads(open(table).read())
+    for e in data["entries"]:
+        e["harness"] = "between"
+    between_table = tmp_path / "between_table.json"
+    between_table.write_text(json.dumps(data))
+    assert sorted(m for _, m in load_timings([str(between_table)], [sweep])) == [16]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{**r, "harness": "sideways"} for r in records]))
+    with pytest.raises(ValueError, match="bad.json.*sideways"):
+        load_timings([], [str(bad)])
