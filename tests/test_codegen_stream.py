@@ -62,6 +62,10 @@ CASES = {
     "sm90a_early_start_late_trigger": ("sm_90a", Problem(512, 4096, 128),
                                        Knobs(1, 1, 4, 8, 2, ahead=1, fold_zero_point=True, sum_slices=True, pdl=True,
                                              early_start=2, late_trigger=True)),
+    # each batch's sums folded during the next one: down_proj 16's shape (two m-tiles, four slots)
+    "sm90a_fold_lag": ("sm_90a", Problem(4096, 11008, 128),
+                       Knobs(2, 1, 8, 4, 2, ahead=4, fold_zero_point=True, cluster_reduce=True, x_ldmatrix=True,
+                             async_weights=True, sum_slices=True, fold_lag=True)),
 }
 
 
@@ -375,3 +379,28 @@ def test_pdl_is_refused_where_it_cannot_apply():
     assert "sm_90" in stream_mma.check(problem, Knobs(pdl=True), get_arch("sm_80"))
     assert "cluster" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, cluster_reduce=True, pdl=True),
                                          get_arch("sm_90a"))
+
+
+def test_fold_lag_needs_the_fold_and_an_even_ahead():
+    problem, arch = Problem(512, 4096, 128), get_arch("sm_90a")
+    assert "needs fold_zero_point" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, ahead=2, fold_lag=True), arch)
+    assert "even ahead" in stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, ahead=3, fold_zero_point=True,
+                                                           fold_lag=True), arch)
+    assert stream_mma.check(problem, Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True, fold_lag=True), arch) is None
+
+
+def test_fold_lag_keeps_two_sets_of_sums_and_no_more_mmas(tmp_path):
+    """The lag costs registers (a second set of sums, offsets and scales), not MMAs or spills."""
+    arch, problem, knobs = CASES["sm90a_fold_lag"]
+    sources = {}
+    for lag in (False, True):
+        kernel = compile_schedule(problem, Schedule("stream_mma", dataclasses.replace(knobs, fold_lag=lag)),
+                                  get_arch(arch))
+        ptx = tmp_path / f"lag{lag}.ptx"
+        kernel.export_ptx(str(ptx))
+        sources[lag] = (kernel.get_kernel_source(), ptx.read_text())
+    sums = knobs.slabs * 4 * knobs.m_tiles * 4
+    assert re.search(rf"float acc\[{sums}\]", sources[False][0])
+    assert re.search(rf"float acc\[{2 * sums}\]", sources[True][0])
+    assert count(r"mma\.sync", sources[True][1]) == count(r"mma\.sync", sources[False][1])
+    assert ptxas_spills(sources[True][1], arch, tmp_path) == (0, 0)

@@ -71,6 +71,13 @@ STREAM_KNOBS = {
     # four batches in flight through the cp.async slots, two m-tiles (the M = 16-32 winners' shape)
     "stream_m16_aw_ahead4_slices": stream_mma.Knobs(2, 1, 4, 4, 1, ahead=4, fold_zero_point=True, x_ldmatrix=True,
                                                     async_weights=True, sum_slices=True, pdl=True),
+    # each batch's sums folded during the next batch (two sets): through the slots (down_proj 16's
+    # shape) and from register buffers, with a trailing partial trip
+    "stream_m16_fold_lag_aw_cluster2": stream_mma.Knobs(2, 1, 8, 4, 2, ahead=4, fold_zero_point=True,
+                                                        cluster_reduce=True, x_ldmatrix=True, async_weights=True,
+                                                        sum_slices=True, early_start=2, late_trigger=True,
+                                                        fold_lag=True),
+    "stream_m8_fold_lag_registers": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=2, fold_zero_point=True, fold_lag=True),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {

@@ -51,10 +51,12 @@ AXES = {
     # early_start's launch of the next kernel after the k-loop instead of first: median 0.96x of
     # early_start alone (13 pairs at M = 1-8, 0.83-1.03), 1.02x of neither (session 9, perf-notes v30).
     "late_trigger": (False, True),
+    # fold_zero_point's fold of a batch's sums one batch late, from a second set (session 22).
+    "fold_lag": (False, True),
 }
 # Axes that the first search round does not spread over (gen/search.py one_per_variant): the model
 # ranks their better value first and the second round's neighbours try the other.
-VARIANT_AXES = ("sum_slices", "pdl", "early_start", "late_trigger")
+VARIANT_AXES = ("sum_slices", "pdl", "early_start", "late_trigger", "fold_lag")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order

@@ -83,6 +83,11 @@ def build(problem: Problem, knobs: Knobs):
     batch_sums = (grouped and sacc) or fold
     scale_weights = grouped and not batch_sums
     acc_len = slabs * 4 * m_tiles * 4
+    # fold_lag: batch b's sums are folded while batch b + 1's MMAs run, from a second set of sums (and of
+    # offsets and scales); the unroll by `ahead` (even: check()) makes each batch's set a constant.
+    lag = kb.fold_lag
+    sets = 2 if lag else 1
+    off_len = m_tiles * 4
     split = kb.uses_workspace            # split-K through the global workspace
     cluster = kb.cluster_reduce
     grid_n = n // bn
@@ -172,24 +177,41 @@ def build(problem: Problem, knobs: Knobs):
             T.ptx_commit_group()       # one group per batch, empty past the end, so waits count batches
 
     @T.macro
-    def offsets(x, a_off, off, xb, u):
+    def offsets(x, a_off, off, xb, u, ob):
         """fold_zero_point: k-step u's activations against the constant A fragment, into the offsets'
-        sums."""
+        sums (set `ob`)."""
         for mi in T.unroll(m_tiles):
             T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                      a_off.data, 0, x.data, xb + x_index(u, mi), off.data, mi * 4, False)
+                      a_off.data, 0, x.data, xb + x_index(u, mi), off.data, ob + mi * 4, False)
 
     @T.macro
-    def accumulate(a, x, acc, xb, u, sj, j, mi):
-        """Word j of slab sj (decoded into a) against k-step u of m-tile mi, into its sum."""
+    def accumulate(a, x, acc, xb, u, sj, j, mi, ab):
+        """Word j of slab sj (decoded into a) against k-step u of m-tile mi, into its sum (set `ab`)."""
         T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                  a.data, j * 8, x.data, xb + x_index(u, mi), acc.data, acc_index(sj, j, mi), False)
+                  a.data, j * 8, x.data, xb + x_index(u, mi), acc.data, ab + acc_index(sj, j, mi), False)
 
     @T.macro
-    def compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, buf, slot, batch, lane, wk):
+    def fold_sums(acc, off, total, scale, ab, ob, sb):
+        """Add one batch's sums (set ab / ob) less the offsets, times its group's scales (from sb), to the
+        running total."""
+        for sj in T.unroll(slabs):
+            for j in T.unroll(4):
+                for mi in T.unroll(m_tiles):
+                    for e in T.unroll(4):
+                        i = acc_index(sj, j, mi) + e
+                        part = acc[ab + i] - off[ob + mi * 4 + e] if fold else acc[ab + i]
+                        if grouped:
+                            total[i] = total[i] + part * T.cast(scale[sb + sj * 8 + 2 * j + e // 2], "float32")
+                        else:
+                            total[i] = total[i] + part
+
+    @T.macro
+    def compute(w, x, scale, a, a_off, acc, off, total, lag_scale, X_s, W_s, S_s, buf, slot, batch, lane, wk):
         """Decode and multiply the batch in register buffer `buf` (activations, and with async_weights
-        the weights and scales too: shared slot `slot`)."""
+        the weights and scales too: shared slot `slot`); with fold_lag, fold the previous batch's sums."""
         wb, sb = (0, 0) if w_smem else (buf * per_w, buf * per_s)
+        cur = buf % 2 if lag else 0           # this batch's set of sums; the previous batch's is 1 - cur
+        ab, ob = cur * acc_len, cur * off_len
         xb = 0 if x_smem else buf * per_x        # x_ldmatrix: one x buffer, filled here
         if x_smem:
             T.ptx_wait_group(ahead - 1)                # this batch's chunks have landed ...
@@ -210,15 +232,15 @@ def build(problem: Problem, knobs: Knobs):
                         T.ptx_ldmatrix(False, 4,
                                        T.access_ptr(X_s[wk, slot, mi * MMA_N + lane % 8, u * 32 + (lane // 8) * 8], "r"),
                                        T.access_ptr(x[xb + x_index(2 * u, mi)], "w"))
-            if batch_sums:
+            if batch_sums and not lag:        # fold_lag zeroes a set right after folding it
                 for i in T.unroll(acc_len):
                     acc[i] = T.float32(0)
                 if fold:
-                    for i in T.unroll(m_tiles * 4):
+                    for i in T.unroll(off_len):
                         off[i] = T.float32(0)
             for u in T.unroll(unroll):
                 if fold:
-                    offsets(x, a_off, off, xb, u)
+                    offsets(x, a_off, off, xb, u, ob)
                 for sj in T.unroll(slabs):
                     for j in T.unroll(4):
                         if fold:
@@ -231,19 +253,22 @@ def build(problem: Problem, knobs: Knobs):
                             T.call_extern("handle", decode, T.access_ptr(w[wb + (u * slabs + sj) * 4 + j], "r"),
                                           T.access_ptr(a[j * 8], "w"))
                         for mi in T.unroll(m_tiles):
-                            accumulate(a, x, acc, xb, u, sj, j, mi)
-            if batch_sums:
+                            accumulate(a, x, acc, xb, u, sj, j, mi, ab)
+            if batch_sums and not lag:
                 # The batch lies in one group: its sums (less the offsets) take the group's scale once.
-                for sj in T.unroll(slabs):
-                    for j in T.unroll(4):
-                        for mi in T.unroll(m_tiles):
-                            for e in T.unroll(4):
-                                i = acc_index(sj, j, mi) + e
-                                part = acc[i] - off[mi * 4 + e] if fold else acc[i]
-                                if grouped:
-                                    total[i] = total[i] + part * T.cast(scale[sb + sj * 8 + 2 * j + e // 2], "float32")
-                                else:
-                                    total[i] = total[i] + part
+                fold_sums(acc, off, total, scale, 0, 0, sb)
+            if lag and grouped:
+                # The scales outlive the batch's buffer (the next load refills it): kept with its sums.
+                for v in T.unroll(per_s):
+                    lag_scale[cur * per_s + v] = scale[sb + v]
+        if lag:
+            # The previous batch's sums: its MMAs were issued a batch ago, so the fold does not wait for
+            # them and runs under this batch's (a batch past the end folds the last one, or zeros).
+            fold_sums(acc, off, total, lag_scale, (1 - cur) * acc_len, (1 - cur) * off_len, (1 - cur) * per_s)
+            for i in T.unroll(acc_len):
+                acc[(1 - cur) * acc_len + i] = T.float32(0)
+            for i in T.unroll(off_len):
+                off[(1 - cur) * off_len + i] = T.float32(0)
         if x_smem:
             T.call_extern("handle", "__syncwarp")      # the slot is read before a later batch refills it
 
@@ -289,19 +314,24 @@ def build(problem: Problem, knobs: Knobs):
             X_s = T.alloc_shared((warps, ahead if x_smem else 1, bm, x_cols), dtype)
             scale = T.alloc_local((w_bufs * per_s,), dtype)
             a = T.alloc_local((32,), dtype)
-            acc = T.alloc_local((acc_len,), "float32")
+            acc = T.alloc_local((acc_len * sets,), "float32")
             total = T.alloc_local((acc_len if batch_sums else 1,), "float32")
             # fold_zero_point: the offsets' sums per m-tile (a C fragment: rows g and g + 8 alike)
             # and the constant A fragment that computes them.
-            off = T.alloc_local((m_tiles * 4,), "float32")
+            off = T.alloc_local((off_len * sets,), "float32")
+            lag_scale = T.alloc_local((2 * per_s if lag else 1,), dtype)
             a_off = T.alloc_local((8,), dtype)
 
-            for i in T.serial(acc_len):
+            for i in T.serial(acc_len * sets):
                 acc[i] = T.float32(0)
-                if batch_sums:
+            if batch_sums:
+                for i in T.serial(acc_len):
                     total[i] = T.float32(0)
-            for i in T.unroll(m_tiles * 4):
+            for i in T.unroll(off_len * sets):
                 off[i] = T.float32(0)
+            if lag:
+                for i in T.unroll(2 * per_s):
+                    lag_scale[i] = T.cast(0, dtype)    # folded with zero sums before the first batch
             for i in T.unroll(8):
                 # A registers 0-3 meet k % 16 < 8, registers 4-7 meet k % 16 >= 8.
                 a_off[i] = T.cast(lo_off if i < 4 else hi_off, dtype)
@@ -316,8 +346,11 @@ def build(problem: Problem, knobs: Knobs):
                     it = it0 * ahead + r
                     load(A, B, S, w, x, scale, X_s, W_s, S_s, (r + ahead - 1) % ahead, (it + ahead - 1) % ahead,
                          (it + ahead - 1) * workers + first, by, bx, lane, wk, g, t)
-                    compute(w, x, scale, a, a_off, acc, off, total, X_s, W_s, S_s, r, it % ahead, it * workers + first,
-                            lane, wk)
+                    compute(w, x, scale, a, a_off, acc, off, total, lag_scale, X_s, W_s, S_s, r, it % ahead,
+                            it * workers + first, lane, wk)
+            if lag:
+                # The last trip's last batch (r = ahead - 1, odd) left its sums in set 1; set 0 is folded.
+                fold_sums(acc, off, total, lag_scale, acc_len, off_len, per_s)
 
             if kb.late_trigger:
                 T.call_extern("handle", "tm_launch_dependents")     # the weight stream is done

@@ -47,6 +47,8 @@ class Knobs:
     kernel), so that the first DRAM round trip falls under the previous kernel's tail. late_trigger
     (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
+    fold_lag (with fold_zero_point, even ahead) folds each batch's sums during the next batch, from a
+    second set of sums, so that the fold does not wait for the MMAs it reads.
     """
 
     m_tiles: int = 1
@@ -65,6 +67,7 @@ class Knobs:
     pdl: bool = False
     early_start: int = 0
     late_trigger: bool = False
+    fold_lag: bool = False
 
     @property
     def block_m(self) -> int:
@@ -100,7 +103,8 @@ class Knobs:
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
-            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "")
+            f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "") + (
+            "_fl" if self.fold_lag else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -116,8 +120,10 @@ class Knobs:
         return max(x + w, self.block_m * self.block_n * 4 + slices)
 
     def registers_estimate(self) -> int:
-        acc = self.slabs * 4 * self.m_tiles * 4 * (2 if self.scale_on_acc or self.fold_zero_point else 1)
-        acc += (self.m_tiles * 4 + 4) if self.fold_zero_point else 0     # offsets' sums, constant A
+        sets = 2 if self.fold_lag else 1
+        acc = self.slabs * 4 * self.m_tiles * 4 * (1 + sets if self.scale_on_acc or self.fold_zero_point else 1)
+        acc += (self.m_tiles * 4 * sets + 4) if self.fold_zero_point else 0     # offsets' sums, constant A
+        acc += self.slabs * 8 if self.fold_lag else 0      # the folded batch's scales (two sets of half2)
         x_regs = self.m_tiles * 2 * self.unroll
         w_bufs = 1 if self.async_weights else self.ahead
         loads = w_bufs * (self.unroll * self.slabs * 4 + self.slabs * 4) + self.ahead * (0 if self.x_ldmatrix else x_regs)
@@ -161,6 +167,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"x_ldmatrix reads two k-steps per ldmatrix.x4: unroll={kb.unroll} must be even"
     if kb.async_weights and not kb.x_ldmatrix:
         return "async_weights needs x_ldmatrix (the activations' cp.async slots and waits)"
+    if kb.fold_lag and not kb.fold_zero_point:
+        return "fold_lag delays fold_zero_point's per-batch fold: it needs fold_zero_point"
+    if kb.fold_lag and kb.ahead % 2:
+        return f"fold_lag takes a batch's set of sums from its parity, constant only for even ahead (got {kb.ahead})"
     if kb.fold_zero_point and kb.scale_on_acc:
         return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     workers = kb.split_k * kb.warps
