@@ -46,7 +46,7 @@ def load_timings(table_paths: list[str], sweep_paths: list[str]) -> dict:
     version no longer has is skipped, and so are timings made after the activations' producer
     (harness "between": the cost model estimates a kernel replayed back to back); a missing or
     malformed file is a ValueError that names it."""
-    from runtime.table import HARNESSES
+    from runtime.table import HARNESSES, REPLAY
     from schedules.problem import Problem
     from schedules.registry import Schedule
 
@@ -65,9 +65,9 @@ def load_timings(table_paths: list[str], sweep_paths: list[str]) -> dict:
         try:
             with open(path) as f:
                 data = json.load(f)
-            records = [(e["problem"], e["bucket"], e.get("harness", "replay"), e.get("all_timings", []))
+            records = [(e["problem"], e["bucket"], e.get("harness", REPLAY), e.get("all_timings", []))
                        for e in data["entries"]] if kind == "table" else \
-                [(r["problem"], r["m"], r.get("harness", "replay"), r["results"]) for r in data]
+                [(r["problem"], r["m"], r.get("harness", REPLAY), r["results"]) for r in data]
         except OSError as exc:
             raise ValueError(f"{path}: {exc.strerror}") from None
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -76,7 +76,7 @@ def load_timings(table_paths: list[str], sweep_paths: list[str]) -> dict:
         for problem_dict, m, harness, timings in records:
             if harness not in HARNESSES:
                 raise ValueError(f"{path}: harness {harness!r} is not one of {HARNESSES}")
-            if harness != "replay":
+            if harness != REPLAY:
                 continue
             for timing in timings:
                 add(problem_dict, m, timing)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.table import BUCKETS, FORMAT as TABLE_FORMAT, TableError, TunedTable
+from runtime.table import BETWEEN, BUCKETS, FORMAT as TABLE_FORMAT, REPLAY, TableError, TunedTable
 from schedules.problem import SUPPORTED_DTYPES, Problem
 
 from .search import DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS
@@ -269,7 +269,7 @@ def entry_in_harness(table, problem: Problem, bucket: int, harness: str):
 
 
 def pending_pairs(targets: list[Target], buckets: list[int], table, force: bool,
-                  harness: str = "replay") -> list[tuple[Problem, int]]:
+                  harness: str = REPLAY) -> list[tuple[Problem, int]]:
     """The (problem, bucket) pairs to tune: those without an entry timed in `harness`, or all of
     them with --force."""
     return [(t.problem, b) for t in targets for b in buckets
@@ -432,7 +432,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     gpu = GpuKey.current()
     path = table_path(gpu)
     table = TunedTable.load(path, gpu)
-    harness = "between" if args.between else "replay"
+    harness = BETWEEN if args.between else REPLAY
     pending = pending_pairs(targets, buckets, table, args.force, harness)
     forced = None
     if args.force:

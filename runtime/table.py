@@ -34,7 +34,10 @@ FORMAT = "tilemarlin-tuned-table"
 # needs powers of two. The last bucket also serves every M above it.
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-HARNESSES = ("replay", "between")   # how a bucket's candidates were timed (gen/measure.py)
+# How a bucket's candidates were timed (gen/measure.py): replayed back to back, or each call after the
+# activations' producer.
+REPLAY, BETWEEN = "replay", "between"
+HARNESSES = (REPLAY, BETWEEN)
 
 
 def bucket_of(m: int) -> int:
@@ -126,7 +129,7 @@ class Entry:
     fp16_us: float | None = None
     gbps: float | None = None
     all_timings: list[dict] = field(default_factory=list)
-    harness: str = "replay"
+    harness: str = REPLAY
 
     def __post_init__(self):
         if self.harness not in HARNESSES:
@@ -183,7 +186,7 @@ class TunedTable:
             "entries": [
                 {"problem": _problem_dict(p), "bucket": b, "schedule": e.schedule.to_dict(), "us": e.us,
                  "fp16_us": e.fp16_us, "gbps": e.gbps, "all_timings": e.all_timings,
-                 **({"harness": e.harness} if e.harness != "replay" else {})}
+                 **({"harness": e.harness} if e.harness != REPLAY else {})}
                 for (p, b), e in self.items()
             ],
         }
@@ -221,7 +224,7 @@ class TunedTable:
                 table._entries[(Problem(**e["problem"]), bucket)] = Entry(
                     schedule=Schedule.from_dict(e["schedule"]), us=float(e["us"]), fp16_us=e.get("fp16_us"),
                     gbps=e.get("gbps"), all_timings=list(e.get("all_timings", [])),
-                    harness=e.get("harness", "replay"))
+                    harness=e.get("harness", REPLAY))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 raise TableError(f"entry {i} is malformed ({type(exc).__name__}: {exc})") from None
         return table

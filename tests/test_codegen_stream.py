@@ -62,7 +62,10 @@ CASES = {
     "sm90a_early_start_late_trigger": ("sm_90a", Problem(512, 4096, 128),
                                        Knobs(1, 1, 4, 8, 2, ahead=1, fold_zero_point=True, sum_slices=True, pdl=True,
                                              early_start=2, late_trigger=True)),
-    # each batch's sums folded during the next one: down_proj 16's shape (two m-tiles, four slots)
+    # each batch's sums folded during the next one: on Ampere from register buffers, and down_proj 16's
+    # shape (two m-tiles, four cp.async slots)
+    "sm80_fold_lag": ("sm_80", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
+                                                              fold_lag=True)),
     "sm90a_fold_lag": ("sm_90a", Problem(4096, 11008, 128),
                        Knobs(2, 1, 8, 4, 2, ahead=4, fold_zero_point=True, cluster_reduce=True, x_ldmatrix=True,
                              async_weights=True, sum_slices=True, fold_lag=True)),
