@@ -16,12 +16,9 @@ _ENV = jinja2.Environment(
 
 _DEQUANT = {
     "float16": dict(vec="half2", magic="0x64006400u", name="f16_u4", magic_value=1024,
-                    raw_hi_magic=64, raw_hi_magic_bits="0x54005400u", fma_neg_lo_bits="0xe400e400u",
-                    fma_neg_hi_bits="0xd400d400u", fma_neg_8_bits="0xc800c800u", fma_scale_limit=64),
+                    raw_hi_magic=64, raw_hi_magic_bits="0x54005400u"),
     "bfloat16": dict(vec="__nv_bfloat162", magic="0x43004300u", name="bf16_u4", magic_value=128,
-                     raw_hi_magic=128, raw_hi_magic_bits="0x43004300u", fma_neg_lo_bits="0xc300c300u",
-                     fma_neg_hi_bits="0xc300c300u", fma_neg_8_bits="0xc100c100u",
-                     fma_scale_limit="2^120"),
+                     raw_hi_magic=128, raw_hi_magic_bits="0x43004300u"),
 }
 
 
@@ -48,14 +45,6 @@ def raw_decode(dtype: str, bits: int = 4) -> tuple[str, int, int]:
     _check(dtype, bits)
     d = _DEQUANT[dtype]
     return f"tm_decode_raw_a_{d['name']}", d["magic_value"], d["raw_hi_magic"]
-
-
-def fma_decode(dtype: str, bits: int = 4) -> tuple[str, str, str]:
-    """(decode, constants, activation sums) extern names of the one-fma decode in A order
-    (stream_mma's zero_point_batch): every pair decodes to code * s."""
-    _check(dtype, bits)
-    name = _DEQUANT[dtype]["name"]
-    return f"tm_decode_fma_a_{name}", f"tm_fma_constants_{name}", f"tm_sum_b_fragments_{name}"
 
 
 @lru_cache(maxsize=None)

@@ -66,12 +66,6 @@ CASES = {
     # shape (two m-tiles, four cp.async slots)
     "sm80_fold_lag": ("sm_80", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                               fold_lag=True)),
-    # code * s in one fma per pair, the zero point through one MMA per batch (bf16 on Ampere too)
-    "sm90a_zero_point_batch": ("sm_90a", Problem(4096, 11008, 128),
-                               Knobs(2, 1, 8, 4, 2, ahead=4, cluster_reduce=True, x_ldmatrix=True, async_weights=True,
-                                     sum_slices=True, zero_point_batch=True)),
-    "sm80_bf16_zero_point_batch": ("sm_80", Problem(256, 4096, 128, dtype="bfloat16"),
-                                   Knobs(1, 1, 4, 4, 2, ahead=2, zero_point_batch=True)),
     "sm90a_fold_lag": ("sm_90a", Problem(4096, 11008, 128),
                        Knobs(2, 1, 8, 4, 2, ahead=4, fold_zero_point=True, cluster_reduce=True, x_ldmatrix=True,
                              async_weights=True, sum_slices=True, fold_lag=True)),
@@ -227,11 +221,8 @@ def test_lop3_decode_in_a_fragment_order(compiled):
     body = kernel_body(src)
     name = "f16_u4" if problem.dtype == "float16" else "bf16_u4"
     plain, scaled, raw = f"tm_dequant_a_{name}(", f"tm_dequant_scaled_a_{name}(", f"tm_decode_raw_a_{name}("
-    fma = f"tm_decode_fma_a_{name}("
     if knobs.fold_zero_point:
         assert raw in body and plain not in body and scaled not in body
-    elif knobs.zero_point_batch:
-        assert fma in body and plain not in body and scaled not in body and raw not in body
     elif not problem.channelwise and not knobs.scale_on_acc:
         assert scaled in body
     else:
@@ -416,35 +407,3 @@ def test_fold_lag_keeps_two_sets_of_sums_and_no_more_mmas(tmp_path):
     assert re.search(rf"float acc\[{2 * sums}\]", sources[True][0])
     assert count(r"mma\.sync", sources[True][1]) == count(r"mma\.sync", sources[False][1])
     assert ptxas_spills(sources[True][1], arch, tmp_path) == (0, 0)
-
-
-def test_zero_point_batch_needs_group_scales_and_no_fold():
-    arch = get_arch("sm_90a")
-    assert "channelwise" in stream_mma.check(Problem.make(512, 4096, -1), Knobs(1, 1, 4, 4, 2, zero_point_batch=True),
-                                             arch)
-    assert "excludes" in stream_mma.check(Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, fold_zero_point=True,
-                                                                          zero_point_batch=True), arch)
-
-
-def test_zero_point_batch_decodes_in_one_fma_and_adds_one_mma_per_batch_and_column_group(tmp_path):
-    """Per batch: unroll * 4 * slabs words, each four lop3 and four fma, no subtraction; the zero point's
-    MMAs (4 * slabs * m_tiles per batch) come on top of the words' (one per word and m-tile)."""
-    arch, problem, knobs = CASES["sm90a_zero_point_batch"]
-    ptx = {}
-    for zpb in (False, True):
-        kernel = compile_schedule(problem, Schedule("stream_mma", dataclasses.replace(knobs, zero_point_batch=zpb)),
-                                  get_arch(arch))
-        path = tmp_path / f"zpb{zpb}.ptx"
-        kernel.export_ptx(str(path))
-        ptx[zpb] = path.read_text()
-    words_per_batch = knobs.unroll * 4 * knobs.slabs
-    zero_point_mmas = 4 * knobs.slabs * knobs.m_tiles
-    mmas = {zpb: count(r"mma\.sync\.aligned\.m16n8k16", text) for zpb, text in ptx.items()}
-    assert mmas[True] * words_per_batch * knobs.m_tiles == mmas[False] * (words_per_batch * knobs.m_tiles
-                                                                          + zero_point_mmas)
-    # one fma per pair, no subtraction or multiply per word (the multiplies left make the constants:
-    # six per scale pair and batch)
-    fmas, muls = count(r"fma\.rn\.f16x2", ptx[True]), count(r"mul(\.rn)?\.f16x2", ptx[True])
-    assert fmas == 4 * mmas[True] * words_per_batch // (words_per_batch * knobs.m_tiles + zero_point_mmas)
-    assert muls == 6 * 4 * knobs.slabs * mmas[True] // (words_per_batch * knobs.m_tiles + zero_point_mmas)
-    assert count(r"sub(\.rn)?\.f16x2", ptx[True]) == 0

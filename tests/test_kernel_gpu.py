@@ -78,11 +78,6 @@ STREAM_KNOBS = {
                                                         sum_slices=True, early_start=2, late_trigger=True,
                                                         fold_lag=True),
     "stream_m8_fold_lag_registers": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=2, fold_zero_point=True, fold_lag=True),
-    # code * s in one fma, the zero point through one MMA per batch: down_proj 16's shape, and one
-    # m-tile from register buffers (group scales only: the channelwise cases skip as invalid)
-    "stream_m16_zero_point_batch_aw": stream_mma.Knobs(2, 1, 8, 4, 2, ahead=4, cluster_reduce=True, x_ldmatrix=True,
-                                                       async_weights=True, sum_slices=True, zero_point_batch=True),
-    "stream_m8_zero_point_batch": stream_mma.Knobs(1, 1, 4, 8, 1, ahead=2, zero_point_batch=True),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {

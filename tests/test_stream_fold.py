@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from schedules.marlin_mma.layout import _subtile_map
-from templates import fma_decode, raw_decode, render_dequant
+from templates import raw_decode, render_dequant
 
 SHIFTS = {"q": 0, "q8": 8, "q >> 4": 4, "q >> 8": 8, "q >> 12": 12}
 
@@ -75,63 +75,3 @@ def test_offsets_come_off_the_sums(dtype):
     got = (sums - offsets[:, None]) * scale[None, :]
     want = x @ ((codes - 8) * scale[None, :])
     np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
-
-
-def rounded(v, dtype):
-    """float64 v rounded to nearest even in `dtype`, as float64 (the products are exact in float64)."""
-    if dtype == "float16":
-        return np.float64(np.float16(v))
-    bits = int(np.array([v], dtype=np.float32).view(np.uint32)[0])    # v fits float32 here exactly
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return np.float64(np.array([bits], dtype=np.uint32).view(np.float32)[0])
-
-
-def fma_decode_replay(dtype):
-    """word, (s0, s1) -> the four A registers of the one-fma decode as float64 pairs, built from the
-    rendered template: each lop3 as in the raw decode, then fma(value, s, c) rounded once."""
-    name, constants, _ = fma_decode(dtype)
-    src = render_dequant(dtype)
-    body = src[src.index("void " + name):].split("\n}", 1)[0]
-    consts = src[src.index("void " + constants):].split("\n}", 1)[0]
-    magics = {m: int(v, 16) for m, v in re.findall(r"(MAGIC\w*) = (0x[0-9a-f]+)u", body)}
-    factors = {c: halves(int(v, 16), dtype)[0] for c, v in re.findall(r"(NEG_\w+) = tilemarlin::as_\w+\((0x[0-9a-f]+)u\)",
-                                                                        consts)}
-    # c[i] = s0 / s1, or = __hmul2(s0 / s1, NEG_*): constant i as (which scale, factor)
-    table = {int(i): (int(s), factors.get(f, 1.0)) for i, s, f in
-             re.findall(r"c\[(\d)\] = (?:__hmul2\()?s(\d)(?:, (NEG_\w+)\))?;", consts)}
-    statements = re.findall(r"out\[(\d)\] = __hfma2\(tilemarlin::as_\w+\(tilemarlin::lop3_and_or\(([^,]+), "
-                            r"(0x[0-9a-f]+)u, (MAGIC\w*)\)\), c\[(\d)\], c\[(\d)\]\);", body)
-    assert sorted(int(s[0]) for s in statements) == [0, 1, 2, 3]
-    aliases = {int(i): int(j) for i, j in re.findall(r"c\[(\d)\] = c\[(\d)\];", consts)}
-
-    def replay(word, s):
-        c = {i: rounded(s[which] * factor, dtype) for i, (which, factor) in table.items()}
-        c.update({i: c[j] for i, j in aliases.items()})
-        regs = {}
-        for i, expr, mask, magic, mul, add in statements:
-            raw = ((word >> SHIFTS[expr.strip()]) & int(mask, 16)) | magics[magic]
-            regs[int(i)] = [rounded(v * c[int(mul)] + c[int(add)], dtype) for v in halves(raw, dtype)]
-        return [regs[i] for i in range(4)], c
-    return replay
-
-
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_fma_decode_gives_code_times_scale_rounded_once(dtype):
-    """zero_point_batch's decode: every A value is code * s of its row's scale, rounded once (the magic
-    number's product comes off exactly), and the zero point's fragment holds -8 * s of each row."""
-    replay = fma_decode_replay(dtype)
-    kmap, nmap = _subtile_map()
-    rows, cols = a_fragment_positions()
-    rng = np.random.default_rng(3)
-    for trial in range(40):
-        codes = rng.integers(0, 16, size=(16, 16))
-        scale = rng.uniform(-63.0, 63.0) if trial % 4 == 0 else rng.uniform(1e-4, 0.05)
-        s = [rounded(scale, dtype), rounded(-0.37 * scale, dtype)]     # the scales of rows g and g + 8
-        for lane in range(0, 32, 3):
-            word = sum(int(codes[kmap[lane, i], nmap[lane, i]]) << (4 * i) for i in range(8))
-            regs, consts = replay(word, s)
-            for q, pair in enumerate(regs):
-                for e, value in enumerate(pair):
-                    n, k = rows[lane, q, e], cols[lane, q, e]
-                    assert value == rounded(codes[k, n] * s[q % 2], dtype), (lane, q, e)
-            assert [consts[i] for i in (6, 7, 8, 9)] == [-8 * s[0], -8 * s[1], -8 * s[0], -8 * s[1]]

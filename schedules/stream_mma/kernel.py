@@ -35,7 +35,7 @@ Why it looks the way it does:
 
 import tilelang.language as T
 
-from templates import dequant_function_names, fma_decode, mma_operand_dtype, raw_decode, render_dequant
+from templates import dequant_function_names, mma_operand_dtype, raw_decode, render_dequant
 
 from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, split_k_prelude, store_tile,
                         w4a16_prim_func, wait_for_prior_grids)
@@ -99,12 +99,6 @@ def build(problem: Problem, knobs: Knobs):
     # row of M it is lo_off * sum(x, k % 16 < 8) + hi_off * sum(x, k % 16 >= 8) with the zero point 8
     # included, which one more MMA per k-step computes from a constant A fragment.
     lo_off, hi_off = lo_magic + 8, hi_magic + 8
-    # zero_point_batch: each pair decodes to code * s in one fma; the zero point, -8 * s[n] * sum(x) over
-    # the batch, is one more MMA per batch, slab column group and m-tile, whose A fragment holds -8 * s
-    # and whose B the batch's activations summed over its k-steps.
-    zpb = kb.zero_point_batch
-    decode_fma, fma_constants, sum_b = fma_decode(dtype, problem.bits)
-    per_c = 20                               # halves of constants per scale pair (templates: ten pairs)
     prelude = (render_dequant(dtype, problem.bits) + STREAM_LOAD
                + (CLUSTER_HELPERS if cluster else "") + (EARLY_START_HELPERS if kb.early_start else "")
                + split_k_prelude(bm, bn, kb.split_k, kb.threads, problem.n, problem.channelwise, cluster))
@@ -212,8 +206,7 @@ def build(problem: Problem, knobs: Knobs):
                             total[i] = total[i] + part
 
     @T.macro
-    def compute(w, x, scale, a, a_off, acc, off, total, lag_scale, consts, x_sum, X_s, W_s, S_s, buf, slot, batch,
-                lane, wk):
+    def compute(w, x, scale, a, a_off, acc, off, total, lag_scale, X_s, W_s, S_s, buf, slot, batch, lane, wk):
         """Decode and multiply the batch in register buffer `buf` (activations, and with async_weights
         the weights and scales too: shared slot `slot`); with fold_lag, fold the previous batch's sums."""
         wb, sb = (0, 0) if w_smem else (buf * per_w, buf * per_s)
@@ -245,23 +238,12 @@ def build(problem: Problem, knobs: Knobs):
                 if fold:
                     for i in T.unroll(off_len):
                         off[i] = T.float32(0)
-            if zpb:
-                for sj in T.unroll(slabs):
-                    for j in T.unroll(4):
-                        T.call_extern("handle", fma_constants, T.access_ptr(scale[sb + sj * 8 + 2 * j], "r"),
-                                      T.access_ptr(consts[(sj * 4 + j) * per_c], "w"))
-                for mi in T.unroll(m_tiles):
-                    T.call_extern("handle", sum_b, T.access_ptr(x[xb + x_index(0, mi)], "r"), unroll,
-                                  T.access_ptr(x_sum[mi * 4], "w"))
             for u in T.unroll(unroll):
                 if fold:
                     offsets(x, a_off, off, xb, u, ob)
                 for sj in T.unroll(slabs):
                     for j in T.unroll(4):
-                        if zpb:
-                            T.call_extern("handle", decode_fma, T.access_ptr(w[wb + (u * slabs + sj) * 4 + j], "r"),
-                                          T.access_ptr(consts[(sj * 4 + j) * per_c], "r"), T.access_ptr(a[j * 8], "w"))
-                        elif fold:
+                        if fold:
                             T.call_extern("handle", decode_raw, T.access_ptr(w[wb + (u * slabs + sj) * 4 + j], "r"),
                                           T.access_ptr(a[j * 8], "w"))
                         elif scale_weights:
@@ -272,13 +254,6 @@ def build(problem: Problem, knobs: Knobs):
                                           T.access_ptr(a[j * 8], "w"))
                         for mi in T.unroll(m_tiles):
                             accumulate(a, x, acc, xb, u, sj, j, mi, ab)
-            if zpb:
-                for sj in T.unroll(slabs):
-                    for j in T.unroll(4):
-                        for mi in T.unroll(m_tiles):
-                            T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                                      consts.data, (sj * 4 + j) * per_c + 12, x_sum.data, mi * 4, acc.data,
-                                      acc_index(sj, j, mi), False)
             if batch_sums and not lag:
                 # The batch lies in one group: its sums (less the offsets) take the group's scale once.
                 fold_sums(acc, off, total, scale, 0, 0, sb)
@@ -345,8 +320,6 @@ def build(problem: Problem, knobs: Knobs):
             # and the constant A fragment that computes them.
             off = T.alloc_local((off_len * sets,), "float32")
             lag_scale = T.alloc_local((2 * per_s if lag else 1,), dtype)
-            consts = T.alloc_local((slabs * 4 * per_c if zpb else 1,), dtype)
-            x_sum = T.alloc_local((m_tiles * 4 if zpb else 1,), dtype)
             a_off = T.alloc_local((8,), dtype)
 
             for i in T.serial(acc_len * sets):
@@ -373,8 +346,8 @@ def build(problem: Problem, knobs: Knobs):
                     it = it0 * ahead + r
                     load(A, B, S, w, x, scale, X_s, W_s, S_s, (r + ahead - 1) % ahead, (it + ahead - 1) % ahead,
                          (it + ahead - 1) * workers + first, by, bx, lane, wk, g, t)
-                    compute(w, x, scale, a, a_off, acc, off, total, lag_scale, consts, x_sum, X_s, W_s, S_s, r,
-                            it % ahead, it * workers + first, lane, wk)
+                    compute(w, x, scale, a, a_off, acc, off, total, lag_scale, X_s, W_s, S_s, r, it % ahead,
+                            it * workers + first, lane, wk)
             if lag:
                 # The last trip's last batch (r = ahead - 1, odd) left its sums in set 1; set 0 is folded.
                 fold_sums(acc, off, total, lag_scale, acc_len, off_len, per_s)

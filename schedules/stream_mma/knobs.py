@@ -48,10 +48,7 @@ class Knobs:
     (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
     fold_lag (with fold_zero_point, even ahead) folds each batch's sums during the next batch, from a
-    second set of sums, so that the fold does not wait for the MMAs it reads. zero_point_batch (group
-    scales, not with the fold) decodes each pair to code * s in one fma and takes the zero point off
-    with one MMA per batch and 16 columns against the batch's activations summed over its k-steps
-    (fp16 scales must stay below 64 in magnitude: -1024 * s must be finite).
+    second set of sums, so that the fold does not wait for the MMAs it reads.
     """
 
     m_tiles: int = 1
@@ -71,7 +68,6 @@ class Knobs:
     early_start: int = 0
     late_trigger: bool = False
     fold_lag: bool = False
-    zero_point_batch: bool = False
 
     @property
     def block_m(self) -> int:
@@ -108,7 +104,7 @@ class Knobs:
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
             f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "") + (
-            "_fl" if self.fold_lag else "") + ("_zb" if self.zero_point_batch else "")
+            "_fl" if self.fold_lag else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -128,7 +124,6 @@ class Knobs:
         acc = self.slabs * 4 * self.m_tiles * 4 * (1 + sets if self.scale_on_acc or self.fold_zero_point else 1)
         acc += (self.m_tiles * 4 * sets + 4) if self.fold_zero_point else 0     # offsets' sums, constant A
         acc += self.slabs * 8 if self.fold_lag else 0      # the folded batch's scales (two sets of half2)
-        acc += self.slabs * 4 * 8 + self.m_tiles * 2 if self.zero_point_batch else 0   # fma constants, sums of x
         x_regs = self.m_tiles * 2 * self.unroll
         w_bufs = 1 if self.async_weights else self.ahead
         loads = w_bufs * (self.unroll * self.slabs * 4 + self.slabs * 4) + self.ahead * (0 if self.x_ldmatrix else x_regs)
@@ -176,11 +171,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "fold_lag delays fold_zero_point's per-batch fold: it needs fold_zero_point"
     if kb.fold_lag and kb.ahead % 2:
         return f"fold_lag takes a batch's set of sums from its parity, constant only for even ahead (got {kb.ahead})"
-    if kb.zero_point_batch:
-        if problem.channelwise:
-            return "zero_point_batch folds group scales into the decode; channelwise scales have none to fold"
-        if kb.fold_zero_point or kb.scale_on_acc:
-            return "zero_point_batch scales the decoded weights; it excludes fold_zero_point and scale_on_acc"
     if kb.fold_zero_point and kb.scale_on_acc:
         return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     workers = kb.split_k * kb.warps
