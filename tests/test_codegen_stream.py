@@ -66,12 +66,6 @@ CASES = {
     # shape (two m-tiles, four cp.async slots)
     "sm80_fold_lag": ("sm_80", Problem(512, 4096, 128), Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True,
                                                               fold_lag=True)),
-    # a batch's scales by ldmatrix.x4.trans (two slabs), on Hopper and Ampere
-    "sm90a_scale_ldmatrix": ("sm_90a", Problem(512, 4096, 128),
-                             Knobs(2, 2, 4, 4, 2, ahead=2, x_ldmatrix=True, async_weights=True, scale_ldmatrix=True)),
-    "sm80_scale_ldmatrix_fold": ("sm_80", Problem(512, 4096, 128),
-                                 Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True, x_ldmatrix=True,
-                                       async_weights=True, scale_ldmatrix=True)),
     "sm90a_fold_lag": ("sm_90a", Problem(4096, 11008, 128),
                        Knobs(2, 1, 8, 4, 2, ahead=4, fold_zero_point=True, cluster_reduce=True, x_ldmatrix=True,
                              async_weights=True, sum_slices=True, fold_lag=True)),
@@ -413,30 +407,3 @@ def test_fold_lag_keeps_two_sets_of_sums_and_no_more_mmas(tmp_path):
     assert re.search(rf"float acc\[{2 * sums}\]", sources[True][0])
     assert count(r"mma\.sync", sources[True][1]) == count(r"mma\.sync", sources[False][1])
     assert ptxas_spills(sources[True][1], arch, tmp_path) == (0, 0)
-
-
-def test_scale_ldmatrix_needs_the_slots_and_group_scales():
-    arch = get_arch("sm_90a")
-    assert "needs async_weights" in stream_mma.check(Problem(512, 4096, 128),
-                                                     Knobs(1, 1, 4, 4, 2, x_ldmatrix=True, scale_ldmatrix=True), arch)
-    assert "channelwise" in stream_mma.check(Problem.make(512, 4096, -1),
-                                             Knobs(1, 1, 4, 4, 2, x_ldmatrix=True, async_weights=True,
-                                                   scale_ldmatrix=True), arch)
-
-
-def test_scale_ldmatrix_replaces_the_scales_two_byte_loads(tmp_path):
-    """Per batch and slab one ldmatrix.x4.trans (beside the activations' ldmatrix.x4) instead of eight
-    16-bit shared loads."""
-    arch, problem, knobs = CASES["sm90a_scale_ldmatrix"]
-    ptx = {}
-    for on in (False, True):
-        kernel = compile_schedule(problem, Schedule("stream_mma", dataclasses.replace(knobs, scale_ldmatrix=on)),
-                                  get_arch(arch))
-        path = tmp_path / f"sl{on}.ptx"
-        kernel.export_ptx(str(path))
-        ptx[on] = path.read_text()
-    batches_in_loop = knobs.ahead
-    trans = r"ldmatrix\.sync\.aligned\.x4\.trans\.m8n8"
-    assert count(trans, ptx[True]) == batches_in_loop * knobs.slabs and count(trans, ptx[False]) == 0
-    loads16 = {on: count(r"ld\.shared\.u16", text) for on, text in ptx.items()}
-    assert loads16[False] - loads16[True] == batches_in_loop * knobs.slabs * 8

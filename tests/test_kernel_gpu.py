@@ -78,13 +78,6 @@ STREAM_KNOBS = {
                                                         sum_slices=True, early_start=2, late_trigger=True,
                                                         fold_lag=True),
     "stream_m8_fold_lag_registers": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=2, fold_zero_point=True, fold_lag=True),
-    # a batch's scales by one ldmatrix.x4.trans per slab: scaled decode (two slabs) and fold (group
-    # scales: no channelwise cases)
-    "stream_m16_scale_ldmatrix_slabs2": stream_mma.Knobs(2, 2, 4, 4, 2, ahead=2, x_ldmatrix=True, async_weights=True,
-                                                         sum_slices=True, scale_ldmatrix=True),
-    "stream_m8_scale_ldmatrix_fold": stream_mma.Knobs(1, 1, 8, 4, 2, ahead=3, fold_zero_point=True,
-                                                      cluster_reduce=True, x_ldmatrix=True, async_weights=True,
-                                                      sum_slices=True, scale_ldmatrix=True),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {
@@ -201,8 +194,7 @@ SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
                   "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
-         if not (group == -1 and (getattr(SCHEDULES[name].knobs, "scale_on_acc", False)
-                                  or getattr(SCHEDULES[name].knobs, "scale_ldmatrix", False)))]
+         if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 
 
 def problem_of(layer, group, dtype="float16"):

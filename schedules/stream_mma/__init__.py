@@ -53,12 +53,10 @@ AXES = {
     "late_trigger": (False, True),
     # fold_zero_point's fold of a batch's sums one batch late, from a second set (session 22).
     "fold_lag": (False, True),
-    # A batch's scales by one ldmatrix.x4.trans per slab instead of eight 2-byte loads (session 22).
-    "scale_ldmatrix": (False, True),
 }
 # Axes that the first search round does not spread over (gen/search.py one_per_variant): the model
 # ranks their better value first and the second round's neighbours try the other.
-VARIANT_AXES = ("sum_slices", "pdl", "early_start", "late_trigger", "fold_lag", "scale_ldmatrix")
+VARIANT_AXES = ("sum_slices", "pdl", "early_start", "late_trigger", "fold_lag")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order

@@ -221,15 +221,7 @@ def build(problem: Problem, knobs: Knobs):
                 for i in T.unroll(per_w // 4):
                     for v in T.vectorized(4):
                         w[i * 4 + v] = W_s[wk, slot, i * 128 + lane * 4 + v]
-                if grouped and kb.scale_ldmatrix:
-                    # One ldmatrix.x4.trans per slab: matrix q's even rows point at the slot's 16-byte chunk
-                    # 2q, its odd rows at chunk 2q + 1, so that lane (g, t) receives columns 16q + g and
-                    # 16q + 8 + g in register q: word q's scale pair (scale_col), instead of 8 2-byte loads.
-                    for sj in T.unroll(slabs):
-                        T.ptx_ldmatrix(True, 4,
-                                       T.access_ptr(S_s[wk, slot, sj * SLAB_N + (2 * (lane // 8) + lane % 2) * 8], "r"),
-                                       T.access_ptr(scale[sj * 8], "w"))
-                elif grouped:
+                if grouped:
                     for sj in T.unroll(slabs):
                         for v in T.unroll(8):
                             scale[sj * 8 + v] = S_s[wk, slot, scale_col(sj, v, lane // 4)]

@@ -48,9 +48,7 @@ class Knobs:
     (with early_start) lets the next kernel launch only once this block's k-loop is done, so that its
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
     fold_lag (with fold_zero_point, even ahead) folds each batch's sums during the next batch, from a
-    second set of sums, so that the fold does not wait for the MMAs it reads. scale_ldmatrix (with
-    async_weights, group scales) reads a lane's eight scales of a batch from its slot with one
-    ldmatrix.x4.trans per slab instead of eight 2-byte loads.
+    second set of sums, so that the fold does not wait for the MMAs it reads.
     """
 
     m_tiles: int = 1
@@ -70,7 +68,6 @@ class Knobs:
     early_start: int = 0
     late_trigger: bool = False
     fold_lag: bool = False
-    scale_ldmatrix: bool = False
 
     @property
     def block_m(self) -> int:
@@ -107,7 +104,7 @@ class Knobs:
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
             f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "") + (
-            "_fl" if self.fold_lag else "") + ("_sl" if self.scale_ldmatrix else "")
+            "_fl" if self.fold_lag else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -174,11 +171,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "fold_lag delays fold_zero_point's per-batch fold: it needs fold_zero_point"
     if kb.fold_lag and kb.ahead % 2:
         return f"fold_lag takes a batch's set of sums from its parity, constant only for even ahead (got {kb.ahead})"
-    if kb.scale_ldmatrix:
-        if not kb.async_weights:
-            return "scale_ldmatrix reads the scales from the warp's cp.async slots: it needs async_weights"
-        if problem.channelwise:
-            return "channelwise scales are applied once at the end; scale_ldmatrix has no batch scales to read"
     if kb.fold_zero_point and kb.scale_on_acc:
         return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     workers = kb.split_k * kb.warps
