@@ -244,6 +244,9 @@ KNOB_FACTORS = {
         "early_start": ((None, 1.06),),
         # Session 9 (v30): with early_start, 13 pairs at M = 1-8 against early_start alone.
         "late_trigger": ((None, 0.96),),
+        # Session 22 (v47): same-run pairs with the fold without lag, 13 at M = 1-16 (median 1.02,
+        # 0.99-1.09) and 2 at M = 32 (o_proj: 0.94 at ahead 4, 0.90 at ahead 2).
+        "fold_lag": ((16, 1.02), (None, 0.93)),
         # Session 12 (v36): a least-squares fit of the shape knobs (one factor per value and M range,
         # a free offset per layer and M) on 1300 stream_mma timings at M <= 32 of sessions 10-12,
         # relative to ahead 2, unroll 4, 4 warps, one m-tile, one split. Deeper pipelines pay once the
