@@ -132,6 +132,20 @@ CASES = {
                                                                   smem_weights=True, tma=True, release_barriers=True,
                                                                   producer_warp=True, cluster_reduce=True,
                                                                   early_start=2, stage_unroll=True, ring=2)),
+    # group scales on each k-tile's sums (scale_on_acc): qkv M=16's winner form (split 2 in a cluster),
+    # gate_up M=16's, and block_m 32 with two groups, two k-tiles per group and 43 k-tiles per split
+    "tma_producer_cluster_unrolled_sacc": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, overlap=True, split_k=2,
+                                                                          smem_weights=True, tma=True,
+                                                                          release_barriers=True, producer_warp=True,
+                                                                          cluster_reduce=True, early_start=2,
+                                                                          stage_unroll=True, scale_on_acc=True)),
+    "tma_producer_staged_unrolled_sacc": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
+                                                                         smem_weights=True, tma=True,
+                                                                         release_barriers=True, producer_warp=True,
+                                                                         pdl=True, staged_store=True, early_start=2,
+                                                                         stage_unroll=True, scale_on_acc=True)),
+    "tma_g2_odd_k_tiles_sacc": (Problem(4096, 11008, 128), Knobs(32, 2, 1, 64, 4, overlap=True, split_k=4,
+                                                                 smem_weights=True, tma=True, scale_on_acc=True)),
 }
 
 
@@ -139,6 +153,12 @@ CASES = {
 def test_cases_are_valid_schedules(name):
     problem, knobs = CASES[name]
     assert stream_wgmma.check(problem, knobs, SM90) is None
+
+
+def test_scale_on_acc_needs_group_scales():
+    knobs = Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, scale_on_acc=True)
+    assert stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90) is None
+    assert "channelwise" in stream_wgmma.check(Problem.make(4096, 4096, -1), knobs, SM90)
 
 
 def test_not_offered_before_hopper():
@@ -185,6 +205,11 @@ def test_not_offered_before_hopper():
     (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, ring=1), "at least 2"),
     (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            k_split=True, ring=8), "no k_split"),
+    (Knobs(16, 1, 1, 128, 4, smem_weights=True, tma=True, scale_on_acc=True), "needs tma and overlap"),
+    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, scale_on_acc=True), "needs tma and overlap"),
+    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, ring=8, scale_on_acc=True), "no ring"),
+    (Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
+           setmaxnreg=True, scale_on_acc=True), "setmaxnreg"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -207,7 +232,7 @@ def test_wgmma_takes_the_weights_from_registers(compiled):
     assert rs, "no register-A wgmma of the expected shape"
     assert count(r"wgmma\.mma_async", ptx) == len(rs), "every wgmma has its A in registers"
     assert count(r"wgmma\.commit_group", ptx) > 0 and count(r"wgmma\.wait_group", ptx) > 0
-    if knobs.overlap and not knobs.ring:     # (ring waits a k-step at a time: its own test)
+    if knobs.overlap and not knobs.ring and not knobs.scale_on_acc:     # (ring, scale_on_acc: their own tests)
         assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) > 0
 
 
@@ -281,7 +306,8 @@ def test_tma_boxes_are_one_swizzle_atom_wide(compiled):
         # (the copy loop's variable is h, or h_1 where the pipeline has two of them)
         assert all(re.search(rf"\(h(_\d+)? \* {knobs.block_m * 64}\)", c) and re.search(r"\(h(_\d+)? \* 64\)", c)
                    for c in copies)
-        assert re.search(rf"\(u(_\d+)? >> 2\) \* {knobs.block_m * 8}\b", src)
+        # (scale_on_acc issues k-step 0 on its own, then u + 1)
+        assert re.search(rf"\(\(?u(_\d+)?( \+ 1\))? >> 2\) \* {knobs.block_m * 8}\b", src)
     else:
         assert all("h *" not in c for c in copies)
 
@@ -527,3 +553,22 @@ def test_ring_keeps_d_k_steps_of_wgmmas_in_flight_with_d_k_steps_of_fragments(co
         out = ptxas_output(ptx, "sm_90a", tmp_path)
         used = int(re.search(r"Used (\d+) registers", out).group(1))
         assert used <= {8: 72, 4: 72, 2: 56}[knobs.ring], out
+
+
+def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
+    """scale_on_acc: the words decode unscaled, and each k-tile's sums (its first wgmma overwriting them)
+    join the running sums by one fma each with its group's scale, after a wait for every wgmma (ptxas
+    serializes all of them if sums are read with any in flight, v48); fewer registers than the scaled
+    decode's ~98 at block_m 16."""
+    problem, knobs, src, ptx = compiled
+    if not knobs.scale_on_acc:
+        return
+    loops = [loop for loop in k_loops(src) if "wgmma" in loop]      # (not the producer warp's)
+    assert loops and all("tm_dequant_scaled" not in loop and "tm_dequant_a_" in loop for loop in loops)
+    tiles_per_loop = count(r"wgmma\.commit_group", ptx)
+    assert count(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx) >= tiles_per_loop
+    sums = knobs.groups * knobs.block_m // 2
+    assert count(r"fma\.rn\.f32", ptx) >= sums * tiles_per_loop
+    if knobs.block_m == 16 and knobs.groups == 1:
+        out = ptxas_output(ptx, "sm_90a", tmp_path)
+        assert int(re.search(r"Used (\d+) registers", out).group(1)) <= 80, out

@@ -186,13 +186,25 @@ STREAM_WGMMA_KNOBS = {
     "swg_m16_k128_producer_cluster_split2_ring2": SW(16, 1, 1, 128, 4, overlap=True, split_k=2, smem_weights=True,
                                                      tma=True, release_barriers=True, producer_warp=True,
                                                      cluster_reduce=True, early_start=2, stage_unroll=True, ring=2),
+    # group scales on each k-tile's sums (scale_on_acc, v48): gate_up and qkv M=16's winner forms, and
+    # block_m 32 with two groups, two k-tiles per group, split 4 (43 k-tiles per split at down_proj)
+    "swg_m16_k128_producer_staged_unrolled_sacc": SW(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
+                                                     release_barriers=True, producer_warp=True, pdl=True,
+                                                     staged_store=True, early_start=2, stage_unroll=True,
+                                                     scale_on_acc=True),
+    "swg_m16_k128_producer_cluster_split2_sacc": SW(16, 1, 1, 128, 4, overlap=True, split_k=2, smem_weights=True,
+                                                    tma=True, release_barriers=True, producer_warp=True,
+                                                    cluster_reduce=True, early_start=2, stage_unroll=True,
+                                                    scale_on_acc=True),
+    "swg_m32_g2_tma_split4_sacc": SW(32, 2, 1, 64, 4, overlap=True, split_k=4, smem_weights=True, tma=True,
+                                     scale_on_acc=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
-                  "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged")
+                  "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged", "swg_m32_g2_tma_split4_sacc")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 

@@ -72,6 +72,8 @@ AXES = {
     # (qkv 16, gate_up 16); D = 2 won by 0.3-1.3 % at two M = 256 block_k 64 kernels and was never
     # better than 8 at block_k 128 (session 19, perf-notes v44).
     "ring": (0, 8),
+    # Group scales on each k-tile's fp32 sums instead of on the decoded weights (v48): not yet measured.
+    "scale_on_acc": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

@@ -144,6 +144,10 @@ def build(problem: Problem, knobs: Knobs):
     persistent = kb.persistent          # blocks that loop over the tiles (0: one block per tile)
     ksplit = 2 if kb.k_split else 1     # consumer warpgroups that share a block's k-tiles (same columns)
     stream_k = kb.stream_k              # blocks that share all tiles' k-tiles evenly (0: one block per tile)
+    # scale_on_acc: acc holds the running sums, then one k-tile's wgmma sums; sc two sets of scales (by
+    # the k-tile's parity), since k-tile t - 1's fold comes after k-tile t's words and scales are read.
+    sacc = kb.scale_on_acc
+    acc_all = acc_len * (2 if sacc else 1)
 
     def in_producer_warp():
         """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
@@ -196,8 +200,9 @@ def build(problem: Problem, knobs: Knobs):
         T.ptx_commit_group()
 
     @T.macro
-    def read_w(W_s, S_s, w, sc, tile, wg, wq, lane):
-        """smem_weights: the lane's words and scales of k-tile `tile` from its stage into buffer 0."""
+    def read_w(W_s, S_s, w, sc, tile, wg, wq, lane, sb):
+        """smem_weights: the lane's words and scales of k-tile `tile` from its stage into buffer 0 (the
+        scales from sc[sb])."""
         word = (wg * g + wq * g // 4) * 128 + lane * 4 + wq * g % 4
         for u in T.unroll(steps):
             for v in T.vectorized(g):
@@ -205,7 +210,7 @@ def build(problem: Problem, knobs: Knobs):
         if grouped:
             for i in T.unroll(g):
                 for h in T.unroll(2):
-                    sc[2 * i + h] = S_s[tile % stages, 0, weight_col(0, wg, wq, lane, i, h)]
+                    sc[sb + 2 * i + h] = S_s[tile % stages, 0, weight_col(0, wg, wq, lane, i, h)]
 
     @T.macro
     def load_w(B, S, w, sc, buf, tile, k0, bx, wg, wq, lane):
@@ -229,7 +234,7 @@ def build(problem: Problem, knobs: Knobs):
     def decode_step(w, sc, a, buf, abuf, u):
         """Decode k-step u of register buffer `buf` into its fragment slot of A buffer `abuf`."""
         for i in T.unroll(g):
-            if grouped:
+            if grouped and not sacc:
                 T.call_extern("handle", decode_scaled, T.access_ptr(w[buf * per_w + u * g + i], "r"),
                               T.access_ptr(sc[buf * per_s + 2 * i], "r"),
                               T.access_ptr(a[abuf * a_len + (fragment_slot(u) * g + i) * 8], "w"))
@@ -243,6 +248,16 @@ def build(problem: Problem, knobs: Knobs):
         for u in T.unroll(steps):
             decode_step(w, sc, a, buf, abuf, u)
 
+    @T.macro
+    def zero_sums(acc, sc):
+        """The running sums start at zero; with scale_on_acc so do both k-tile sets and their scales, so
+        that the first k-tile's fold of the other set adds zero."""
+        for i in T.unroll(acc_all):
+            acc[i] = T.float32(0)
+        if sacc:
+            for i in T.unroll(2 * per_s):
+                sc[i] = T.cast(0, dtype)
+
     def x_offset(u):
         """K-step u's activations from its stage's start, in 16-byte units (tma with block_k 128: the
         steps of the second 64-wide tile start block_m rows of 128 bytes later)."""
@@ -251,22 +266,41 @@ def build(problem: Problem, knobs: Knobs):
         return u * step_units
 
     @T.macro
-    def wgmma_step(a, abuf, acc, desc, tile, u):
-        """K-step u's wgmmas, one m64n{bm}k16 per group, A from its fragment slot of buffer `abuf`."""
+    def wgmma_step(a, abuf, acc, desc, tile, u, base=0, accumulate=1):
+        """K-step u's wgmmas, one m64n{bm}k16 per group, A from its fragment slot of buffer `abuf`, into
+        the sums from acc[base] (accumulate 0: overwriting them)."""
         for i in T.unroll(g):
             T.ptx_wgmma_rs("float32", wgmma_shape, True, ab, ab, "fp32",
                            a.data, abuf * a_len + (fragment_slot(u) * g + i) * 8,
                            desc.data, tile % stages * stage_units + x_offset(u),
-                           acc.data, i * (bm // 2), 1, 1, 1)
+                           acc.data, base + i * (bm // 2), accumulate, 1, 1)
 
     @T.macro
     def mma_stage(a, abuf, acc, desc, tile):
-        """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group."""
-        T.warpgroup_fence_operand(acc, num_regs=acc_len)
-        T.warpgroup_arrive()
-        for u in T.unroll(steps):
-            wgmma_step(a, abuf, acc, desc, tile, u)
+        """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group (scale_on_acc:
+        into the fresh set of buffer abuf's parity, the first k-step overwriting it)."""
+        if sacc:
+            T.warpgroup_fence_operand(acc, acc_len, num_regs=acc_len)
+            T.warpgroup_arrive()
+            wgmma_step(a, abuf, acc, desc, tile, 0, acc_len, 0)
+            for u in T.unroll(steps - 1):
+                wgmma_step(a, abuf, acc, desc, tile, u + 1, acc_len, 1)
+        else:
+            T.warpgroup_fence_operand(acc, num_regs=acc_len)
+            T.warpgroup_arrive()
+            for u in T.unroll(steps):
+                wgmma_step(a, abuf, acc, desc, tile, u)
         T.warpgroup_commit_batch()
+
+    @T.macro
+    def fold_k_tile(acc, sc, p):
+        """scale_on_acc: a finished k-tile's sums times its group scales (set p of sc), added to the
+        running sums: element j of group i lies on weight row g + 8 * (j % 4 // 2)."""
+        T.warpgroup_fence_operand(acc, acc_len, num_regs=acc_len)
+        for i in T.unroll(g):
+            for j in T.unroll(bm // 2):
+                k = i * (bm // 2) + j
+                acc[k] = acc[k] + acc[acc_len + k] * T.cast(sc[p * per_s + 2 * i + j % 4 // 2], "float32")
 
     @T.macro
     def mma_ring(w, sc, a, acc, desc, tile):
@@ -364,9 +398,17 @@ def build(problem: Problem, knobs: Knobs):
         release_barriers an arrival on the stage's "empty" barrier (warp 0 refills it, or with
         producer_warp the producer warp)."""
         T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
-        read_w(W_s, S_s, w, sc, g, wg, wq, lane)
+        read_w(W_s, S_s, w, sc, g, wg, wq, lane, r % 2 * per_s if sacc else 0)
         if kb.ring:
             mma_ring(w, sc, a, acc, desc, g)
+        elif sacc:
+            # Decoded under k-tile t - 1's wgmmas, as below; but its sums are read before this k-tile's
+            # wgmmas overwrite them, after a wait for all (ptxas serializes every wgmma when sums are read
+            # with any wgmma in flight, its C7514). Before the first k-tile they and its scales are zeros.
+            decode_stage(w, sc, a, 0, r % 2)
+            T.warpgroup_wait(0)
+            fold_k_tile(acc, sc, (r + 1) % 2)
+            mma_stage(a, r % 2, acc, desc, g)
         else:
             decode_stage(w, sc, a, 0, r % 2)
             mma_stage(a, r % 2, acc, desc, g)
@@ -415,8 +457,7 @@ def build(problem: Problem, knobs: Knobs):
             if in_producer_warp():
                 produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, trips, by, bx, tx)
             else:
-                for i in T.unroll(acc_len):
-                    acc[i] = T.float32(0)
+                zero_sums(acc, sc)
                 consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
                             trips)
         else:
@@ -437,7 +478,7 @@ def build(problem: Problem, knobs: Knobs):
                 t = t0 * unrolled + r
                 if t < trips:
                     stage_ready()
-                    read_w(W_s, S_s, w, sc, t, wg, wq, lane)
+                    read_w(W_s, S_s, w, sc, t, wg, wq, lane, 0)
                     decode_stage(w, sc, a, 0, r % 2)
                     mma_stage(a, r % 2, acc, desc, t)
                     # After the wgmmas: a cp.async before them would need a second proxy fence.
@@ -491,10 +532,14 @@ def build(problem: Problem, knobs: Knobs):
         return T.cast(total if grouped else total * T.cast(S[0, col], "float32"), dtype)
 
     @T.macro
-    def finish_sums(acc):
-        """After the k-loop: wait for the last wgmmas, whose sums the epilogues read."""
+    def finish_sums(acc, sc):
+        """After the k-loop: wait for the last wgmmas, whose sums the epilogues read (scale_on_acc: fold
+        the last k-tile's, whose scales are set 1: the loop's k-tiles come in pairs, and a lone lead one
+        takes buffer 1)."""
         T.warpgroup_wait(0)
         T.warpgroup_fence_operand(acc, num_regs=acc_len)
+        if sacc:
+            fold_k_tile(acc, sc, 1)
 
     @T.macro
     def acc_to_shared(acc, C_s, wg, wq, lane):
@@ -582,7 +627,7 @@ def build(problem: Problem, knobs: Knobs):
                 acc[i] = T.float32(0)
             consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, 0, by, bx, tx, wg, wq, lane,
                         trips)
-            finish_sums(acc)
+            finish_sums(acc, sc)
             store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
 
     @T.macro
@@ -598,9 +643,9 @@ def build(problem: Problem, knobs: Knobs):
         W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
         S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
-        sc = T.alloc_local((bufs * per_s,), dtype)
+        sc = T.alloc_local((bufs * per_s * (2 if sacc else 1),), dtype)
         a = T.alloc_local((kb.ring * g * 8 if kb.ring else (2 if overlap else 1) * a_len,), dtype)
-        acc = T.alloc_local((acc_len,), "float32")
+        acc = T.alloc_local((acc_all,), "float32")
         desc = T.alloc_wgmma_desc()
         if kb.staged_store:
             Y_s = T.alloc_shared((bm, bn + 8), dtype)     # 16 bytes of padding per row: see acc_to_global_staged
@@ -649,8 +694,7 @@ def build(problem: Problem, knobs: Knobs):
             k0 = bz * trips
             T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
             if not producer:    # (the producer warp's consumers zero their own sums)
-                for i in T.unroll(acc_len):
-                    acc[i] = T.float32(0)
+                zero_sums(acc, sc)
 
             if kb.setmaxnreg:    # (split_k 1: the epilogue is the consumers' own, inside)
                 pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx,
@@ -665,9 +709,9 @@ def build(problem: Problem, knobs: Knobs):
                 pass
             elif producer:
                 if not in_producer_warp():      # wgmma's warpgroup instructions, not for the producer warp
-                    finish_sums(acc)
+                    finish_sums(acc, sc)
             else:
-                finish_sums(acc)
+                finish_sums(acc, sc)
 
             if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")

@@ -77,6 +77,11 @@ class Knobs:
     k-steps of wgmmas in flight with D k-steps of A fragments instead of two whole stages' (ptxas at
     block_m 16, block_k 128: ~67 registers with D = 8 or 4, ~54 with D = 2, against ~104), so that
     more blocks fit per SM (perf-notes v43); 0 keeps the two whole buffers.
+    scale_on_acc (group scales; the overlapped tma k-loop without ring, k_split, persistent, stream_k or
+    setmaxnreg) decodes the words unscaled (code - 8, exact) and gives each k-tile's wgmmas a fresh
+    set of sums, one of two by the k-tile's parity: after the wait that completes k-tile t - 1, its set
+    times its group's scales is added to the running fp32 sums while k-tile t's wgmmas run. Four HMUL2
+    per word become one FFMA per sum and k-tile (perf-notes v48).
     """
 
     block_m: int = 128
@@ -102,6 +107,7 @@ class Knobs:
     stream_k: int = 0
     stage_unroll: bool = False
     ring: int = 0
+    scale_on_acc: bool = False
 
     @property
     def block_n(self) -> int:
@@ -156,7 +162,7 @@ class Knobs:
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
-                 ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring))
+                 ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -172,7 +178,7 @@ class Knobs:
         return x + w + c + y + 64
 
     def registers_estimate(self) -> int:
-        acc = self.groups * self.block_m // 2
+        acc = self.groups * self.block_m // 2 * (3 if self.scale_on_acc else 1)    # two k-tile sets + the total
         a = self.k_steps * self.groups * 4 * (2 if self.overlap else 1)
         bufs = 1 if self.smem_weights else self.ahead + 1
         raw = bufs * self.k_steps * self.groups + bufs * self.groups
@@ -255,6 +261,12 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.ring < 0 or kb.ring and (kb.ring < 2 or kb.k_steps % kb.ring):
         return (f"ring={kb.ring}: 0 (two whole fragment buffers) or k-steps in flight, at least 2 and dividing "
                 f"the stage's {kb.k_steps} k-steps")
+    if kb.scale_on_acc and problem.channelwise:
+        return "scale_on_acc scales each k-tile's sums by its group's scales: channelwise scales have no groups"
+    if kb.scale_on_acc and not (kb.tma and kb.overlap) or kb.scale_on_acc and (
+            kb.ring or kb.k_split or kb.persistent or kb.stream_k or kb.setmaxnreg):
+        return ("scale_on_acc folds k-tile t - 1's sums after the wait of the overlapped tma k-loop: it needs tma "
+                "and overlap, and no ring, k_split, persistent, stream_k or setmaxnreg")
     if kb.panel_m < 0 or kb.panel_m == 1:
         return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
     if kb.panel_m and kb.persistent:
