@@ -282,9 +282,9 @@ def build(problem: Problem, knobs: Knobs):
         if sacc:
             T.warpgroup_fence_operand(acc, acc_len, num_regs=acc_len)
             T.warpgroup_arrive()
-            wgmma_step(a, abuf, acc, desc, tile, 0, acc_len, 0)
-            for u in T.unroll(steps - 1):
-                wgmma_step(a, abuf, acc, desc, tile, u + 1, acc_len, 1)
+            for u in T.unroll(steps):
+                # (one loop: with k-step 0 peeled, nvcc left the A fragments in local memory at block_m 32)
+                wgmma_step(a, abuf, acc, desc, tile, u, acc_len, u > 0)
         else:
             T.warpgroup_fence_operand(acc, num_regs=acc_len)
             T.warpgroup_arrive()
