@@ -407,19 +407,21 @@ def build(problem: Problem, knobs: Knobs):
             # with any wgmma in flight, its C7514). Before the first k-tile they and its scales are zeros.
             decode_stage(w, sc, a, 0, r % 2)
             T.warpgroup_wait(0)
+            if release and t >= 1:
+                T.barrier_arrive(empty[(g - 1) % stages])     # its stage at once, before the fold
             fold_k_tile(acc, sc, (r + 1) % 2)
             mma_stage(a, r % 2, acc, desc, g)
         else:
             decode_stage(w, sc, a, 0, r % 2)
             mma_stage(a, r % 2, acc, desc, g)
             T.warpgroup_wait(1 if overlap else 0)
-        if release:
+        if not release:
+            T.sync_threads()
+        elif not sacc:
             # This thread is done with k-tile t (with overlap: its previous one, ksplit earlier in the
             # block's sequence) and its stage.
             if t >= (1 if overlap else 0):
                 T.barrier_arrive(empty[(g - (ksplit if overlap else 0)) % stages])
-        else:
-            T.sync_threads()
         if not producer:
             load_tma(A, B, S, X_s, W_s, S_s, full, empty, t + stages - 1, k0, by, bx, tx)
 
