@@ -289,6 +289,10 @@ KNOB_FACTORS = {
         # in the warpgroups, groups and block_k rows). The model had more stages, deeper k-tiles
         # and taller M tiles too expensive and wider blocks too cheap (perf-notes v27). In-sample:
         # the tune's first round then measures a stream_wgmma within 1.04x of the best (was 1.10x).
+        # Session 23 (v48): the scale_on_acc kernel over the same kernel without it, same run, over the
+        # model's ratio (its fold term already makes block_m 16 0.93x, 32 level, 64 1.13x): 8 pairs at
+        # M = 16-64, 0.82-1.31, median 1.05 (it pays at 6-8 stages, loses at 4).
+        "scale_on_acc": ((None, 1.05),),
         ("stages", 6): ((None, 0.93),),
         ("stages", 8): ((None, 0.88),),
         ("block_m", 128): ((64, 1.0), (256, 0.91), (None, 0.85)),

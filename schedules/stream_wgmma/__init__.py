@@ -72,12 +72,14 @@ AXES = {
     # (qkv 16, gate_up 16); D = 2 won by 0.3-1.3 % at two M = 256 block_k 64 kernels and was never
     # better than 8 at block_k 128 (session 19, perf-notes v44).
     "ring": (0, 8),
-    # Group scales on each k-tile's fp32 sums instead of on the decoded weights (v48): not yet measured.
-    "scale_on_acc": (False,),
+    # Group scales on each k-tile's fp32 sums instead of on the decoded weights: 0.92x at the M = 16
+    # winners (qkv, gate_up), 0.93-0.96x at M = 32-64 where it won, but 1.06-1.23x at some stage
+    # counts (session 23, perf-notes v48).
+    "scale_on_acc": (False, True),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.
-VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m", "stage_unroll", "ring")
+VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m", "stage_unroll", "ring", "scale_on_acc")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order
