@@ -278,7 +278,7 @@ def build(problem: Problem, knobs: Knobs):
     @T.macro
     def mma_stage(a, abuf, acc, desc, tile):
         """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group (scale_on_acc:
-        into the fresh set of buffer abuf's parity, the first k-step overwriting it)."""
+        into the k-tile's own sums, acc[acc_len:], which the first k-step overwrites)."""
         if sacc:
             T.warpgroup_fence_operand(acc, acc_len, num_regs=acc_len)
             T.warpgroup_arrive()
