@@ -78,10 +78,11 @@ class Knobs:
     block_m 16, block_k 128: ~67 registers with D = 8 or 4, ~54 with D = 2, against ~104), so that
     more blocks fit per SM (perf-notes v43); 0 keeps the two whole buffers.
     scale_on_acc (group scales; the overlapped tma k-loop without ring, k_split, persistent, stream_k or
-    setmaxnreg) decodes the words unscaled (code - 8, exact) and gives each k-tile's wgmmas a fresh
-    set of sums, one of two by the k-tile's parity: after the wait that completes k-tile t - 1, its set
-    times its group's scales is added to the running fp32 sums while k-tile t's wgmmas run. Four HMUL2
-    per word become one FFMA per sum and k-tile (perf-notes v48).
+    setmaxnreg) decodes the words unscaled (code - 8, exact) and gives each k-tile's wgmmas sums of
+    their own (the first k-step overwrites them): once k-tile t + 1 is decoded under k-tile t's
+    wgmmas, the warpgroup waits for all of them, adds k-tile t's sums times its group's scales to the
+    running fp32 sums and issues k-tile t + 1. Four HMUL2 per word become one FFMA per sum and k-tile
+    (perf-notes v48).
     """
 
     block_m: int = 128
@@ -178,7 +179,7 @@ class Knobs:
         return x + w + c + y + 64
 
     def registers_estimate(self) -> int:
-        acc = self.groups * self.block_m // 2 * (3 if self.scale_on_acc else 1)    # two k-tile sets + the total
+        acc = self.groups * self.block_m // 2 * (2 if self.scale_on_acc else 1)    # the k-tile's sums + the total
         a = self.k_steps * self.groups * 4 * (2 if self.overlap else 1)
         bufs = 1 if self.smem_weights else self.ahead + 1
         raw = bufs * self.k_steps * self.groups + bufs * self.groups
