@@ -198,6 +198,13 @@ STREAM_WGMMA_KNOBS = {
                                                     scale_on_acc=True),
     "swg_m32_g2_tma_split4_sacc": SW(32, 2, 1, 64, 4, overlap=True, split_k=4, smem_weights=True, tma=True,
                                      scale_on_acc=True),
+    # ... with each k-tile's fold under the next one's wgmmas (fold_lag; written in session 23, not yet run)
+    "swg_m16_k128_producer_cluster_split2_sacc_lag": SW(16, 1, 1, 128, 4, overlap=True, split_k=2,
+                                                        smem_weights=True, tma=True, release_barriers=True,
+                                                        producer_warp=True, cluster_reduce=True, early_start=2,
+                                                        stage_unroll=True, scale_on_acc=True, fold_lag=True),
+    "swg_m32_g2_tma_split4_sacc_lag": SW(32, 2, 1, 64, 4, overlap=True, split_k=4, smem_weights=True, tma=True,
+                                         scale_on_acc=True, fold_lag=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},

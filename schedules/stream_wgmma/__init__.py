@@ -76,6 +76,9 @@ AXES = {
     # winners (qkv, gate_up), 0.93-0.96x at M = 32-64 where it won, but 1.06-1.23x at some stage
     # counts (session 23, perf-notes v48).
     "scale_on_acc": (False, True),
+    # scale_on_acc's fold under the next k-tile's wgmmas, a full wait once per unrolled trip (session
+    # 23, CPU only: 107 registers against 72 at qkv 16's form, no serialization): not yet measured.
+    "fold_lag": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

@@ -147,7 +147,9 @@ def build(problem: Problem, knobs: Knobs):
     # scale_on_acc: acc holds the running sums, then one k-tile's wgmma sums; sc two sets of scales (by
     # the k-tile's parity), since k-tile t - 1's fold comes after k-tile t's words and scales are read.
     sacc = kb.scale_on_acc
-    acc_all = acc_len * (2 if sacc else 1)
+    # fold_lag: two sets of k-tile sums by parity, k-tile t's folded while k-tile t + 1's wgmmas run.
+    lag = kb.fold_lag
+    acc_all = acc_len * (3 if lag else 2 if sacc else 1)
 
     def in_producer_warp():
         """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
@@ -276,15 +278,16 @@ def build(problem: Problem, knobs: Knobs):
                            acc.data, base + i * (bm // 2), accumulate, 1, 1)
 
     @T.macro
-    def mma_stage(a, abuf, acc, desc, tile):
+    def mma_stage(a, abuf, acc, desc, tile, sums=0):
         """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group (scale_on_acc:
-        into the k-tile's own sums, acc[acc_len:], which the first k-step overwrites)."""
+        into the k-tile's own set of sums, acc[acc_len * (1 + sums):], which the first k-step overwrites)."""
         if sacc:
-            T.warpgroup_fence_operand(acc, acc_len, num_regs=acc_len)
+            base = acc_len * (1 + sums)
+            T.warpgroup_fence_operand(acc, base, num_regs=acc_len)
             T.warpgroup_arrive()
             for u in T.unroll(steps):
                 # (one loop: with k-step 0 peeled, nvcc left the A fragments in local memory at block_m 32)
-                wgmma_step(a, abuf, acc, desc, tile, u, acc_len, u > 0)
+                wgmma_step(a, abuf, acc, desc, tile, u, base, u > 0)
         else:
             T.warpgroup_fence_operand(acc, num_regs=acc_len)
             T.warpgroup_arrive()
@@ -293,14 +296,15 @@ def build(problem: Problem, knobs: Knobs):
         T.warpgroup_commit_batch()
 
     @T.macro
-    def fold_k_tile(acc, sc, p):
-        """scale_on_acc: a finished k-tile's sums times its group scales (set p of sc), added to the
-        running sums: element j of group i lies on weight row g + 8 * (j % 4 // 2)."""
-        T.warpgroup_fence_operand(acc, acc_len, num_regs=acc_len)
+    def fold_k_tile(acc, sc, p, sums=0):
+        """scale_on_acc: a finished k-tile's sums (set `sums`) times its group scales (set p of sc), added
+        to the running sums: element j of group i lies on weight row g + 8 * (j % 4 // 2)."""
+        base = acc_len * (1 + sums)
+        T.warpgroup_fence_operand(acc, base, num_regs=acc_len)
         for i in T.unroll(g):
             for j in T.unroll(bm // 2):
                 k = i * (bm // 2) + j
-                acc[k] = acc[k] + acc[acc_len + k] * T.cast(sc[p * per_s + 2 * i + j % 4 // 2], "float32")
+                acc[k] = acc[k] + acc[base + k] * T.cast(sc[p * per_s + 2 * i + j % 4 // 2], "float32")
 
     @T.macro
     def mma_ring(w, sc, a, acc, desc, tile):
@@ -391,16 +395,35 @@ def build(problem: Problem, knobs: Knobs):
         T.sync_threads()
 
     @T.macro
-    def consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane, g, t, r):
+    def consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane, g, t, r,
+                       first=True, last=True):
         """K-tile t (number g of the block's sequence) of the tma pipeline into A fragment buffer r % 2:
         wait for its stage's barrier phase, decode, issue the wgmmas; then free the oldest stage: a
         block barrier after the wgmma wait (and the next copy, issued by one elected thread), or with
         release_barriers an arrival on the stage's "empty" barrier (warp 0 refills it, or with
-        producer_warp the producer warp)."""
+        producer_warp the producer warp). first / last: whether it opens / closes its unrolled trip
+        (fold_lag waits for all wgmmas once per trip)."""
         T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
         read_w(W_s, S_s, w, sc, g, wg, wq, lane, r % 2 * per_s if sacc else 0)
         if kb.ring:
             mma_ring(w, sc, a, acc, desc, g)
+        elif lag:
+            # K-tile t - 1's sums are folded after the wait that completes it, under k-tile t's wgmmas.
+            # ptxas allows that only within the unrolled trip (across the loop's back edge it serialized
+            # every wgmma, C7514), so each trip ends with a wait for all and the fold of its last k-tile.
+            decode_stage(w, sc, a, 0, r % 2)
+            mma_stage(a, r % 2, acc, desc, g, r % 2)
+            if first:
+                if release and t >= 1:
+                    T.barrier_arrive(empty[(g - 1) % stages])     # done since the last trip's end
+            else:
+                T.warpgroup_wait(1)
+                if release:
+                    T.barrier_arrive(empty[(g - 1) % stages])
+                fold_k_tile(acc, sc, (r + 1) % 2, (r + 1) % 2)
+            if last:
+                T.warpgroup_wait(0)
+                fold_k_tile(acc, sc, r % 2, r % 2)
         elif sacc:
             # Decoded under k-tile t - 1's wgmmas, as below; but its sums are read before this k-tile's
             # wgmmas overwrite them, after a wait for all (ptxas serializes every wgmma when sums are read
@@ -444,12 +467,12 @@ def build(problem: Problem, knobs: Knobs):
         lead = 0 if stream_k else mine % per_trip      # k-tiles before the loop
         for r in T.unroll(lead):    # buffer (r + lead) % 2: k-tile `lead`, the loop's first, takes buffer 0
             consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                           g0 + r * ksplit, r, r + lead)
+                           g0 + r * ksplit, r, r + lead, r == 0, r == lead - 1)
         for t0 in T.serial(mine // per_trip):
             for r in T.unroll(per_trip):
                 t = lead + t0 * per_trip + r
                 consume_k_tile(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                               lane, g0 + t * ksplit if ksplit > 1 else g0 + t, t, r)
+                               lane, g0 + t * ksplit if ksplit > 1 else g0 + t, t, r, r == 0, r == per_trip - 1)
 
     @T.macro
     def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
@@ -540,7 +563,7 @@ def build(problem: Problem, knobs: Knobs):
         takes buffer 1)."""
         T.warpgroup_wait(0)
         T.warpgroup_fence_operand(acc, num_regs=acc_len)
-        if sacc:
+        if sacc and not lag:      # (fold_lag folded it at its trip's end)
             fold_k_tile(acc, sc, 1)
 
     @T.macro

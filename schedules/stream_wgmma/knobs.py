@@ -82,7 +82,10 @@ class Knobs:
     their own (the first k-step overwrites them): once k-tile t + 1 is decoded under k-tile t's
     wgmmas, the warpgroup waits for all of them, adds k-tile t's sums times its group's scales to the
     running fp32 sums and issues k-tile t + 1. Four HMUL2 per word become one FFMA per sum and k-tile
-    (perf-notes v48).
+    (perf-notes v48). fold_lag (with scale_on_acc) keeps two sets of k-tile sums by parity and folds
+    k-tile t's after the wait that completes it, while k-tile t + 1's wgmmas run; ptxas allows that
+    only within the unrolled trip of the k-loop, so the warpgroup waits for all its wgmmas once per
+    trip (lcm(2, stages) k-tiles with stage_unroll) instead of once per k-tile.
     """
 
     block_m: int = 128
@@ -109,6 +112,7 @@ class Knobs:
     stage_unroll: bool = False
     ring: int = 0
     scale_on_acc: bool = False
+    fold_lag: bool = False
 
     @property
     def block_n(self) -> int:
@@ -163,7 +167,8 @@ class Knobs:
                  ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
-                 ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc))
+                 ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
+                 ("_fl", self.fold_lag))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -179,7 +184,8 @@ class Knobs:
         return x + w + c + y + 64
 
     def registers_estimate(self) -> int:
-        acc = self.groups * self.block_m // 2 * (2 if self.scale_on_acc else 1)    # the k-tile's sums + the total
+        # the total and one (scale_on_acc) or two (fold_lag) sets of k-tile sums
+        acc = self.groups * self.block_m // 2 * (3 if self.fold_lag else 2 if self.scale_on_acc else 1)
         a = self.k_steps * self.groups * 4 * (2 if self.overlap else 1)
         bufs = 1 if self.smem_weights else self.ahead + 1
         raw = bufs * self.k_steps * self.groups + bufs * self.groups
@@ -268,6 +274,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
             kb.ring or kb.k_split or kb.persistent or kb.stream_k or kb.setmaxnreg):
         return ("scale_on_acc folds k-tile t - 1's sums after the wait of the overlapped tma k-loop: it needs tma "
                 "and overlap, and no ring, k_split, persistent, stream_k or setmaxnreg")
+    if kb.fold_lag and not kb.scale_on_acc:
+        return "fold_lag delays scale_on_acc's fold of each k-tile's sums: it needs scale_on_acc"
     if kb.panel_m < 0 or kb.panel_m == 1:
         return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
     if kb.panel_m and kb.persistent:
