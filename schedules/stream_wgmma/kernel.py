@@ -281,18 +281,13 @@ def build(problem: Problem, knobs: Knobs):
     def mma_stage(a, abuf, acc, desc, tile, sums=0):
         """Issue (not wait for) the stage's wgmmas: per k-step one m64n{bm}k16 per group (scale_on_acc:
         into the k-tile's own set of sums, acc[acc_len * (1 + sums):], which the first k-step overwrites)."""
-        if sacc:
-            base = acc_len * (1 + sums)
-            T.warpgroup_fence_operand(acc, base, num_regs=acc_len)
-            T.warpgroup_arrive()
-            for u in T.unroll(steps):
-                # (one loop: with k-step 0 peeled, nvcc left the A fragments in local memory at block_m 32)
-                wgmma_step(a, abuf, acc, desc, tile, u, base, u > 0)
-        else:
-            T.warpgroup_fence_operand(acc, num_regs=acc_len)
-            T.warpgroup_arrive()
-            for u in T.unroll(steps):
-                wgmma_step(a, abuf, acc, desc, tile, u)
+        base = acc_len * (1 + sums) if sacc else 0
+        T.warpgroup_fence_operand(acc, base, num_regs=acc_len)
+        T.warpgroup_arrive()
+        for u in T.unroll(steps):
+            # (k-step 0 overwrites the k-tile's sums through the predicate, not peeled off the loop: peeled,
+            # nvcc left the A fragments in local memory at block_m 32)
+            wgmma_step(a, abuf, acc, desc, tile, u, base, u > 0 if sacc else 1)
         T.warpgroup_commit_batch()
 
     @T.macro

@@ -270,8 +270,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
                 f"the stage's {kb.k_steps} k-steps")
     if kb.scale_on_acc and problem.channelwise:
         return "scale_on_acc scales each k-tile's sums by its group's scales: channelwise scales have no groups"
-    if kb.scale_on_acc and not (kb.tma and kb.overlap) or kb.scale_on_acc and (
-            kb.ring or kb.k_split or kb.persistent or kb.stream_k or kb.setmaxnreg):
+    if kb.scale_on_acc and (not (kb.tma and kb.overlap) or kb.ring or kb.k_split or kb.persistent or kb.stream_k
+                            or kb.setmaxnreg):
         return ("scale_on_acc folds k-tile t - 1's sums after the wait of the overlapped tma k-loop: it needs tma "
                 "and overlap, and no ring, k_split, persistent, stream_k or setmaxnreg")
     if kb.fold_lag and not kb.scale_on_acc:
