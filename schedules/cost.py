@@ -293,6 +293,8 @@ KNOB_FACTORS = {
         # model's ratio (its fold term already makes block_m 16 0.93x, 32 level, 64 1.13x): 8 pairs at
         # M = 16-64, 0.82-1.31, median 1.05 (it pays at 6-8 stages, loses at 4).
         "scale_on_acc": ((None, 1.05),),
+        # Session 24 (v49): fold_lag over scale_on_acc alone, 25 same-run pairs at M = 16 (0.59-1.48).
+        "fold_lag": ((None, 0.98),),
         ("stages", 6): ((None, 0.93),),
         ("stages", 8): ((None, 0.88),),
         ("block_m", 128): ((64, 1.0), (256, 0.91), (None, 0.85)),

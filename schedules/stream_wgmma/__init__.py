@@ -76,13 +76,16 @@ AXES = {
     # winners (qkv, gate_up), 0.93-0.96x at M = 32-64 where it won, but 1.06-1.23x at some stage
     # counts (session 23, perf-notes v48).
     "scale_on_acc": (False, True),
-    # scale_on_acc's fold under the next k-tile's wgmmas, a full wait once per unrolled trip (session
-    # 23, CPU only: 107 registers against 72 at qkv 16's form, no serialization): not yet measured.
-    "fold_lag": (False,),
+    # scale_on_acc's fold under the next k-tile's wgmmas, a full wait once per unrolled trip: 0.84x
+    # and 0.99x at the gate_up 16 / qkv 16 winners (6 and 8 stages), and it takes back 4 stages' loss
+    # (0.74-0.88x); at down / o 16, 0.59-0.98x at split_k 4, 1.06-1.29x at split_k 2 and 8 (25
+    # same-run pairs, median 0.98; session 24, perf-notes v49).
+    "fold_lag": (False, True),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.
-VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m", "stage_unroll", "ring", "scale_on_acc")
+VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m", "stage_unroll", "ring", "scale_on_acc",
+                "fold_lag")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order
