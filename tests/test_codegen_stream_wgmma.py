@@ -157,6 +157,17 @@ CASES = {
     "tma_g2_odd_k_tiles_sacc_lag": (Problem(4096, 11008, 128), Knobs(32, 2, 1, 64, 4, overlap=True, split_k=4,
                                                                      smem_weights=True, tma=True, scale_on_acc=True,
                                                                      fold_lag=True)),
+    # uneven splits (session 24): down_proj's 86 k-tiles in 8 splits of 11 and 10 (4 stages, so that the
+    # k-loops stay loops), and 64
+    # k-tiles in 3 splits of 22, 21, 21 through the workspace
+    "tma_producer_cluster_uneven_split8_sacc_lag": (Problem(4096, 11008, 128),
+                                                    Knobs(16, 1, 1, 128, 4, overlap=True, split_k=8, smem_weights=True,
+                                                          tma=True, release_barriers=True, producer_warp=True,
+                                                          cluster_reduce=True, early_start=2, stage_unroll=True,
+                                                          scale_on_acc=True, fold_lag=True)),
+    "tma_producer_uneven_split3": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 4, overlap=True, split_k=3,
+                                                                  smem_weights=True, tma=True, release_barriers=True,
+                                                                  producer_warp=True, stage_unroll=True)),
 }
 
 
@@ -222,6 +233,7 @@ def test_not_offered_before_hopper():
     (Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
            setmaxnreg=True, scale_on_acc=True), "setmaxnreg"),
     (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, fold_lag=True), "needs scale_on_acc"),
+    (Knobs(16, 1, 1, 64, 4, overlap=True, split_k=3, smem_weights=True, tma=True), "do not split evenly"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -589,5 +601,17 @@ def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
     sums = knobs.groups * knobs.block_m // 2
     assert count(r"fma\.rn\.f32", ptx) >= sums * tiles_per_loop
     if knobs.block_m == 16 and knobs.groups == 1:
+        # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, still 3 blocks per SM)
+        uneven = knobs.k_tiles(problem) % knobs.split_k
         out = ptxas_output(ptx, "sm_90a", tmp_path)
-        assert int(re.search(r"Used (\d+) registers", out).group(1)) <= (112 if knobs.fold_lag else 80), out
+        bound = (128 if uneven else 112) if knobs.fold_lag else 80
+        assert int(re.search(r"Used (\d+) registers", out).group(1)) <= bound, out
+
+
+def test_uneven_splits_run_one_pipeline_per_count(compiled):
+    # The first k_tiles % split_k splits take one k-tile more; each count is a constant of its own copy of
+    # the pipeline, so the split's first k-tile is the only runtime term.
+    problem, knobs, src, _ = compiled
+    extra = knobs.k_tiles(problem) % knobs.split_k
+    branch = f"if (((int)blockIdx.z) < {extra}) {{"
+    assert (branch in src) == bool(extra)

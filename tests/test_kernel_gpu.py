@@ -205,6 +205,14 @@ STREAM_WGMMA_KNOBS = {
                                                         stage_unroll=True, scale_on_acc=True, fold_lag=True),
     "swg_m32_g2_tma_split4_sacc_lag": SW(32, 2, 1, 64, 4, overlap=True, split_k=4, smem_weights=True, tma=True,
                                          scale_on_acc=True, fold_lag=True),
+    # uneven splits (the first k_tiles % split_k splits a k-tile longer; session 24): 8 in a cluster
+    # (down_proj 86 k-tiles: 11 and 10; the others even), 3 through the workspace (every layer uneven)
+    "swg_m16_k128_producer_cluster_split8_uneven_sacc_lag": SW(16, 1, 1, 128, 4, overlap=True, split_k=8,
+                                                               smem_weights=True, tma=True, release_barriers=True,
+                                                               producer_warp=True, cluster_reduce=True, early_start=2,
+                                                               stage_unroll=True, scale_on_acc=True, fold_lag=True),
+    "swg_m16_k64_producer_split3_uneven": SW(16, 1, 1, 64, 4, overlap=True, split_k=3, smem_weights=True, tma=True,
+                                             release_barriers=True, producer_warp=True, stage_unroll=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},

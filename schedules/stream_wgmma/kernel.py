@@ -109,7 +109,9 @@ def build(problem: Problem, knobs: Knobs):
     steps, stages, ahead, prefetch, overlap = kb.k_steps, kb.stages, kb.ahead, kb.prefetch, kb.overlap
     threads = kb.threads
     consumers = kb.consumer_threads     # threads of the warpgroups; with producer_warp one warp (or warpgroup) more
-    trips = kb.k_tiles(problem) // kb.split_k
+    # K-tiles per split; the first `extra` splits take one more (uneven splits: the producer warp's tma
+    # pipeline only, where each block's count is a constant of one of two branches, see body())
+    trips, extra = divmod(kb.k_tiles(problem), kb.split_k)
     grouped = not problem.channelwise
     split = kb.uses_workspace
     grid_n = n // bn
@@ -452,7 +454,7 @@ def build(problem: Problem, knobs: Knobs):
         the loop (an odd one in buffer 1): under a condition inside the loop, or after it, ptxas
         waited for every wgmma before the next (its warning C7513, found on down_proj with 43 k-tiles
         per split)."""
-        mine = trips // ksplit          # k-tiles of this warpgroup; with k_split its own are kw, kw + 2, ...
+        mine = count // ksplit          # k-tiles of this warpgroup; with k_split its own are kw, kw + 2, ...
         if stream_k:
             mine = count                # this segment's k-tiles, a runtime multiple of two: no peel
         if ksplit > 1:
@@ -470,16 +472,19 @@ def build(problem: Problem, knobs: Knobs):
                                lane, g0 + t * ksplit if ksplit > 1 else g0 + t, t, r, r == 0, r == per_trip - 1)
 
     @T.macro
-    def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane):
-        """tma: the stages fill by TMA and a thread waits for its stage's barrier phase; with
-        producer_warp the extra warp produces while the warpgroups consume (warp specialization)."""
+    def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
+                     count):
+        """tma: the block's `count` k-tiles from k-tile k0 (a constant: trips, or trips + 1 for the
+        first splits of an uneven split_k); the stages fill by TMA and a thread waits for its stage's
+        barrier phase; with producer_warp the extra warp produces while the warpgroups consume (warp
+        specialization)."""
         if producer:
             if in_producer_warp():
-                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, trips, by, bx, tx)
+                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx)
             else:
                 zero_sums(acc, sc)
                 consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
-                            trips)
+                            count)
         else:
             for p in T.unroll(stages - 1):
                 load_tma(A, B, S, X_s, W_s, S_s, full, empty, p, k0, by, bx, tx)
@@ -673,19 +678,20 @@ def build(problem: Problem, knobs: Knobs):
         return X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, None
 
     @T.macro
-    def start_early(B, S, bx, bz):
+    def start_early(B, S, bx, k0):
         """early_start: let the next kernel launch, and ask L2 for the packed rows (8 * block_n bytes
-        each, consecutive k-steps) and scale rows of this block's first k-tiles, a lane each."""
+        each, consecutive k-steps) and scale rows of this block's first k-tiles (from k-tile k0), a lane
+        each."""
         lane = T.get_thread_binding() % 32
         T.call_extern("handle", "tm_launch_dependents")
         if T.get_thread_binding() < 32:
             rows = kb.early_start * steps
             if lane < rows:
-                T.call_extern("handle", "tm_prefetch_l2", T.access_ptr(B[bz * trips * steps + lane, bx * 2 * bn], "r"),
+                T.call_extern("handle", "tm_prefetch_l2", T.access_ptr(B[k0 * steps + lane, bx * 2 * bn], "r"),
                               8 * bn)
             elif grouped and lane < rows + kb.early_start:
                 T.call_extern("handle", "tm_prefetch_l2",
-                              T.access_ptr(S[(bz * trips + lane - rows) * bk // group, bx * bn], "r"), 2 * bn)
+                              T.access_ptr(S[(k0 + lane - rows) * bk // group, bx * bn], "r"), 2 * bn)
 
     @T.macro
     def body(A, B, S, C, ws, counters):
@@ -702,8 +708,9 @@ def build(problem: Problem, knobs: Knobs):
                 bx = T.alloc_var("int32", init=tile_n)
             else:
                 by, bx = grid_y, grid_x
+            k0 = bz * trips + T.min(bz, extra) if extra else bz * trips    # the split's first k-tile
             if kb.early_start:
-                start_early(B, S, bx, bz)
+                start_early(B, S, bx, k0)
             wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
 
@@ -711,7 +718,6 @@ def build(problem: Problem, knobs: Knobs):
             wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
             wq = tx // 32 % 4
             lane = tx % 32
-            k0 = bz * trips
             T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
             if not producer:    # (the producer warp's consumers zero their own sums)
                 zero_sums(acc, sc)
@@ -719,8 +725,17 @@ def build(problem: Problem, knobs: Knobs):
             if kb.setmaxnreg:    # (split_k 1: the epilogue is the consumers' own, inside)
                 pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx,
                                         wg, wq, lane, Y_s)
+            elif tma and extra:
+                # Two copies of the pipeline, one per count, so that each loop's trip count stays a constant.
+                if bz < extra:
+                    pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
+                                 lane, trips + 1)
+                else:
+                    pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
+                                 lane, trips)
             elif tma:
-                pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
+                pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
+                             trips)
             elif w_smem:
                 pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             else:

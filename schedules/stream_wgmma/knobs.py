@@ -291,8 +291,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
         return f"stages={kb.stages} leaves no activation stage in flight" + (" with overlap" if kb.overlap else "")
-    if kb.k_tiles(problem) % kb.split_k:
-        return f"{kb.k_tiles(problem)} k-tiles do not split evenly into split_k={kb.split_k}"
+    if kb.k_tiles(problem) % kb.split_k and not (kb.tma and kb.producer_warp):
+        return (f"{kb.k_tiles(problem)} k-tiles do not split evenly into split_k={kb.split_k}; uneven splits "
+                "(the first ones a k-tile longer) need the producer warp's tma pipeline")
     if kb.k_tiles(problem) // kb.split_k < kb.stages:
         return f"each split has fewer k-tiles than stages={kb.stages}"
     chunks = kb.block_m * kb.block_k // 8
