@@ -29,6 +29,8 @@ AXES = {
     "stages": (4, 6, 8),
     "ahead": (1,),
     "overlap": (True,),       # decode of k-tile t + 1 under k-tile t's wgmmas: faster in every pair
+    # Uneven splits (with the producer warp) since session 24: correct, and 4 / 8 now reach down_proj's
+    # 86 k-tiles of 128; 3 and 6 measured no faster at M = 16 (perf-notes v49), so not added.
     "split_k": (1, 2, 4, 8),
     "smem_weights": (True,),
     "tma": (True,),

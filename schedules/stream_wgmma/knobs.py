@@ -24,7 +24,8 @@ class Knobs:
     pipeline stage: the activations of `stages` stages are in flight by cp.async, the weights of
     `ahead` stages in registers. overlap decodes stage t + 1 while the wgmmas of stage t run (two
     A fragment buffers; one stage less of activations in flight). split_k > 1 spreads the k-tiles
-    over that many blocks per output tile (fp32 workspace, schedules/epilogue.py). smem_weights
+    over that many blocks per output tile (fp32 workspace, schedules/epilogue.py); with the producer
+    warp's tma pipeline they need not divide evenly (the first k_tiles % split_k splits take one more). smem_weights
     moves the packed words and scale rows through the activation stages by cp.async (then `ahead`
     must be 1: the stages are the buffers), so that the k-loop loads nothing from global memory into
     registers: ptxas waits for all of a loop's global loads on one scoreboard, which made the
