@@ -615,3 +615,15 @@ def test_uneven_splits_run_one_pipeline_per_count(compiled):
     extra = knobs.k_tiles(problem) % knobs.split_k
     branch = f"if (((int)blockIdx.z) < {extra}) {{"
     assert (branch in src) == bool(extra)
+
+
+def test_the_search_space_keeps_even_splits_only():
+    # Uneven splits are valid with the producer warp (and reached by sweeps and --variants), but the
+    # searched space holds even ones only: down_proj's 86 k-tiles of 128 split 1 or 2 ways there.
+    down = Problem(4096, 11008, 128)
+    uneven = Knobs(16, 1, 1, 128, 4, overlap=True, split_k=4, smem_weights=True, tma=True, release_barriers=True,
+                   producer_warp=True, cluster_reduce=True)
+    assert stream_wgmma.check(down, uneven, SM90) is None
+    space = stream_wgmma.space(down, SM90)
+    assert space and all(kb.k_tiles(down) % kb.split_k == 0 for kb in space)
+    assert {kb.split_k for kb in space if kb.block_k == 128} == {1, 2}

@@ -29,8 +29,7 @@ AXES = {
     "stages": (4, 6, 8),
     "ahead": (1,),
     "overlap": (True,),       # decode of k-tile t + 1 under k-tile t's wgmmas: faster in every pair
-    # Uneven splits (with the producer warp) since session 24: correct, and 4 / 8 now reach down_proj's
-    # 86 k-tiles of 128; 3 and 6 measured no faster at M = 16 (perf-notes v49), so not added.
+    # (even splits only: see space())
     "split_k": (1, 2, 4, 8),
     "smem_weights": (True,),
     "tma": (True,),
@@ -94,8 +93,12 @@ from_axes = positional(Knobs)    # AXES name the Knobs fields in order
 
 
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
-    """Every valid point of the named axes for `problem` on `arch`."""
-    return valid_points(AXES, from_axes, check, problem, arch)
+    """Every valid point of the named axes for `problem` on `arch` whose splits are even: uneven ones
+    (valid with the producer warp) measured slower wherever tried (down_proj 16, perf-notes v49), and in
+    the search they took first-round places at down_proj 16-64 from the measured winners (`gen sweep`
+    and `--variants` still reach them)."""
+    return [kb for kb in valid_points(AXES, from_axes, check, problem, arch)
+            if kb.k_tiles(problem) % kb.split_k == 0]
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
