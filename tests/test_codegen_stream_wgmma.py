@@ -157,6 +157,14 @@ CASES = {
     "tma_g2_odd_k_tiles_sacc_lag": (Problem(4096, 11008, 128), Knobs(32, 2, 1, 64, 4, overlap=True, split_k=4,
                                                                      smem_weights=True, tma=True, scale_on_acc=True,
                                                                      fold_lag=True)),
+    # ... and 6 stages at 16 k-tiles per split: four k-tiles before the loop of 6-k-tile trips, which
+    # run as a loop of their own (two trips of two)
+    "tma_producer_cluster_lead4_sacc_lag": (Problem(4096, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
+                                                                           split_k=2, smem_weights=True, tma=True,
+                                                                           release_barriers=True, producer_warp=True,
+                                                                           cluster_reduce=True, early_start=2,
+                                                                           stage_unroll=True, scale_on_acc=True,
+                                                                           fold_lag=True)),
     # uneven splits (session 24): down_proj's 86 k-tiles in 8 splits of 11 and 10 (4 stages, so that the
     # k-loops stay loops), and 64
     # k-tiles in 3 splits of 22, 21, 21 through the workspace
@@ -402,7 +410,8 @@ def test_barriers_in_the_k_loops(compiled):
 
 def k_loops(src: str) -> list[str]:
     """The kernel's loops over k-tiles: its outermost loops that nvcc is not asked to unroll (nor
-    any loop inside an unrolled one, such as the k-tiles that stage_unroll runs before its loop)."""
+    any loop inside an unrolled one, such as the k-tiles that stage_unroll runs before its loop, nor
+    the rolled loop of those k-tiles past three, `#pragma unroll 1`: lead_loop)."""
     body = src[src.index("__global__ void __launch_bounds__"):]
     loops, end = [], 0
     for found in re.finditer(r"for \(int \w+ = 0;", body):
@@ -413,7 +422,7 @@ def k_loops(src: str) -> list[str]:
             depth += {"{": 1, "}": -1}.get(body[i], 0)
             if depth == 0:
                 end = i + 1
-                if not body[:found.start()].rstrip().endswith("#pragma unroll"):
+                if not re.search(r"#pragma unroll( 1)?$", body[:found.start()].rstrip()):
                     loops.append(body[found.start():end])
                 break
     assert loops, "no k-loop found"
@@ -544,6 +553,23 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
     assert re.search(rf"for \(int (r\w*) = 0; \1 < {per_trip}; \+\+\1\)", loop)
     assert waits and all("t0" not in index for index in waits), waits
 
+
+
+def test_lead_k_tiles_past_three_run_as_a_rolled_loop(compiled):
+    """stage_unroll: the k-tiles short of a whole trip run before the loop; from four on, all but an odd
+    one as a loop of two-k-tile trips that nvcc keeps rolled (peeled, each cost ptxas ~15 registers:
+    at 6 stages and 16 k-tiles per split 150 against 112, 2 blocks per SM instead of 3; v50)."""
+    problem, knobs, src, _ = compiled
+    rolled = re.findall(r"#pragma unroll 1\s+for \(int (t0\w*) = 0; \1 < (\d+); \+\+\1\)", src)
+    if not knobs.stage_unroll or knobs.persistent or knobs.stream_k or knobs.k_split:
+        assert not rolled
+        return
+    splits = {knobs.k_tiles(problem) // knobs.split_k, -(-knobs.k_tiles(problem) // knobs.split_k)}
+    leads = sorted(k % math.lcm(2, knobs.stages) for k in splits)
+    assert sorted(int(trips) for _, trips in rolled) == [lead // 2 for lead in leads if lead >= 4]
+    for name, _ in rolled:      # (each k-tile's stage from the trip number, at run time)
+        body = src[src.index(f"for (int {name} = 0;"):]
+        assert re.search(rf"full\[[^\]]*{name}[^\]]*\]\.wait", body[:body.index("wgmma")])
 
 
 def test_stage_unroll_makes_the_producers_stage_indices_constant(compiled):

@@ -198,13 +198,18 @@ STREAM_WGMMA_KNOBS = {
                                                     scale_on_acc=True),
     "swg_m32_g2_tma_split4_sacc": SW(32, 2, 1, 64, 4, overlap=True, split_k=4, smem_weights=True, tma=True,
                                      scale_on_acc=True),
-    # ... with each k-tile's fold under the next one's wgmmas (fold_lag; written in session 23, not yet run)
+    # ... with each k-tile's fold under the next one's wgmmas (fold_lag)
     "swg_m16_k128_producer_cluster_split2_sacc_lag": SW(16, 1, 1, 128, 4, overlap=True, split_k=2,
                                                         smem_weights=True, tma=True, release_barriers=True,
                                                         producer_warp=True, cluster_reduce=True, early_start=2,
                                                         stage_unroll=True, scale_on_acc=True, fold_lag=True),
     "swg_m32_g2_tma_split4_sacc_lag": SW(32, 2, 1, 64, 4, overlap=True, split_k=4, smem_weights=True, tma=True,
                                          scale_on_acc=True, fold_lag=True),
+    # ... at 6 stages: 16 k-tiles per split leave 4 before the loop (two trips of a rolled loop), 43 one
+    "swg_m16_k128_producer_cluster_split2_s6_sacc_lag": SW(16, 1, 1, 128, 6, overlap=True, split_k=2,
+                                                           smem_weights=True, tma=True, release_barriers=True,
+                                                           producer_warp=True, cluster_reduce=True, early_start=2,
+                                                           stage_unroll=True, scale_on_acc=True, fold_lag=True),
     # uneven splits (the first k_tiles % split_k splits a k-tile longer; session 24): 8 in a cluster
     # (down_proj 86 k-tiles: 11 and 10; the others even), 3 through the workspace (every layer uneven)
     "swg_m16_k128_producer_cluster_split8_uneven_sacc_lag": SW(16, 1, 1, 128, 4, overlap=True, split_k=8,
@@ -213,6 +218,13 @@ STREAM_WGMMA_KNOBS = {
                                                                stage_unroll=True, scale_on_acc=True, fold_lag=True),
     "swg_m16_k64_producer_split3_uneven": SW(16, 1, 1, 64, 4, overlap=True, split_k=3, smem_weights=True, tma=True,
                                              release_barriers=True, producer_warp=True, stage_unroll=True),
+    # 4 splits at 8 stages: down_proj's 22 and 21 k-tiles leave 6 and 5 before the loop (rolled), the others 0
+    "swg_m16_k128_producer_cluster_split4_s8_uneven_sacc_lag": SW(16, 1, 1, 128, 8, overlap=True, split_k=4,
+                                                                  smem_weights=True, tma=True,
+                                                                  release_barriers=True, producer_warp=True,
+                                                                  cluster_reduce=True, early_start=2,
+                                                                  stage_unroll=True, scale_on_acc=True,
+                                                                  fold_lag=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
