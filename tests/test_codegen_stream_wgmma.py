@@ -2,6 +2,7 @@
 show the family's design: wgmma with its A operand in registers (the decoded weights) and B from a
 shared-memory descriptor (the activations), activations by cp.async, the lop3 decode, the weights
 never in shared memory, every register buffer in registers, one barrier per k-tile."""
+import dataclasses
 import math
 import re
 
@@ -12,6 +13,7 @@ from schedules import stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
+from schedules.stream_wgmma.knobs import SM90_SHARED_PER_SM
 from tests.test_codegen_stream import assert_split_sums_move_vectors, count, ptxas_output, ptxas_spills
 
 Knobs = stream_wgmma.Knobs
@@ -653,3 +655,31 @@ def test_the_search_space_keeps_even_splits_only():
     space = stream_wgmma.space(down, SM90)
     assert space and all(kb.k_tiles(down) % kb.split_k == 0 for kb in space)
     assert {kb.split_k for kb in space if kb.block_k == 128} == {1, 2}
+
+
+@pytest.mark.parametrize("max_blocks", (1, 2))
+def test_max_blocks_caps_the_blocks_per_sm_by_shared_memory(max_blocks):
+    """max_blocks pads the weight stages: the kernel then launches with shared memory for at most B
+    blocks per SM (each block also takes 1 KB), where the unpadded one fits 4; nothing else changes."""
+    problem = Problem(1024, 4096, 128)
+    knobs = Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
+                  producer_warp=True, cluster_reduce=True, early_start=2, stage_unroll=True, scale_on_acc=True,
+                  fold_lag=True)
+    padded = dataclasses.replace(knobs, max_blocks=max_blocks)
+    assert stream_wgmma.check(problem, padded, SM90) is None
+    assert stream_wgmma.check(problem, dataclasses.replace(knobs, smem_weights=False, tma=False,
+                                                           release_barriers=False, producer_warp=False,
+                                                           cluster_reduce=False, early_start=0, stage_unroll=False,
+                                                           scale_on_acc=False, fold_lag=False, max_blocks=1), SM90)
+
+    def launch_constants(kb):
+        kernel = compile_schedule(problem, Schedule("stream_wgmma", kb), SM90)
+        source = kernel.get_host_source()
+        return kernel.get_kernel_source(), {int(v) for v in re.findall(r"\(\(int64_t\)(\d+)\)", source)}
+
+    src, plain = launch_constants(knobs)
+    padded_src, launch = launch_constants(padded)
+    (before,), (after,) = plain - launch, launch - plain     # the dynamic shared memory, the one difference
+    per_block = lambda smem: SM90_SHARED_PER_SM // (smem + 1024)
+    assert per_block(before) > 3 and per_block(after) == max_blocks
+    assert re.sub(r"\d+", "#", padded_src) == re.sub(r"\d+", "#", src)     # the same code, other offsets

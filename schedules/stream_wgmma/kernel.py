@@ -675,7 +675,7 @@ def build(problem: Problem, knobs: Knobs):
             T.annotate_layout({X_s: make_swizzled_layout(X_s)})
             full = T.alloc_barrier([1 if release else threads] * stages)
             empty = T.alloc_barrier([consumers // ksplit] * stages) if release else None
-        W_s = T.alloc_shared((stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
+        W_s = T.alloc_shared((stages + kb.pad_stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
         S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
         sc = T.alloc_local((bufs * per_s * (2 if sacc else 1),), dtype)

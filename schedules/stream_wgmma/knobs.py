@@ -11,6 +11,7 @@ from ..problem import Problem
 WARPGROUP = 128
 CORE_ROWS = 8        # a wgmma core matrix: 8 rows of 16 bytes
 PRODUCER_REGISTERS = 40   # setmaxnreg: what the producer warpgroup keeps (TMA issue and barrier waits)
+SM90_SHARED_PER_SM = 228 * 1024   # an sm_90 SM's shared memory, of which each block also takes 1 KB
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class Knobs:
     k-tile t's after the wait that completes it, while k-tile t + 1's wgmmas run; ptxas allows that
     only within the unrolled trip of the k-loop, so the warpgroup waits for all its wgmmas once per
     trip (lcm(2, stages) k-tiles with stage_unroll) instead of once per k-tile.
+    max_blocks (B > 0, smem_weights) pads the weight stages' shared memory so that at most B blocks
+    fit on an SM: a grid of less than a wave then spreads over more SMs instead of packing several
+    of a cluster's blocks onto one (down_proj 16 in clusters of 3: 11.8 us at 2 blocks per SM by
+    registers, 13.8 at 3; perf-notes v50); 0 leaves the count to registers and shared memory.
     """
 
     block_m: int = 128
@@ -114,6 +119,7 @@ class Knobs:
     ring: int = 0
     scale_on_acc: bool = False
     fold_lag: bool = False
+    max_blocks: int = 0
 
     @property
     def block_n(self) -> int:
@@ -169,7 +175,7 @@ class Knobs:
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag))
+                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -177,12 +183,27 @@ class Knobs:
         return problem.k // self.block_k
 
     def shared_bytes(self, problem: Problem) -> int:
+        return self._unpadded_shared_bytes() + self.pad_stages * self.block_k * self.block_n // 2
+
+    def _unpadded_shared_bytes(self) -> int:
         x = self.stages * self.block_m * self.block_k * 2
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
         c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
         return x + w + c + y + 64
+
+    @property
+    def pad_stages(self) -> int:
+        """Unused weight stages that max_blocks adds to the allocation: enough that B + 1 blocks (each
+        with the 1 KB the SM reserves per block) overflow the SM's shared memory, with 8 KB to spare
+        for what the estimate counts and TileLang's merge overlaps (the split-K tile: 4 KB at
+        block_m 16)."""
+        if not self.max_blocks:
+            return 0
+        target = SM90_SHARED_PER_SM // (self.max_blocks + 1) - 1024 + 1 + 8192
+        stage = self.block_k * self.block_n // 2
+        return max(0, -(-(target - self._unpadded_shared_bytes()) // stage))
 
     def registers_estimate(self) -> int:
         # the total and one (scale_on_acc) or two (fold_lag) sets of k-tile sums
@@ -275,6 +296,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
                             or kb.setmaxnreg):
         return ("scale_on_acc folds k-tile t - 1's sums after the wait of the overlapped tma k-loop: it needs tma "
                 "and overlap, and no ring, k_split, persistent, stream_k or setmaxnreg")
+    if kb.max_blocks < 0 or kb.max_blocks and not kb.smem_weights:
+        return f"max_blocks={kb.max_blocks}: 0 (no cap) or the blocks per SM, padding the weight stages (smem_weights)"
     if kb.fold_lag and not kb.scale_on_acc:
         return "fold_lag delays scale_on_acc's fold of each k-tile's sums: it needs scale_on_acc"
     if kb.panel_m < 0 or kb.panel_m == 1:
