@@ -168,8 +168,7 @@ CASES = {
                                                                            stage_unroll=True, scale_on_acc=True,
                                                                            fold_lag=True)),
     # uneven splits (session 24): down_proj's 86 k-tiles in 8 splits of 11 and 10 (4 stages, so that the
-    # k-loops stay loops), and 64
-    # k-tiles in 3 splits of 22, 21, 21 through the workspace
+    # k-loops stay loops), and 64 k-tiles in 3 splits of 22, 21, 21 through the workspace
     "tma_producer_cluster_uneven_split8_sacc_lag": (Problem(4096, 11008, 128),
                                                     Knobs(16, 1, 1, 128, 4, overlap=True, split_k=8, smem_weights=True,
                                                           tma=True, release_barriers=True, producer_warp=True,

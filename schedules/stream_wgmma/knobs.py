@@ -329,7 +329,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.producer_warp and regs > kb.max_registers - 20:
         # At block_m 256 (estimate 205 of 224) ptxas kept its registers but waited for every wgmma
         # before the next (its warning C7512): the producer warp costs the consumers 32 registers each.
-        return f"about {regs} registers per thread leave ptxas too few of {kb.max_registers} to keep the wgmmas in flight"
+        return (f"about {regs} registers per thread leave ptxas too few of {kb.max_registers} to keep the wgmmas "
+                "in flight")
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
         return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
     return None
