@@ -218,6 +218,12 @@ STREAM_WGMMA_KNOBS = {
                                                                stage_unroll=True, scale_on_acc=True, fold_lag=True),
     "swg_m16_k64_producer_split3_uneven": SW(16, 1, 1, 64, 4, overlap=True, split_k=3, smem_weights=True, tma=True,
                                              release_barriers=True, producer_warp=True, stage_unroll=True),
+    # at most one block per SM (max_blocks: the weight stages padded), 2 splits in a cluster
+    "swg_m16_k128_producer_cluster_split2_s6_sacc_lag_mb1": SW(16, 1, 1, 128, 6, overlap=True, split_k=2,
+                                                               smem_weights=True, tma=True, release_barriers=True,
+                                                               producer_warp=True, cluster_reduce=True, early_start=2,
+                                                               stage_unroll=True, scale_on_acc=True, fold_lag=True,
+                                                               max_blocks=1),
     # 4 splits at 8 stages: down_proj's 22 and 21 k-tiles leave 6 and 5 before the loop (rolled), the others 0
     "swg_m16_k128_producer_cluster_split4_s8_uneven_sacc_lag": SW(16, 1, 1, 128, 8, overlap=True, split_k=4,
                                                                   smem_weights=True, tma=True,
