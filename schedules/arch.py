@@ -21,6 +21,15 @@ class Arch:
         return self.sm >= 90
 
 
+SM90_SHARED_PER_SM = 228 * 1024     # an sm_90 SM's shared memory; each resident block also takes 1 KB
+
+
+def shared_bytes_for_at_most(blocks: int) -> int:
+    """The least dynamic shared memory per block with which at most `blocks` blocks fit an sm_90 SM
+    (what a family's max_blocks knob pads its stages up to)."""
+    return SM90_SHARED_PER_SM // (blocks + 1) - 1024 + 1
+
+
 _KNOWN = {
     "sm_80": Arch("sm_80", 80, 163 * 1024),
     "sm_86": Arch("sm_86", 86, 99 * 1024),

@@ -12,7 +12,7 @@ import pytest
 
 from gen.compile import compile_schedule
 from schedules import stream_mma
-from schedules.arch import get_arch
+from schedules.arch import SM90_SHARED_PER_SM, get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
 
@@ -407,3 +407,33 @@ def test_fold_lag_keeps_two_sets_of_sums_and_no_more_mmas(tmp_path):
     assert re.search(rf"float acc\[{2 * sums}\]", sources[True][0])
     assert count(r"mma\.sync", sources[True][1]) == count(r"mma\.sync", sources[False][1])
     assert ptxas_spills(sources[True][1], arch, tmp_path) == (0, 0)
+
+
+def padded_launches(problem: Problem, schedule: Schedule, max_blocks: int) -> tuple[int, int, str, str]:
+    """Compile `schedule` without and with max_blocks: (dynamic shared bytes of each launch, each
+    kernel's source). TileLang's host code passes the launch's shared memory as an int64 constant;
+    padding changes that constant and nothing else among them."""
+    padded = Schedule(schedule.family, dataclasses.replace(schedule.knobs, max_blocks=max_blocks))
+    kernels = [compile_schedule(problem, s, get_arch("sm_90a")) for s in (schedule, padded)]
+    plain, capped = ({int(v) for v in re.findall(r"\(\(int64_t\)(\d+)\)", k.get_host_source())} for k in kernels)
+    (before,), (after,) = plain - capped, capped - plain
+    return before, after, kernels[0].get_kernel_source(), kernels[1].get_kernel_source()
+
+
+def blocks_per_sm(shared_bytes: int) -> int:
+    return SM90_SHARED_PER_SM // (shared_bytes + 1024)
+
+
+@pytest.mark.parametrize("max_blocks", (1, 2))
+def test_max_blocks_caps_the_blocks_per_sm_by_shared_memory(max_blocks):
+    """max_blocks pads the warps' activation slots: the kernel launches with shared memory for at most
+    B blocks per SM (down_proj M = 8's form two batches deep fits 4 unpadded; at its own 4 batches 2);
+    the code is the same but for the slots' offsets."""
+    problem = Problem(4096, 11008, 128)
+    knobs = Knobs(1, 1, 8, 4, 2, 2, x_ldmatrix=True, async_weights=True, fold_zero_point=True,
+                  cluster_reduce=True, sum_slices=True, early_start=2, late_trigger=True)
+    assert stream_mma.check(problem, dataclasses.replace(knobs, max_blocks=max_blocks), get_arch("sm_90a")) is None
+    assert stream_mma.check(problem, dataclasses.replace(knobs, max_blocks=1), get_arch("sm_80"))
+    before, after, src, padded_src = padded_launches(problem, Schedule("stream_mma", knobs), max_blocks)
+    assert blocks_per_sm(before) > 2 and blocks_per_sm(after) == max_blocks
+    assert re.sub(r"\d+", "#", padded_src) == re.sub(r"\d+", "#", src)

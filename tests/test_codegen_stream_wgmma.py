@@ -13,8 +13,8 @@ from schedules import stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
-from schedules.stream_wgmma.knobs import SM90_SHARED_PER_SM
-from tests.test_codegen_stream import assert_split_sums_move_vectors, count, ptxas_output, ptxas_spills
+from tests.test_codegen_stream import (assert_split_sums_move_vectors, blocks_per_sm, count, padded_launches,
+                                       ptxas_output, ptxas_spills)
 
 Knobs = stream_wgmma.Knobs
 SM90 = get_arch("sm_90a")
@@ -664,21 +664,8 @@ def test_max_blocks_caps_the_blocks_per_sm_by_shared_memory(max_blocks):
     knobs = Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
                   producer_warp=True, cluster_reduce=True, early_start=2, stage_unroll=True, scale_on_acc=True,
                   fold_lag=True)
-    padded = dataclasses.replace(knobs, max_blocks=max_blocks)
-    assert stream_wgmma.check(problem, padded, SM90) is None
-    assert stream_wgmma.check(problem, dataclasses.replace(knobs, smem_weights=False, tma=False,
-                                                           release_barriers=False, producer_warp=False,
-                                                           cluster_reduce=False, early_start=0, stage_unroll=False,
-                                                           scale_on_acc=False, fold_lag=False, max_blocks=1), SM90)
-
-    def launch_constants(kb):
-        kernel = compile_schedule(problem, Schedule("stream_wgmma", kb), SM90)
-        source = kernel.get_host_source()
-        return kernel.get_kernel_source(), {int(v) for v in re.findall(r"\(\(int64_t\)(\d+)\)", source)}
-
-    src, plain = launch_constants(knobs)
-    padded_src, launch = launch_constants(padded)
-    (before,), (after,) = plain - launch, launch - plain     # the dynamic shared memory, the one difference
-    per_block = lambda smem: SM90_SHARED_PER_SM // (smem + 1024)
-    assert per_block(before) > 3 and per_block(after) == max_blocks
+    assert stream_wgmma.check(problem, dataclasses.replace(knobs, max_blocks=max_blocks), SM90) is None
+    assert stream_wgmma.check(problem, Knobs(16, 1, 1, 64, 4, max_blocks=1), SM90)     # (no weight stages)
+    before, after, src, padded_src = padded_launches(problem, Schedule("stream_wgmma", knobs), max_blocks)
+    assert blocks_per_sm(before) > 3 and blocks_per_sm(after) == max_blocks
     assert re.sub(r"\d+", "#", padded_src) == re.sub(r"\d+", "#", src)     # the same code, other offsets

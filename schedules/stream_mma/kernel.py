@@ -311,7 +311,7 @@ def build(problem: Problem, knobs: Knobs):
             W_s = T.alloc_shared((warps, ahead, per_w * 32) if w_smem else (1, 1, 4), "int32")
             S_s = T.alloc_shared((warps, ahead, slabs * SLAB_N) if w_smem else (1, 1, 8), dtype)
             x = T.alloc_local((x_bufs * per_x,), dtype)
-            X_s = T.alloc_shared((warps, ahead if x_smem else 1, bm, x_cols), dtype)
+            X_s = T.alloc_shared((warps + kb.pad_warps, ahead if x_smem else 1, bm, x_cols), dtype)
             scale = T.alloc_local((w_bufs * per_s,), dtype)
             a = T.alloc_local((32,), dtype)
             acc = T.alloc_local((acc_len * sets,), "float32")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import Arch
+from ..arch import Arch, shared_bytes_for_at_most
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 
@@ -49,6 +49,10 @@ class Knobs:
     blocks overlap this kernel's end (the sums' reduction and stores) but not its weight stream.
     fold_lag (with fold_zero_point, even ahead) folds each batch's sums during the next batch, from a
     second set of sums, so that the fold does not wait for the MMAs it reads.
+    max_blocks (B > 0, sm_90, x_ldmatrix) pads the activation slots' shared memory so that at most B
+    blocks fit an SM: a split-K cluster grid under one wave then spreads over more SMs (stream_wgmma's
+    clusters packed onto fewer SMs when more fit, perf-notes v50); 0 leaves the count to registers
+    and shared memory.
     """
 
     m_tiles: int = 1
@@ -68,6 +72,7 @@ class Knobs:
     early_start: int = 0
     late_trigger: bool = False
     fold_lag: bool = False
+    max_blocks: int = 0
 
     @property
     def block_m(self) -> int:
@@ -104,7 +109,7 @@ class Knobs:
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
             f"_es{self.early_start}" if self.early_start else "") + ("_lt" if self.late_trigger else "") + (
-            "_fl" if self.fold_lag else "")
+            "_fl" if self.fold_lag else "") + (f"_mb{self.max_blocks}" if self.max_blocks else "")
 
     def batches(self, problem: Problem) -> int:
         return problem.k // (TILE_K * self.unroll)
@@ -114,10 +119,25 @@ class Knobs:
         with async_weights its weight and scale slots, all live during the k-loop; after it, the fp32
         tile in which the warps' sums meet and with sum_slices a slice of sums per warp, which TileLang
         lays over the slots (measured in its host launch code, perf-notes v37-v38)."""
-        x = self.warps * self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2 if self.x_ldmatrix else 0
+        x = (self.warps + self.pad_warps) * self.x_slots_bytes if self.x_ldmatrix else 0
         w = self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
         slices = self.warps * self.block_m * self.block_n * 4 if self.sum_slices else 0
         return max(x + w, self.block_m * self.block_n * 4 + slices)
+
+    @property
+    def x_slots_bytes(self) -> int:
+        """One warp's activation slots (x_ldmatrix): `ahead` batches of block_m padded rows."""
+        return self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2
+
+    @property
+    def pad_warps(self) -> int:
+        """Unused warps' worth of activation slots that max_blocks adds to the allocation: enough that
+        B + 1 blocks overflow the SM, with 1 KB to spare."""
+        if not self.max_blocks:
+            return 0
+        unpadded = self.warps * self.x_slots_bytes + \
+            (self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0)
+        return max(0, -(-(shared_bytes_for_at_most(self.max_blocks) + 1024 - unpadded) // self.x_slots_bytes))
 
     def registers_estimate(self) -> int:
         sets = 2 if self.fold_lag else 1
@@ -171,6 +191,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "fold_lag delays fold_zero_point's per-batch fold: it needs fold_zero_point"
     if kb.fold_lag and kb.ahead % 2:
         return f"fold_lag takes a batch's set of sums from its parity, constant only for even ahead (got {kb.ahead})"
+    if kb.max_blocks < 0 or kb.max_blocks and not (arch.hopper and kb.x_ldmatrix):
+        return (f"max_blocks={kb.max_blocks}: 0 (no cap) or the blocks per sm_90 SM, padding the activation "
+                "slots (x_ldmatrix)")
     if kb.fold_zero_point and kb.scale_on_acc:
         return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     workers = kb.split_k * kb.warps

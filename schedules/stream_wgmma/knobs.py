@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import Arch
+from ..arch import Arch, shared_bytes_for_at_most
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..knob_space import tiling_reason
 from ..problem import Problem
@@ -11,7 +11,6 @@ from ..problem import Problem
 WARPGROUP = 128
 CORE_ROWS = 8        # a wgmma core matrix: 8 rows of 16 bytes
 PRODUCER_REGISTERS = 40   # setmaxnreg: what the producer warpgroup keeps (TMA issue and barrier waits)
-SM90_SHARED_PER_SM = 228 * 1024   # an sm_90 SM's shared memory, of which each block also takes 1 KB
 
 
 @dataclass(frozen=True)
@@ -201,7 +200,7 @@ class Knobs:
         block_m 16)."""
         if not self.max_blocks:
             return 0
-        target = SM90_SHARED_PER_SM // (self.max_blocks + 1) - 1024 + 1 + 8192
+        target = shared_bytes_for_at_most(self.max_blocks) + 8192
         stage = self.block_k * self.block_n // 2
         return max(0, -(-(target - self._unpadded_shared_bytes()) // stage))
 
