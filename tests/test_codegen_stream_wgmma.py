@@ -629,7 +629,7 @@ def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
     assert count(r"fma\.rn\.f32", ptx) >= sums * tiles_per_loop
     if knobs.block_m == 16 and knobs.groups == 1:
         # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, still 3 blocks per SM)
-        uneven = knobs.k_tiles(problem) % knobs.split_k
+        uneven = knobs.longer_splits(problem)
         out = ptxas_output(ptx, "sm_90a", tmp_path)
         bound = (128 if uneven else 112) if knobs.fold_lag else 80
         assert int(re.search(r"Used (\d+) registers", out).group(1)) <= bound, out
@@ -639,7 +639,7 @@ def test_uneven_splits_run_one_pipeline_per_count(compiled):
     # The first k_tiles % split_k splits take one k-tile more; each count is a constant of its own copy of
     # the pipeline, so the split's first k-tile is the only runtime term.
     problem, knobs, src, _ = compiled
-    extra = knobs.k_tiles(problem) % knobs.split_k
+    extra = knobs.longer_splits(problem)
     branch = f"if (((int)blockIdx.z) < {extra}) {{"
     assert (branch in src) == bool(extra)
 
@@ -652,7 +652,7 @@ def test_the_search_space_keeps_even_splits_only():
                    producer_warp=True, cluster_reduce=True)
     assert stream_wgmma.check(down, uneven, SM90) is None
     space = stream_wgmma.space(down, SM90)
-    assert space and all(kb.k_tiles(down) % kb.split_k == 0 for kb in space)
+    assert space and not any(kb.longer_splits(down) for kb in space)
     assert {kb.split_k for kb in space if kb.block_k == 128} == {1, 2}
 
 

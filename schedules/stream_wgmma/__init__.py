@@ -98,7 +98,7 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
     the search they took first-round places at down_proj 16-64 from the measured winners (`gen sweep`
     and `--variants` still reach them)."""
     return [kb for kb in valid_points(AXES, from_axes, check, problem, arch)
-            if kb.k_tiles(problem) % kb.split_k == 0]
+            if not kb.longer_splits(problem)]
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",

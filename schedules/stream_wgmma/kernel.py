@@ -111,7 +111,7 @@ def build(problem: Problem, knobs: Knobs):
     consumers = kb.consumer_threads     # threads of the warpgroups; with producer_warp one warp (or warpgroup) more
     # K-tiles per split; the first `extra` splits take one more (uneven splits: the producer warp's tma
     # pipeline only, where each block's count is a constant of one of two branches, see body())
-    trips, extra = divmod(kb.k_tiles(problem), kb.split_k)
+    trips, extra = kb.k_tiles(problem) // kb.split_k, kb.longer_splits(problem)
     grouped = not problem.channelwise
     split = kb.uses_workspace
     grid_n = n // bn

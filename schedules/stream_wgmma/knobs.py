@@ -181,6 +181,10 @@ class Knobs:
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
 
+    def longer_splits(self, problem: Problem) -> int:
+        """How many splits take one k-tile more than the others (uneven split_k: the first ones)."""
+        return self.k_tiles(problem) % self.split_k
+
     def shared_bytes(self, problem: Problem) -> int:
         return self._unpadded_shared_bytes() + self.pad_stages * self.block_k * self.block_n // 2
 
@@ -314,7 +318,7 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
         return f"stages={kb.stages} leaves no activation stage in flight" + (" with overlap" if kb.overlap else "")
-    if kb.k_tiles(problem) % kb.split_k and not (kb.tma and kb.producer_warp):
+    if kb.longer_splits(problem) and not (kb.tma and kb.producer_warp):
         return (f"{kb.k_tiles(problem)} k-tiles do not split evenly into split_k={kb.split_k}; uneven splits "
                 "(the first ones a k-tile longer) need the producer warp's tma pipeline")
     if kb.k_tiles(problem) // kb.split_k < kb.stages:
