@@ -412,7 +412,8 @@ def test_barriers_in_the_k_loops(compiled):
 def k_loops(src: str) -> list[str]:
     """The kernel's loops over k-tiles: its outermost loops that nvcc is not asked to unroll (nor
     any loop inside an unrolled one, such as the k-tiles that stage_unroll runs before its loop, nor
-    the rolled loop of those k-tiles past three, `#pragma unroll 1`: lead_loop)."""
+    the rolled loop of those k-tiles past three, `#pragma unroll 1`: see
+    test_lead_k_tiles_past_three_run_as_a_rolled_loop)."""
     body = src[src.index("__global__ void __launch_bounds__"):]
     loops, end = [], 0
     for found in re.finditer(r"for \(int \w+ = 0;", body):
@@ -553,7 +554,6 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
     assert trips and int(trips.group(2)) == problem.k // knobs.block_k // knobs.split_k // per_trip
     assert re.search(rf"for \(int (r\w*) = 0; \1 < {per_trip}; \+\+\1\)", loop)
     assert waits and all("t0" not in index for index in waits), waits
-
 
 
 def test_lead_k_tiles_past_three_run_as_a_rolled_loop(compiled):

@@ -119,10 +119,15 @@ class Knobs:
         with async_weights its weight and scale slots, all live during the k-loop; after it, the fp32
         tile in which the warps' sums meet and with sum_slices a slice of sums per warp, which TileLang
         lays over the slots (measured in its host launch code, perf-notes v37-v38)."""
-        x = (self.warps + self.pad_warps) * self.x_slots_bytes if self.x_ldmatrix else 0
-        w = self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
         slices = self.warps * self.block_m * self.block_n * 4 if self.sum_slices else 0
-        return max(x + w, self.block_m * self.block_n * 4 + slices)
+        return max(self._k_loop_bytes() + self.pad_warps * self.x_slots_bytes,
+                   self.block_m * self.block_n * 4 + slices)
+
+    def _k_loop_bytes(self) -> int:
+        """The warps' slots, unpadded: activations with x_ldmatrix, weights and scales with async_weights."""
+        x = self.warps * self.x_slots_bytes if self.x_ldmatrix else 0
+        w = self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
+        return x + w
 
     @property
     def x_slots_bytes(self) -> int:
@@ -135,9 +140,8 @@ class Knobs:
         B + 1 blocks overflow the SM, with 1 KB to spare."""
         if not self.max_blocks:
             return 0
-        unpadded = self.warps * self.x_slots_bytes + \
-            (self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0)
-        return max(0, -(-(shared_bytes_for_at_most(self.max_blocks) + 1024 - unpadded) // self.x_slots_bytes))
+        target = shared_bytes_for_at_most(self.max_blocks) + 1024
+        return max(0, -(-(target - self._k_loop_bytes()) // self.x_slots_bytes))
 
     def registers_estimate(self) -> int:
         sets = 2 if self.fold_lag else 1
