@@ -118,6 +118,10 @@ CASES = {
                                                                          release_barriers=True, producer_warp=True,
                                                                          cluster_reduce=True, early_start=2,
                                                                          stage_unroll=True)),
+    # ... and the block's own TMA pipeline at 6 stages: 64 k-tiles leave 4 before the loop, whose rolled
+    # trips refill their stages from the k-loop
+    "tma_s6_lead4_unrolled": (Problem(1024, 4096, 128), Knobs(32, 1, 1, 64, 6, overlap=True, smem_weights=True,
+                                                             tma=True, stage_unroll=True)),
     # the wgmmas committed a k-step at a time (ring), in gate_up M=16's winner form and split in a cluster
     "tma_producer_ring": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
                                                          release_barriers=True, producer_warp=True, pdl=True,

@@ -174,6 +174,9 @@ STREAM_WGMMA_KNOBS = {
                                                         tma=True, release_barriers=True, producer_warp=True,
                                                         cluster_reduce=True, early_start=2, stage_unroll=True),
     "swg_m32_tma_s4_unrolled": SW(32, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, stage_unroll=True),
+    # ... and at 6 stages, whose 64 / 172 k-tiles leave 4 before the loop: a rolled loop that refills
+    # its stages at run-time indices (session 25, not yet run on a GPU)
+    "swg_m32_tma_s6_unrolled": SW(32, 1, 1, 64, 6, overlap=True, smem_weights=True, tma=True, stage_unroll=True),
     # ring = D, the wgmmas committed a k-step at a time with D k-steps of fragments (perf-notes
     # v43-v44): gate_up M=16's winner form, split in a cluster (D = 8 and 2), and two groups
     "swg_m16_k128_producer_staged_unrolled_ring": SW(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
