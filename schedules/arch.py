@@ -24,10 +24,12 @@ class Arch:
 SM90_SHARED_PER_SM = 228 * 1024     # an sm_90 SM's shared memory; each resident block also takes 1 KB
 
 
-def shared_bytes_for_at_most(blocks: int) -> int:
-    """The least dynamic shared memory per block with which at most `blocks` blocks fit an sm_90 SM
-    (what a family's max_blocks knob pads its stages up to)."""
-    return SM90_SHARED_PER_SM // (blocks + 1) - 1024 + 1
+def padding_for_at_most(blocks: int, unpadded: int, unit: int, spare: int) -> int:
+    """How many `unit`-byte slices a block with `unpadded` bytes of dynamic shared memory must add so
+    that at most `blocks` blocks fit an sm_90 SM (a family's max_blocks knob), with `spare` bytes over
+    for what the family's estimate of its own bytes may miss."""
+    least = SM90_SHARED_PER_SM // (blocks + 1) - 1024 + 1
+    return max(0, -(-(least + spare - unpadded) // unit))
 
 
 _KNOWN = {

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import Arch, shared_bytes_for_at_most
+from ..arch import Arch, padding_for_at_most
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..problem import Problem
 
@@ -140,8 +140,7 @@ class Knobs:
         B + 1 blocks overflow the SM, with 1 KB to spare."""
         if not self.max_blocks:
             return 0
-        target = shared_bytes_for_at_most(self.max_blocks) + 1024
-        return max(0, -(-(target - self._k_loop_bytes()) // self.x_slots_bytes))
+        return padding_for_at_most(self.max_blocks, self._k_loop_bytes(), self.x_slots_bytes, spare=1024)
 
     def registers_estimate(self) -> int:
         sets = 2 if self.fold_lag else 1

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import Arch, shared_bytes_for_at_most
+from ..arch import Arch, padding_for_at_most
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..knob_space import tiling_reason
 from ..problem import Problem
@@ -204,9 +204,8 @@ class Knobs:
         block_m 16)."""
         if not self.max_blocks:
             return 0
-        target = shared_bytes_for_at_most(self.max_blocks) + 8192
-        stage = self.block_k * self.block_n // 2
-        return max(0, -(-(target - self._unpadded_shared_bytes()) // stage))
+        return padding_for_at_most(self.max_blocks, self._unpadded_shared_bytes(), self.block_k * self.block_n // 2,
+                                   spare=8192)
 
     def registers_estimate(self) -> int:
         # the total and one (scale_on_acc) or two (fold_lag) sets of k-tile sums
