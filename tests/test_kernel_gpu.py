@@ -78,6 +78,11 @@ STREAM_KNOBS = {
                                                         sum_slices=True, early_start=2, late_trigger=True,
                                                         fold_lag=True),
     "stream_m8_fold_lag_registers": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=2, fold_zero_point=True, fold_lag=True),
+    # at most one block per SM (max_blocks: the activation slots padded), M = 8's split-2 cluster form
+    # (session 25, not yet run on a GPU)
+    "stream_m8_aw_cluster2_mb1": stream_mma.Knobs(1, 1, 8, 4, 2, ahead=3, fold_zero_point=True, cluster_reduce=True,
+                                                  x_ldmatrix=True, async_weights=True, sum_slices=True,
+                                                  early_start=2, late_trigger=True, max_blocks=1),
 }
 SW = stream_wgmma.Knobs
 STREAM_WGMMA_KNOBS = {
