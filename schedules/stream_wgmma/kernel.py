@@ -33,7 +33,7 @@ import operator
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from templates import dequant_function_names, mma_operand_dtype, render_dequant
+from templates import dequant_function_names, mma_operand_dtype, raw_decode, render_dequant
 
 from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, split_k_prelude, store_tile,
                         w4a16_prim_func, wait_for_prior_grids)
@@ -117,6 +117,15 @@ def build(problem: Problem, knobs: Knobs):
     grid_n = n // bn
     ab = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
+    # producer_offsets: the consumers decode raw, (magic + code), with lo_magic on pairs 0 / 2 (k % 16 < 8)
+    # and hi_magic on pairs 1 / 3, so each k-tile's sums carry off[row, t] = sum_k (magic_k + 8) *
+    # x[row, k] over the k-tile on top of the zero-point-free ones, the same for every column; the
+    # producer warp computes the offsets from the stages and sums -scale[col, t] * off[row, t] over the
+    # block's k-tiles, which the consumers add at the end.
+    decode_raw, lo_magic, hi_magic = raw_decode(dtype, problem.bits)
+    po = kb.producer_offsets
+    per_lane_cols = bn // 4             # producer_offsets: a producer lane's columns (lane % 4's quarter) ...
+    corr_len = bm // 8 * per_lane_cols  # ... times its rows (lane // 4 + 8h of each 16-row m-tile)
     cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if kb.stream_k else "") + \
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
@@ -242,6 +251,9 @@ def build(problem: Problem, knobs: Knobs):
                 T.call_extern("handle", decode_scaled, T.access_ptr(w[buf * per_w + u * g + i], "r"),
                               T.access_ptr(sc[buf * per_s + 2 * i], "r"),
                               T.access_ptr(a[abuf * a_len + (fragment_slot(u) * g + i) * 8], "w"))
+            elif po:
+                T.call_extern("handle", decode_raw, T.access_ptr(w[buf * per_w + u * g + i], "r"),
+                              T.access_ptr(a[abuf * a_len + (fragment_slot(u) * g + i) * 8], "w"))
             else:
                 T.call_extern("handle", decode, T.access_ptr(w[buf * per_w + u * g + i], "r"),
                               T.access_ptr(a[abuf * a_len + (fragment_slot(u) * g + i) * 8], "w"))
@@ -355,6 +367,35 @@ def build(problem: Problem, knobs: Knobs):
                 T.barrier_arrive(full[tile % stages])
 
     @T.macro
+    def correct_k_tile(X_s, S_s, full, xo, co, cr, g, tx):
+        """producer_offsets: once k-tile number g's stage has landed, its offsets off[row] = sum over the
+        k-tile of (magic_k + 8) * x[row, k]: per k-step and 16 rows one mma.sync m16n8k16 with the
+        activations as A (ldmatrix, through the stage's swizzle) and the constant B in xo[8:12], whose 8
+        columns all hold magic_k + 8, so that lane l's C fragment holds rows l // 4 and l // 4 + 8 of
+        the m-tile; then the lane's corrections cr[row, col] -= scale[col] * off[row] over its quarter
+        of the columns (fp32: the offsets are ~200 times the zero-point-free sums)."""
+        lane = tx % 32
+        T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
+        for i in T.unroll(bm // 4):
+            co[i] = T.float32(0)
+        for u in T.unroll(steps):
+            for mt in T.unroll(bm // 16):
+                # Matrices: rows 0-7 / 8-15 of the m-tile at k 0-7, then at k 8-15: A's a0..a3.
+                row = mt * 16 + lane % 16
+                col = u % 4 * 16 + lane // 16 * 8
+                if atoms == 1:
+                    T.ptx_ldmatrix(False, 4, T.access_ptr(X_s[g % stages, row, col], "r"), T.access_ptr(xo[0], "w"))
+                else:
+                    T.ptx_ldmatrix(False, 4, T.access_ptr(X_s[g % stages, u // 4, row, col], "r"),
+                                   T.access_ptr(xo[0], "w"))
+                T.ptx_mma("float32", "m16n8k16", "row", "col", ab, ab, "fp32", xo.data, 0, xo.data, 8, co.data,
+                          mt * 4, False)
+        for j in T.unroll(per_lane_cols):
+            scale = T.cast(S_s[g % stages, 0, lane % 4 * per_lane_cols + j], "float32")
+            for r in T.unroll(bm // 8):     # row lane // 4 + 8 * (r % 2) of m-tile r // 2: element 2 * r of co
+                cr[r * per_lane_cols + j] = cr[r * per_lane_cols + j] - scale * co[2 * r]
+
+    @T.macro
     def fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g, t, by, bx, tx):
         """The producer's k-tile t, number g of the block's sequence: wait for its stage's release (from
         the second round of the stages on), issue its copies, arrive."""
@@ -366,12 +407,26 @@ def build(problem: Problem, knobs: Knobs):
             T.barrier_arrive(full[g % stages])
 
     @T.macro
-    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, g0, count, by, bx, tx):
+    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, g0, count, by, bx, tx, xo=None, co=None, cr=None):
         """producer_warp: the extra warp fills every stage as soon as the consumers have released its
         previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx.
         K-tile t (of `count`, from k-tile k0) of this tile is number g0 + t of the block's sequence
-        (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase."""
-        if kb.stage_unroll and not kb.setmaxnreg:   # (g0 = 0 and count = trips, a constant: see check())
+        (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase.
+        producer_offsets: after filling k-tile t the warp takes the offsets of k-tile t - (stages - 1), most
+        likely landed by then, whose stage it refills next (the consumers never wait for them)."""
+        if po:
+            behind = stages - 1
+            for h in T.unroll(2):        # B: k 2t, 2t + 1 (pairs 0 / 2) and k 2t + 8, 2t + 9 (pairs 1 / 3)
+                xo[8 + h] = T.cast(lo_magic + 8, dtype)
+                xo[10 + h] = T.cast(hi_magic + 8, dtype)
+            for i in T.unroll(corr_len):
+                cr[i] = T.float32(0)
+            for t in T.serial(count + behind):
+                if t < count:
+                    fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g0 + t, t, by, bx, tx)
+                if t >= behind:
+                    correct_k_tile(X_s, S_s, full, xo, co, cr, g0 + t - behind, tx)
+        elif kb.stage_unroll and not kb.setmaxnreg:   # (g0 = 0 and count = trips, a constant: see check())
             lead = count % stages   # k-tiles before the loop, which then runs whole rounds of the stages
             for t in T.unroll(lead):
                 fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx)
@@ -483,14 +538,14 @@ def build(problem: Problem, knobs: Knobs):
 
     @T.macro
     def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                     count):
+                     count, xo=None, co=None, cr=None):
         """tma: the block's `count` k-tiles from k-tile k0 (a constant: trips, or trips + 1 for the
         first splits of an uneven split_k); the stages fill by TMA and a thread waits for its stage's
         barrier phase; with producer_warp the extra warp produces while the warpgroups consume (warp
         specialization)."""
         if producer:
             if in_producer_warp():
-                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx)
+                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx, xo, co, cr)
             else:
                 zero_sums(acc, sc)
                 consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
@@ -575,6 +630,23 @@ def build(problem: Problem, knobs: Knobs):
         T.warpgroup_fence_operand(acc, num_regs=acc_len)
         if sacc and not lag:      # (fold_lag folded it at its trip's end)
             fold_k_tile(acc, sc, 1)
+
+    @T.macro
+    def corrections_to_shared(cr, R_s, tx):
+        """producer_offsets: the producer lane's corrections into the block's [block_m, block_n] tile."""
+        lane = tx % 32
+        for r in T.unroll(bm // 8):
+            for j in T.unroll(per_lane_cols):
+                R_s[r // 2 * 16 + r % 2 * 8 + lane // 4, lane % 4 * per_lane_cols + j] = cr[r * per_lane_cols + j]
+
+    @T.macro
+    def add_corrections(acc, R_s, wg, wq, lane):
+        """producer_offsets: a consumer adds the producer's corrections of its accumulator elements."""
+        for i in T.unroll(g):
+            for c in T.unroll(bm // 8):
+                for e in T.unroll(4):
+                    row, col, k = fragment_element(0, 0, wg, wq, lane, i, c, e)
+                    acc[k] = acc[k] + R_s[row, col]
 
     @T.macro
     def acc_to_shared(acc, C_s, wg, wq, lane):
@@ -723,6 +795,12 @@ def build(problem: Problem, knobs: Knobs):
                 start_early(B, S, bx, k0)
             wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
+            xo = co = cr = R_s = None
+            if po:      # the producer's A / B fragments, offsets and corrections; their shared tile
+                xo = T.alloc_local((12,), dtype)
+                co = T.alloc_local((bm // 4,), "float32")
+                cr = T.alloc_local((corr_len,), "float32")
+                R_s = T.alloc_shared((bm, bn), "float32")
 
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
@@ -739,13 +817,13 @@ def build(problem: Problem, knobs: Knobs):
                 # Two copies of the pipeline, one per count, so that each loop's trip count stays a constant.
                 if bz < extra:
                     pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                                 lane, trips + 1)
+                                 lane, trips + 1, xo, co, cr)
                 else:
                     pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                                 lane, trips)
+                                 lane, trips, xo, co, cr)
             elif tma:
                 pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                             trips)
+                             trips, xo, co, cr)
             elif w_smem:
                 pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             else:
@@ -757,6 +835,15 @@ def build(problem: Problem, knobs: Knobs):
                     finish_sums(acc, sc)
             else:
                 finish_sums(acc, sc)
+            if po:
+                # R_s is written only now, so TileLang may lay it over the stages: every thread is past
+                # them first (the consumers' last wgmmas are done: finish_sums waited for them).
+                T.sync_threads()
+                if in_producer_warp():
+                    corrections_to_shared(cr, R_s, tx)
+                T.sync_threads()
+                if not in_producer_warp():
+                    add_corrections(acc, R_s, wg, wq, lane)
 
             if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")
