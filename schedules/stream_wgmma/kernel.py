@@ -163,7 +163,8 @@ def build(problem: Problem, knobs: Knobs):
     acc_all = acc_len * (3 if lag else 2 if sacc else 1)
 
     def in_producer_warp():
-        """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
+        """producer_warp: whether this thread's warp is the producer, or producer_offsets' offset warp (a
+        warp-uniform condition)."""
         return T.call_extern("int32", "tm_warp_index") >= consumers // 32
     atoms = bk // 64                # tma: [block_m, 64] swizzled tiles per stage, side by side along K
     if tma:
@@ -396,6 +397,22 @@ def build(problem: Problem, knobs: Knobs):
                 cr[r * per_lane_cols + j] = cr[r * per_lane_cols + j] - scale * co[2 * r]
 
     @T.macro
+    def correct(X_s, S_s, full, empty, xo, co, cr, count, tx):
+        """producer_offsets: the offset warp's loop over the block's k-tiles; each stage is released to
+        the producer only once this warp has read it too (its lane 0 arrives on the stage's "empty"
+        barrier after the warp's reads). The consumers never wait for it."""
+        for h in T.unroll(2):        # B: k 2t, 2t + 1 (pairs 0 / 2) and k 2t + 8, 2t + 9 (pairs 1 / 3)
+            xo[8 + h] = T.cast(lo_magic + 8, dtype)
+            xo[10 + h] = T.cast(hi_magic + 8, dtype)
+        for i in T.unroll(corr_len):
+            cr[i] = T.float32(0)
+        for t in T.serial(count):
+            correct_k_tile(X_s, S_s, full, xo, co, cr, t, tx)
+            T.call_extern("handle", "__syncwarp")
+            if tx % 32 == 0:
+                T.barrier_arrive(empty[t % stages])
+
+    @T.macro
     def fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g, t, by, bx, tx):
         """The producer's k-tile t, number g of the block's sequence: wait for its stage's release (from
         the second round of the stages on), issue its copies, arrive."""
@@ -407,26 +424,12 @@ def build(problem: Problem, knobs: Knobs):
             T.barrier_arrive(full[g % stages])
 
     @T.macro
-    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, g0, count, by, bx, tx, xo=None, co=None, cr=None):
+    def produce(A, B, S, X_s, W_s, S_s, full, empty, k0, g0, count, by, bx, tx):
         """producer_warp: the extra warp fills every stage as soon as the consumers have released its
         previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx.
         K-tile t (of `count`, from k-tile k0) of this tile is number g0 + t of the block's sequence
-        (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase.
-        producer_offsets: after filling k-tile t the warp takes the offsets of k-tile t - (stages - 1), most
-        likely landed by then, whose stage it refills next (the consumers never wait for them)."""
-        if po:
-            behind = stages - 1
-            for h in T.unroll(2):        # B: k 2t, 2t + 1 (pairs 0 / 2) and k 2t + 8, 2t + 9 (pairs 1 / 3)
-                xo[8 + h] = T.cast(lo_magic + 8, dtype)
-                xo[10 + h] = T.cast(hi_magic + 8, dtype)
-            for i in T.unroll(corr_len):
-                cr[i] = T.float32(0)
-            for t in T.serial(count + behind):
-                if t < count:
-                    fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g0 + t, t, by, bx, tx)
-                if t >= behind:
-                    correct_k_tile(X_s, S_s, full, xo, co, cr, g0 + t - behind, tx)
-        elif kb.stage_unroll and not kb.setmaxnreg:   # (g0 = 0 and count = trips, a constant: see check())
+        (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase."""
+        if kb.stage_unroll and not kb.setmaxnreg:   # (g0 = 0 and count = trips, a constant: see check())
             lead = count % stages   # k-tiles before the loop, which then runs whole rounds of the stages
             for t in T.unroll(lead):
                 fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx)
@@ -545,7 +548,13 @@ def build(problem: Problem, knobs: Knobs):
         specialization)."""
         if producer:
             if in_producer_warp():
-                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx, xo, co, cr)
+                if po:
+                    if T.call_extern("int32", "tm_warp_index") == consumers // 32:
+                        produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx)
+                    else:
+                        correct(X_s, S_s, full, empty, xo, co, cr, count, tx)
+                else:
+                    produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx)
             else:
                 zero_sums(acc, sc)
                 consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
@@ -632,21 +641,21 @@ def build(problem: Problem, knobs: Knobs):
             fold_k_tile(acc, sc, 1)
 
     @T.macro
-    def corrections_to_shared(cr, R_s, tx):
+    def corrections_to_shared(cr, Z_s, tx):
         """producer_offsets: the producer lane's corrections into the block's [block_m, block_n] tile."""
         lane = tx % 32
         for r in T.unroll(bm // 8):
             for j in T.unroll(per_lane_cols):
-                R_s[r // 2 * 16 + r % 2 * 8 + lane // 4, lane % 4 * per_lane_cols + j] = cr[r * per_lane_cols + j]
+                Z_s[r // 2 * 16 + r % 2 * 8 + lane // 4, lane % 4 * per_lane_cols + j] = cr[r * per_lane_cols + j]
 
     @T.macro
-    def add_corrections(acc, R_s, wg, wq, lane):
+    def add_corrections(acc, Z_s, wg, wq, lane):
         """producer_offsets: a consumer adds the producer's corrections of its accumulator elements."""
         for i in T.unroll(g):
             for c in T.unroll(bm // 8):
                 for e in T.unroll(4):
                     row, col, k = fragment_element(0, 0, wg, wq, lane, i, c, e)
-                    acc[k] = acc[k] + R_s[row, col]
+                    acc[k] = acc[k] + Z_s[row, col]
 
     @T.macro
     def acc_to_shared(acc, C_s, wg, wq, lane):
@@ -746,7 +755,8 @@ def build(problem: Problem, knobs: Knobs):
         if tma:
             T.annotate_layout({X_s: make_swizzled_layout(X_s)})
             full = T.alloc_barrier([1 if release else threads] * stages)
-            empty = T.alloc_barrier([consumers // ksplit] * stages) if release else None
+            # (producer_offsets: the offset warp's lane 0 releases each stage too)
+            empty = T.alloc_barrier([consumers // ksplit + (1 if po else 0)] * stages) if release else None
         W_s = T.alloc_shared((stages + kb.pad_stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
         S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
@@ -795,12 +805,12 @@ def build(problem: Problem, knobs: Knobs):
                 start_early(B, S, bx, k0)
             wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
-            xo = co = cr = R_s = None
+            xo = co = cr = Z_s = None
             if po:      # the producer's A / B fragments, offsets and corrections; their shared tile
                 xo = T.alloc_local((12,), dtype)
                 co = T.alloc_local((bm // 4,), "float32")
                 cr = T.alloc_local((corr_len,), "float32")
-                R_s = T.alloc_shared((bm, bn), "float32")
+                Z_s = T.alloc_shared((bm, bn), "float32")
 
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
@@ -836,14 +846,14 @@ def build(problem: Problem, knobs: Knobs):
             else:
                 finish_sums(acc, sc)
             if po:
-                # R_s is written only now, so TileLang may lay it over the stages: every thread is past
+                # Z_s is written only now, so TileLang may lay it over the stages: every thread is past
                 # them first (the consumers' last wgmmas are done: finish_sums waited for them).
                 T.sync_threads()
-                if in_producer_warp():
-                    corrections_to_shared(cr, R_s, tx)
+                if T.call_extern("int32", "tm_warp_index") == consumers // 32 + 1:
+                    corrections_to_shared(cr, Z_s, tx)
                 T.sync_threads()
                 if not in_producer_warp():
-                    add_corrections(acc, R_s, wg, wq, lane)
+                    add_corrections(acc, Z_s, wg, wq, lane)
 
             if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")

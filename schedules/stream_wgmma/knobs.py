@@ -94,11 +94,11 @@ class Knobs:
     producer_offsets (with scale_on_acc and producer_warp, block_m a multiple of 16) has the consumers
     decode the words raw, as magic + code (four LOP3 and a shift per word instead of nine
     instructions), which adds off[row, t] = sum over k-tile t of (magic_k + 8) * x[row, k] to every
-    column of k-tile t's sums alike. The producer warp takes it back: a few k-tiles behind its copies
-    it computes each k-tile's offsets from the stage (one mma.sync per k-step against a constant
-    fragment) and sums -scale[col, t] * off[row, t] over the block's k-tiles in fp32 registers, which
-    the consumers add to their sums at the end. The consumers never wait for it; their loop loses a
-    quarter of its instructions (perf-notes v51).
+    column of k-tile t's sums alike. A sixth warp takes it back: it computes each landed stage's
+    offsets (one mma.sync per k-step against a constant fragment) and sums -scale[col, t] * off[row,
+    t] over the block's k-tiles in fp32 registers, which the consumers add to their sums at the end;
+    a stage is refilled only once that warp has read it too. The consumers never wait for it; their
+    loop loses a quarter of its instructions (perf-notes v51).
     """
 
     block_m: int = 128
@@ -140,8 +140,9 @@ class Knobs:
 
     @property
     def producer_threads(self) -> int:
-        """The producer warp, or with setmaxnreg its whole warpgroup (setmaxnreg works per warpgroup)."""
-        return WARPGROUP if self.setmaxnreg else 32 if self.producer_warp else 0
+        """The producer warp (and producer_offsets' offset warp), or with setmaxnreg its whole warpgroup
+        (setmaxnreg works per warpgroup)."""
+        return WARPGROUP if self.setmaxnreg else 32 * (1 + self.producer_offsets) if self.producer_warp else 0
 
     @property
     def threads(self) -> int:
