@@ -181,25 +181,6 @@ CASES = {
     "tma_producer_uneven_split3": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 4, overlap=True, split_k=3,
                                                                   smem_weights=True, tma=True, release_barriers=True,
                                                                   producer_warp=True, stage_unroll=True)),
-    # raw codes, the offsets' corrections from the producer warp (producer_offsets, session 26): qkv 16's
-    # form (four lead k-tiles), uneven splits, and block_m 32 with one swizzle atom per stage, no lag
-    "tma_producer_cluster_lead4_sacc_lag_po": (Problem(4096, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
-                                                                              split_k=2, smem_weights=True, tma=True,
-                                                                              release_barriers=True,
-                                                                              producer_warp=True, cluster_reduce=True,
-                                                                              early_start=2, stage_unroll=True,
-                                                                              scale_on_acc=True, fold_lag=True,
-                                                                              producer_offsets=True)),
-    "tma_producer_cluster_uneven_split8_sacc_lag_po": (Problem(4096, 11008, 128),
-                                                       Knobs(16, 1, 1, 128, 4, overlap=True, split_k=8,
-                                                             smem_weights=True, tma=True, release_barriers=True,
-                                                             producer_warp=True, cluster_reduce=True, early_start=2,
-                                                             stage_unroll=True, scale_on_acc=True, fold_lag=True,
-                                                             producer_offsets=True)),
-    "tma_m32_k64_producer_split4_sacc_po": (Problem(4096, 4096, 128), Knobs(32, 1, 1, 64, 4, overlap=True, split_k=4,
-                                                                           smem_weights=True, tma=True,
-                                                                           release_barriers=True, producer_warp=True,
-                                                                           scale_on_acc=True, producer_offsets=True)),
 }
 
 
@@ -374,7 +355,7 @@ def test_k_split_warpgroups_share_the_stages_and_add_up(compiled):
     if not knobs.release_barriers:
         return
     # a stage is released by the warpgroups that consumed it: one of the two k warpgroups
-    assert empty_counts == {knobs.consumer_threads // (2 if knobs.k_split else 1) + knobs.producer_offsets}
+    assert empty_counts == {knobs.consumer_threads // (2 if knobs.k_split else 1)}
     if knobs.k_split:
         half = knobs.consumer_threads // 2
         assert knobs.consumer_threads == 256 * knobs.warpgroups
@@ -567,7 +548,7 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
     problem, knobs, src, _ = compiled
     if not (knobs.tma and knobs.overlap) or knobs.persistent or knobs.stream_k or knobs.k_split:
         return
-    loop = next(loop for loop in k_loops(src) if "wgmma_rs" in loop)     # (the producer's loop comes first)
+    loop = k_loops(src)[1] if knobs.producer_warp else k_loop(src)     # (the producer's loop comes first)
     waits = re.findall(r"full\[([^\]]+)\]\.wait", loop)
     if not knobs.stage_unroll:      # a trip of two k-tiles: the stage is computed from the trip number
         assert waits and any("t0" in index for index in waits), waits
@@ -640,8 +621,7 @@ def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
     if not knobs.scale_on_acc:
         return
     loops = [loop for loop in k_loops(src) if "wgmma" in loop]      # (not the producer warp's)
-    decode = "tm_decode_raw_a_" if knobs.producer_offsets else "tm_dequant_a_"
-    assert loops and all("tm_dequant_scaled" not in loop and decode in loop for loop in loops)
+    assert loops and all("tm_dequant_scaled" not in loop and "tm_dequant_a_" in loop for loop in loops)
     tiles_per_loop = count(r"wgmma\.commit_group", ptx)
     full_waits = count(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)
     if knobs.fold_lag:
@@ -693,27 +673,3 @@ def test_max_blocks_caps_the_blocks_per_sm_by_shared_memory(max_blocks):
     before, after, src, padded_src = padded_launches(problem, Schedule("stream_wgmma", knobs), max_blocks)
     assert blocks_per_sm(before) > 3 and blocks_per_sm(after) == max_blocks
     assert re.sub(r"\d+", "#", padded_src) == re.sub(r"\d+", "#", src)     # the same code, other offsets
-
-
-def test_producer_offsets_leaves_the_consumers_the_raw_decode(compiled, tmp_path):
-    """producer_offsets: the consumers decode magic + code (no subtraction, no scale), and nothing in
-    their loops waits for the offsets; a sixth warp's loop reads each landed stage's activations
-    (ldmatrix, mma.sync against the constant fragment) and scale row and releases the stage with the
-    consumers, and its corrections reach the consumers' sums once, after the k-loop. With fold_lag
-    ptxas must not have to insert a wgmma wait of its own (C7517: in an early form, which loaded the
-    offsets into the sums before the wgmmas, it hoisted a fold above them and waited for all)."""
-    problem, knobs, src, ptx = compiled
-    assert ("ptx_ldmatrix" in src) == knobs.producer_offsets
-    if not knobs.producer_offsets:
-        return
-    loops = k_loops(src)
-    consumers = [loop for loop in loops if "wgmma_rs" in loop]
-    offsets = [loop for loop in loops if "ptx_ldmatrix_x4" in loop]
-    assert consumers and all("tm_decode_raw_a_" in loop and "tm_dequant" not in loop for loop in consumers)
-    assert offsets and all(re.search(r"full\[[^\]]+\]\.wait", loop) and "mma_sync" in loop and "S_s" in loop and
-                           re.search(r"empty\[[^\]]+\]\.arrive", loop) and "tma_load" not in loop for loop in offsets)
-    releases = {int(c) for c in re.findall(r"empty\[\d+\]\.init\((\d+)\);", src)}
-    assert releases == {knobs.consumer_threads + 1}
-    assert all("Z_s" not in loop for loop in loops) and "Z_s" in src
-    if knobs.fold_lag:
-        assert "C7517" not in ptxas_output(ptx, "sm_90a", tmp_path)

@@ -239,36 +239,13 @@ STREAM_WGMMA_KNOBS = {
                                                                   cluster_reduce=True, early_start=2,
                                                                   stage_unroll=True, scale_on_acc=True,
                                                                   fold_lag=True),
-    # raw codes, the offsets from the producer warp's mma.sync per stage (producer_offsets, session 26): the
-    # qkv 16 form (a rolled lead loop), gate_up 16's (split 1, staged store), uneven splits at 8 stages,
-    # block_m 32 with 64-wide k-tiles (one swizzle atom) through the workspace without the lag
-    "swg_m16_k128_producer_cluster_split2_s6_sacc_lag_po": SW(16, 1, 1, 128, 6, overlap=True, split_k=2,
-                                                              smem_weights=True, tma=True, release_barriers=True,
-                                                              producer_warp=True, cluster_reduce=True,
-                                                              early_start=2, stage_unroll=True, scale_on_acc=True,
-                                                              fold_lag=True, producer_offsets=True),
-    "swg_m16_k128_producer_s6_staged_sacc_lag_po": SW(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
-                                                      release_barriers=True, producer_warp=True, pdl=True,
-                                                      staged_store=True, early_start=2, panel_m=2,
-                                                      stage_unroll=True, scale_on_acc=True, fold_lag=True,
-                                                      producer_offsets=True),
-    "swg_m16_k128_producer_cluster_split4_s8_uneven_sacc_lag_po": SW(16, 1, 1, 128, 8, overlap=True, split_k=4,
-                                                                     smem_weights=True, tma=True,
-                                                                     release_barriers=True, producer_warp=True,
-                                                                     cluster_reduce=True, early_start=2,
-                                                                     stage_unroll=True, scale_on_acc=True,
-                                                                     fold_lag=True, producer_offsets=True),
-    "swg_m32_k64_producer_split4_sacc_po": SW(32, 1, 1, 64, 4, overlap=True, split_k=4, smem_weights=True, tma=True,
-                                              release_barriers=True, producer_warp=True, scale_on_acc=True,
-                                              producer_offsets=True),
 }
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
-                  "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged", "swg_m32_g2_tma_split4_sacc",
-                  "swg_m32_k64_producer_split4_sacc_po")
+                  "swg_m128_g2", "swg_m256_tma", "swg_m256_tma_setmaxnreg_staged", "swg_m32_g2_tma_split4_sacc")
 CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
          if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
 

@@ -33,7 +33,7 @@ import operator
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 
-from templates import dequant_function_names, mma_operand_dtype, raw_decode, render_dequant
+from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
 from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, split_k_prelude, store_tile,
                         w4a16_prim_func, wait_for_prior_grids)
@@ -117,15 +117,6 @@ def build(problem: Problem, knobs: Knobs):
     grid_n = n // bn
     ab = mma_operand_dtype(dtype)
     decode, decode_scaled = dequant_function_names(dtype, problem.bits, operand="a")
-    # producer_offsets: the consumers decode raw, (magic + code), with lo_magic on pairs 0 / 2 (k % 16 < 8)
-    # and hi_magic on pairs 1 / 3, so each k-tile's sums carry off[row, t] = sum_k (magic_k + 8) *
-    # x[row, k] over the k-tile on top of the zero-point-free ones, the same for every column; the
-    # producer warp computes the offsets from the stages and sums -scale[col, t] * off[row, t] over the
-    # block's k-tiles, which the consumers add at the end.
-    decode_raw, lo_magic, hi_magic = raw_decode(dtype, problem.bits)
-    po = kb.producer_offsets
-    per_lane_cols = bn // 4             # producer_offsets: a producer lane's columns (lane % 4's quarter) ...
-    corr_len = bm // 8 * per_lane_cols  # ... times its rows (lane // 4 + 8h of each 16-row m-tile)
     cluster = kb.cluster_reduce          # the splits add their tiles through distributed shared memory
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if kb.stream_k else "") + \
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
@@ -163,8 +154,7 @@ def build(problem: Problem, knobs: Knobs):
     acc_all = acc_len * (3 if lag else 2 if sacc else 1)
 
     def in_producer_warp():
-        """producer_warp: whether this thread's warp is the producer, or producer_offsets' offset warp (a
-        warp-uniform condition)."""
+        """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
         return T.call_extern("int32", "tm_warp_index") >= consumers // 32
     atoms = bk // 64                # tma: [block_m, 64] swizzled tiles per stage, side by side along K
     if tma:
@@ -251,9 +241,6 @@ def build(problem: Problem, knobs: Knobs):
             if grouped and not sacc:
                 T.call_extern("handle", decode_scaled, T.access_ptr(w[buf * per_w + u * g + i], "r"),
                               T.access_ptr(sc[buf * per_s + 2 * i], "r"),
-                              T.access_ptr(a[abuf * a_len + (fragment_slot(u) * g + i) * 8], "w"))
-            elif po:
-                T.call_extern("handle", decode_raw, T.access_ptr(w[buf * per_w + u * g + i], "r"),
                               T.access_ptr(a[abuf * a_len + (fragment_slot(u) * g + i) * 8], "w"))
             else:
                 T.call_extern("handle", decode, T.access_ptr(w[buf * per_w + u * g + i], "r"),
@@ -366,51 +353,6 @@ def build(problem: Problem, knobs: Knobs):
             else:
                 copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, threads)
                 T.barrier_arrive(full[tile % stages])
-
-    @T.macro
-    def correct_k_tile(X_s, S_s, full, xo, co, cr, g, tx):
-        """producer_offsets: once k-tile number g's stage has landed, its offsets off[row] = sum over the
-        k-tile of (magic_k + 8) * x[row, k]: per k-step and 16 rows one mma.sync m16n8k16 with the
-        activations as A (ldmatrix, through the stage's swizzle) and the constant B in xo[8:12], whose 8
-        columns all hold magic_k + 8, so that lane l's C fragment holds rows l // 4 and l // 4 + 8 of
-        the m-tile; then the lane's corrections cr[row, col] -= scale[col] * off[row] over its quarter
-        of the columns (fp32: the offsets are ~200 times the zero-point-free sums)."""
-        lane = tx % 32
-        T.mbarrier_wait_parity(full[g % stages], g // stages % 2)
-        for i in T.unroll(bm // 4):
-            co[i] = T.float32(0)
-        for u in T.unroll(steps):
-            for mt in T.unroll(bm // 16):
-                # Matrices: rows 0-7 / 8-15 of the m-tile at k 0-7, then at k 8-15: A's a0..a3.
-                row = mt * 16 + lane % 16
-                col = u % 4 * 16 + lane // 16 * 8
-                if atoms == 1:
-                    T.ptx_ldmatrix(False, 4, T.access_ptr(X_s[g % stages, row, col], "r"), T.access_ptr(xo[0], "w"))
-                else:
-                    T.ptx_ldmatrix(False, 4, T.access_ptr(X_s[g % stages, u // 4, row, col], "r"),
-                                   T.access_ptr(xo[0], "w"))
-                T.ptx_mma("float32", "m16n8k16", "row", "col", ab, ab, "fp32", xo.data, 0, xo.data, 8, co.data,
-                          mt * 4, False)
-        for j in T.unroll(per_lane_cols):
-            scale = T.cast(S_s[g % stages, 0, lane % 4 * per_lane_cols + j], "float32")
-            for r in T.unroll(bm // 8):     # row lane // 4 + 8 * (r % 2) of m-tile r // 2: element 2 * r of co
-                cr[r * per_lane_cols + j] = cr[r * per_lane_cols + j] - scale * co[2 * r]
-
-    @T.macro
-    def correct(X_s, S_s, full, empty, xo, co, cr, count, tx):
-        """producer_offsets: the offset warp's loop over the block's k-tiles; each stage is released to
-        the producer only once this warp has read it too (its lane 0 arrives on the stage's "empty"
-        barrier after the warp's reads). The consumers never wait for it."""
-        for h in T.unroll(2):        # B: k 2t, 2t + 1 (pairs 0 / 2) and k 2t + 8, 2t + 9 (pairs 1 / 3)
-            xo[8 + h] = T.cast(lo_magic + 8, dtype)
-            xo[10 + h] = T.cast(hi_magic + 8, dtype)
-        for i in T.unroll(corr_len):
-            cr[i] = T.float32(0)
-        for t in T.serial(count):
-            correct_k_tile(X_s, S_s, full, xo, co, cr, t, tx)
-            T.call_extern("handle", "__syncwarp")
-            if tx % 32 == 0:
-                T.barrier_arrive(empty[t % stages])
 
     @T.macro
     def fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g, t, by, bx, tx):
@@ -541,20 +483,14 @@ def build(problem: Problem, knobs: Knobs):
 
     @T.macro
     def pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                     count, xo=None, co=None, cr=None):
+                     count):
         """tma: the block's `count` k-tiles from k-tile k0 (a constant: trips, or trips + 1 for the
         first splits of an uneven split_k); the stages fill by TMA and a thread waits for its stage's
         barrier phase; with producer_warp the extra warp produces while the warpgroups consume (warp
         specialization)."""
         if producer:
             if in_producer_warp():
-                if po:
-                    if T.call_extern("int32", "tm_warp_index") == consumers // 32:
-                        produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx)
-                    else:
-                        correct(X_s, S_s, full, empty, xo, co, cr, count, tx)
-                else:
-                    produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx)
+                produce(A, B, S, X_s, W_s, S_s, full, empty, k0, 0, count, by, bx, tx)
             else:
                 zero_sums(acc, sc)
                 consume_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, 0, by, bx, tx, wg, wq, lane,
@@ -639,23 +575,6 @@ def build(problem: Problem, knobs: Knobs):
         T.warpgroup_fence_operand(acc, num_regs=acc_len)
         if sacc and not lag:      # (fold_lag folded it at its trip's end)
             fold_k_tile(acc, sc, 1)
-
-    @T.macro
-    def corrections_to_shared(cr, Z_s, tx):
-        """producer_offsets: the producer lane's corrections into the block's [block_m, block_n] tile."""
-        lane = tx % 32
-        for r in T.unroll(bm // 8):
-            for j in T.unroll(per_lane_cols):
-                Z_s[r // 2 * 16 + r % 2 * 8 + lane // 4, lane % 4 * per_lane_cols + j] = cr[r * per_lane_cols + j]
-
-    @T.macro
-    def add_corrections(acc, Z_s, wg, wq, lane):
-        """producer_offsets: a consumer adds the producer's corrections of its accumulator elements."""
-        for i in T.unroll(g):
-            for c in T.unroll(bm // 8):
-                for e in T.unroll(4):
-                    row, col, k = fragment_element(0, 0, wg, wq, lane, i, c, e)
-                    acc[k] = acc[k] + Z_s[row, col]
 
     @T.macro
     def acc_to_shared(acc, C_s, wg, wq, lane):
@@ -755,8 +674,7 @@ def build(problem: Problem, knobs: Knobs):
         if tma:
             T.annotate_layout({X_s: make_swizzled_layout(X_s)})
             full = T.alloc_barrier([1 if release else threads] * stages)
-            # (producer_offsets: the offset warp's lane 0 releases each stage too)
-            empty = T.alloc_barrier([consumers // ksplit + (1 if po else 0)] * stages) if release else None
+            empty = T.alloc_barrier([consumers // ksplit] * stages) if release else None
         W_s = T.alloc_shared((stages + kb.pad_stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
         S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
@@ -805,12 +723,6 @@ def build(problem: Problem, knobs: Knobs):
                 start_early(B, S, bx, k0)
             wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
-            xo = co = cr = Z_s = None
-            if po:      # the producer's A / B fragments, offsets and corrections; their shared tile
-                xo = T.alloc_local((12,), dtype)
-                co = T.alloc_local((bm // 4,), "float32")
-                cr = T.alloc_local((corr_len,), "float32")
-                Z_s = T.alloc_shared((bm, bn), "float32")
 
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
@@ -827,13 +739,13 @@ def build(problem: Problem, knobs: Knobs):
                 # Two copies of the pipeline, one per count, so that each loop's trip count stays a constant.
                 if bz < extra:
                     pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                                 lane, trips + 1, xo, co, cr)
+                                 lane, trips + 1)
                 else:
                     pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                                 lane, trips, xo, co, cr)
+                                 lane, trips)
             elif tma:
                 pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane,
-                             trips, xo, co, cr)
+                             trips)
             elif w_smem:
                 pipeline_smem(A, B, S, X_s, W_s, S_s, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq, lane)
             else:
@@ -845,15 +757,6 @@ def build(problem: Problem, knobs: Knobs):
                     finish_sums(acc, sc)
             else:
                 finish_sums(acc, sc)
-            if po:
-                # Z_s is written only now, so TileLang may lay it over the stages: every thread is past
-                # them first (the consumers' last wgmmas are done: finish_sums waited for them).
-                T.sync_threads()
-                if T.call_extern("int32", "tm_warp_index") == consumers // 32 + 1:
-                    corrections_to_shared(cr, Z_s, tx)
-                T.sync_threads()
-                if not in_producer_warp():
-                    add_corrections(acc, Z_s, wg, wq, lane)
 
             if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")

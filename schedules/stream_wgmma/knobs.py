@@ -91,14 +91,6 @@ class Knobs:
     fit on an SM: a grid of less than a wave then spreads over more SMs instead of packing several
     of a cluster's blocks onto one (down_proj 16 in clusters of 3: 11.8 us at 2 blocks per SM by
     registers, 13.8 at 3; perf-notes v50); 0 leaves the count to registers and shared memory.
-    producer_offsets (with scale_on_acc and producer_warp, block_m a multiple of 16) has the consumers
-    decode the words raw, as magic + code (four LOP3 and a shift per word instead of nine
-    instructions), which adds off[row, t] = sum over k-tile t of (magic_k + 8) * x[row, k] to every
-    column of k-tile t's sums alike. A sixth warp takes it back: it computes each landed stage's
-    offsets (one mma.sync per k-step against a constant fragment) and sums -scale[col, t] * off[row,
-    t] over the block's k-tiles in fp32 registers, which the consumers add to their sums at the end;
-    a stage is refilled only once that warp has read it too. The consumers never wait for it; their
-    loop loses a quarter of its instructions (perf-notes v51).
     """
 
     block_m: int = 128
@@ -127,7 +119,6 @@ class Knobs:
     scale_on_acc: bool = False
     fold_lag: bool = False
     max_blocks: int = 0
-    producer_offsets: bool = False
 
     @property
     def block_n(self) -> int:
@@ -140,9 +131,8 @@ class Knobs:
 
     @property
     def producer_threads(self) -> int:
-        """The producer warp (and producer_offsets' offset warp), or with setmaxnreg its whole warpgroup
-        (setmaxnreg works per warpgroup)."""
-        return WARPGROUP if self.setmaxnreg else 32 * (1 + self.producer_offsets) if self.producer_warp else 0
+        """The producer warp, or with setmaxnreg its whole warpgroup (setmaxnreg works per warpgroup)."""
+        return WARPGROUP if self.setmaxnreg else 32 if self.producer_warp else 0
 
     @property
     def threads(self) -> int:
@@ -184,7 +174,7 @@ class Knobs:
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_po", self.producer_offsets))
+                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -204,8 +194,7 @@ class Knobs:
         c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
-        o = self.block_m * self.block_n * 4 if self.producer_offsets else 0     # the producer's corrections
-        return x + w + c + y + o + 64
+        return x + w + c + y + 64
 
     @property
     def pad_stages(self) -> int:
@@ -313,14 +302,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"max_blocks={kb.max_blocks}: 0 (no cap) or the blocks per SM, padding the weight stages (smem_weights)"
     if kb.fold_lag and not kb.scale_on_acc:
         return "fold_lag delays scale_on_acc's fold of each k-tile's sums: it needs scale_on_acc"
-    if kb.producer_offsets and not (kb.scale_on_acc and kb.producer_warp):
-        return ("producer_offsets's corrections come from the producer warp and are scaled per k-tile: it needs "
-                "producer_warp and scale_on_acc")
-    if kb.producer_offsets and kb.block_m % 16:
-        return f"producer_offsets sums 16 rows of M per mma.sync: block_m={kb.block_m} must be a multiple of 16"
-    if kb.producer_offsets and kb.block_m * kb.block_n > 2048:
-        return (f"producer_offsets keeps the block's corrections in the producer warp's registers: block_m x block_n "
-                f"= {kb.block_m * kb.block_n} is over 2048 (64 per lane)")
     if kb.panel_m < 0 or kb.panel_m == 1:
         return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
     if kb.panel_m and kb.persistent:
