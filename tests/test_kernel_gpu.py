@@ -79,7 +79,6 @@ STREAM_KNOBS = {
                                                         fold_lag=True),
     "stream_m8_fold_lag_registers": stream_mma.Knobs(1, 1, 4, 4, 1, ahead=2, fold_zero_point=True, fold_lag=True),
     # at most one block per SM (max_blocks: the activation slots padded), M = 8's split-2 cluster form
-    # (session 25, not yet run on a GPU)
     "stream_m8_aw_cluster2_mb1": stream_mma.Knobs(1, 1, 8, 4, 2, ahead=3, fold_zero_point=True, cluster_reduce=True,
                                                   x_ldmatrix=True, async_weights=True, sum_slices=True,
                                                   early_start=2, late_trigger=True, max_blocks=1),
@@ -180,7 +179,7 @@ STREAM_WGMMA_KNOBS = {
                                                         cluster_reduce=True, early_start=2, stage_unroll=True),
     "swg_m32_tma_s4_unrolled": SW(32, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, stage_unroll=True),
     # ... and at 6 stages, whose 64 / 172 k-tiles leave 4 before the loop: a rolled loop that refills
-    # its stages at run-time indices (session 25, not yet run on a GPU)
+    # its stages at run-time indices (session 25)
     "swg_m32_tma_s6_unrolled": SW(32, 1, 1, 64, 6, overlap=True, smem_weights=True, tma=True, stage_unroll=True),
     # ring = D, the wgmmas committed a k-step at a time with D k-steps of fragments (perf-notes
     # v43-v44): gate_up M=16's winner form, split in a cluster (D = 8 and 2), and two groups

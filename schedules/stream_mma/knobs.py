@@ -51,8 +51,8 @@ class Knobs:
     second set of sums, so that the fold does not wait for the MMAs it reads.
     max_blocks (B > 0, sm_90, x_ldmatrix) pads the activation slots' shared memory so that at most B
     blocks fit an SM: a split-K cluster grid under one wave then spreads over more SMs (stream_wgmma's
-    clusters packed onto fewer SMs when more fit, perf-notes v50); 0 leaves the count to registers
-    and shared memory.
+    clusters packed onto fewer SMs when more fit, perf-notes v50; on this family's M = 1-8 winners it
+    moved nothing, v51); 0 leaves the count to registers and shared memory.
     """
 
     m_tiles: int = 1
