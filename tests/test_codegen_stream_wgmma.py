@@ -648,16 +648,19 @@ def test_uneven_splits_run_one_pipeline_per_count(compiled):
     assert (branch in src) == bool(extra)
 
 
-def test_the_search_space_keeps_even_splits_only():
-    # Uneven splits are valid with the producer warp (and reached by sweeps and --variants), but the
-    # searched space holds even ones only: down_proj's 86 k-tiles of 128 split 1 or 2 ways there.
+def test_the_search_space_keeps_uneven_splits_out_of_clusters():
+    # Uneven splits are valid with the producer warp. The searched space holds them only through the
+    # workspace (down_proj 16's winner: 86 k-tiles of 128 in 6 splits, v52); in a cluster only even
+    # ones, which at block_k 128 split down_proj's 86 k-tiles 1 or 2 ways.
     down = Problem(4096, 11008, 128)
     uneven = Knobs(16, 1, 1, 128, 4, overlap=True, split_k=4, smem_weights=True, tma=True, release_barriers=True,
                    producer_warp=True, cluster_reduce=True)
     assert stream_wgmma.check(down, uneven, SM90) is None
     space = stream_wgmma.space(down, SM90)
-    assert space and not any(kb.longer_splits(down) for kb in space)
-    assert {kb.split_k for kb in space if kb.block_k == 128} == {1, 2}
+    assert space and not any(kb.longer_splits(down) and kb.cluster_reduce for kb in space)
+    assert {kb.split_k for kb in space if kb.block_k == 128 and kb.cluster_reduce} == {2}
+    assert {kb.split_k for kb in space if kb.block_k == 128 and kb.uses_workspace} == {2, 4, 6, 8}
+    assert any(kb.split_k == 6 and kb.longer_splits(down) == 2 and not kb.cluster_reduce for kb in space)
 
 
 @pytest.mark.parametrize("max_blocks", (1, 2))

@@ -29,8 +29,8 @@ AXES = {
     "stages": (4, 6, 8),
     "ahead": (1,),
     "overlap": (True,),       # decode of k-tile t + 1 under k-tile t's wgmmas: faster in every pair
-    # (even splits only: see space())
-    "split_k": (1, 2, 4, 8),
+    # (uneven splits only through the workspace: see space())
+    "split_k": (1, 2, 4, 6, 8),
     "smem_weights": (True,),
     "tma": (True,),
     # Per-stage empty barriers: alone 15-45 % slower (v13, v16), but the producer warp needs them.
@@ -93,12 +93,14 @@ from_axes = positional(Knobs)    # AXES name the Knobs fields in order
 
 
 def space(problem: Problem, arch: Arch) -> list[Knobs]:
-    """Every valid point of the named axes for `problem` on `arch` whose splits are even: uneven ones
-    (valid with the producer warp) measured slower wherever tried (down_proj 16, perf-notes v49), and in
-    the search they took first-round places at down_proj 16-64 from the measured winners (`gen sweep`
-    and `--variants` still reach them)."""
+    """Every valid point of the named axes for `problem` on `arch` whose splits are even or meet
+    through the workspace. Uneven splits in a cluster measured slower wherever tried (down_proj 16,
+    perf-notes v49): a grid of clusters of 3 or more blocks runs on 124 of the H200's 132 SMs and
+    holds fewer clusters at once than its blocks per SM suggest (64 clusters of 6 at 3 blocks per SM
+    take two waves, v52); through the workspace down_proj 16's 86 k-tiles in 6 splits of 15 and 14
+    won (v52). `gen sweep` and `--variants` still reach every valid point."""
     return [kb for kb in valid_points(AXES, from_axes, check, problem, arch)
-            if not kb.longer_splits(problem)]
+            if not (kb.longer_splits(problem) and kb.cluster_reduce)]
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
