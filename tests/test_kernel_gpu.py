@@ -226,7 +226,8 @@ STREAM_WGMMA_KNOBS = {
     "swg_m16_k64_producer_split3_uneven": SW(16, 1, 1, 64, 4, overlap=True, split_k=3, smem_weights=True, tma=True,
                                              release_barriers=True, producer_warp=True, stage_unroll=True),
     # down_proj 16's winner form (session 27): 6 splits through the workspace, 15 and 14 k-tiles of 128
-    "swg_m16_k128_producer_split6_uneven_s6_sacc_lag_pdl": SW(16, 1, 1, 128, 6, overlap=True, split_k=6,
+    # (4 stages, so that the other layers' 32 k-tiles, 6 and 5 per split, fill them too)
+    "swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl": SW(16, 1, 1, 128, 4, overlap=True, split_k=6,
                                                               smem_weights=True, tma=True, release_barriers=True,
                                                               producer_warp=True, pdl=True, early_start=2,
                                                               stage_unroll=True, scale_on_acc=True, fold_lag=True),
