@@ -176,7 +176,7 @@ def test_blocks_that_crowd_some_sms_cost_the_busiest_sm():
     assert estimate_us(even, whole, 16, SPEC) < 2.1 * estimate_us(half, whole, 16, SPEC)
 
 
-def test_a_tma_pipeline_fill_waits_for_its_first_stages_only():
+def test_a_tma_pipeline_fill_waits_for_its_first_stages_only(monkeypatch):
     # stream_wgmma's blocks wait for two stages' loads before their math starts; the later stages land
     # under it (session 27: time = F + k-tiles x t over K, F 2.6-3.9 us at M = 16, perf-notes v52).
     from schedules.stream_wgmma import Knobs as SW
@@ -185,11 +185,8 @@ def test_a_tma_pipeline_fill_waits_for_its_first_stages_only():
               release_barriers=True, producer_warp=True, pdl=True)
     two = TRAITS["stream_wgmma"]
     assert two.fill_stages == 2
-    for stages in (4, 6, 8):
-        stream = Schedule("stream_wgmma", SW(stages=stages, **kb))
-        TRAITS["stream_wgmma"] = replace(two, fill_stages=0)     # every stage in the fill
-        try:
-            every = estimate_us(down, stream, 16, SPEC)
-        finally:
-            TRAITS["stream_wgmma"] = two
-        assert estimate_us(down, stream, 16, SPEC) < every
+    streams = [Schedule("stream_wgmma", SW(stages=stages, **kb)) for stages in (4, 6, 8)]
+    fills_two = [estimate_us(down, stream, 16, SPEC) for stream in streams]
+    monkeypatch.setitem(TRAITS, "stream_wgmma", replace(two, fill_stages=0))     # every stage in the fill
+    for stream, estimate in zip(streams, fills_two):
+        assert estimate < estimate_us(down, stream, 16, SPEC)
