@@ -181,14 +181,6 @@ CASES = {
     "tma_producer_uneven_split3": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 4, overlap=True, split_k=3,
                                                                   smem_weights=True, tma=True, release_barriers=True,
                                                                   producer_warp=True, stage_unroll=True)),
-    # down_proj 16's form (session 27: 6 uneven splits through the workspace, pdl), with the first
-    # stages' weights copied before the producer's wait for the previous kernel (early_weights)
-    "tma_producer_uneven_split6_sacc_lag_early_weights": (Problem(4096, 11008, 128),
-                                                          Knobs(16, 1, 1, 128, 6, overlap=True, split_k=6,
-                                                                smem_weights=True, tma=True, release_barriers=True,
-                                                                producer_warp=True, pdl=True, early_start=2,
-                                                                stage_unroll=True, scale_on_acc=True, fold_lag=True,
-                                                                early_weights=True)),
 }
 
 
@@ -415,9 +407,7 @@ def test_barriers_in_the_k_loops(compiled):
     assert all(count(empty_arrive, loop) >= 1 for loop in consumers)
     if knobs.producer_warp:      # the consumers only wait for full stages; the producer for empty ones
         producers = [loop for loop in loops if "tma_load" in loop and "wgmma_rs" not in loop]
-        # (early_weights fills the first round of stages before its loop, which one trip can then replace)
-        assert producers or knobs.early_weights
-        assert all(count(empty_wait, loop) == 1 for loop in producers)
+        assert producers and all(count(empty_wait, loop) == 1 for loop in producers)
         assert all("tma_load" not in loop and count(empty_wait, loop) == 0 for loop in consumers)
     else:                        # warp 0 waits for the release before it refills
         assert all(count(empty_wait, loop) == 1 for loop in consumers)
@@ -454,26 +444,15 @@ def test_a_cluster_kernel_waits_for_the_previous_kernel_before_it_reads(compiled
     # TileLang's launcher lets a cluster kernel start before the previous kernel's writes are visible
     # (programmatic stream serialization, schedules/epilogue.py): griddepcontrol.wait comes first.
     # (or, with pdl, one that asked for that launch: TileLang's pdl_sync, cudaGridDependencySynchronize)
-    problem, knobs, src, ptx = compiled
+    _, knobs, src, ptx = compiled
     if not (knobs.cluster_reduce or knobs.pdl):
         assert "griddepcontrol" not in ptx
         return
-    body = src[src.index("w4a16_gemm_kernel("):]
-    wait = "tm_wait_for_prior_grids();" if knobs.cluster_reduce else "cudaGridDependencySynchronize();"
-    if knobs.early_weights:
-        # The consumer warps wait first thing; the producer warp after its first stages' weight copies
-        # (packed words by the B tensor map, scale rows by bulk copy) and before any activation's.
-        # (the producer's in each copy of the pipeline: two with uneven splits)
-        assert count(r"griddepcontrol\.wait", ptx) == 1 + (2 if knobs.longer_splits(problem) else 1)
-        producer = body[body.index("if (4 <= tm_warp_index()) {"):]
-        assert body.index(wait) < body.index("if (4 <= tm_warp_index()) {")
-        assert producer.index("tma_load(B_desc") < producer.index(wait) < producer.index("tma_load(A_desc")
-        first = producer[:producer.index(wait)]       # a loop over the first round of stages
-        assert re.search(rf"for \(int (\w+) = 0; \1 < {knobs.stages}; \+\+\1\)", first) and "A_desc" not in first
-        return
     assert count(r"griddepcontrol\.wait", ptx) == 1
+    body = src[src.index("w4a16_gemm_kernel("):]
     first_read = min(i for i in (body.find("tma_load"), body.find("cp_async"), body.find("A["), body.find("C["))
                      if i >= 0)
+    wait = "tm_wait_for_prior_grids();" if knobs.cluster_reduce else "cudaGridDependencySynchronize();"
     assert -1 < body.find(wait) < first_read
 
 
@@ -604,11 +583,8 @@ def test_stage_unroll_makes_the_producers_stage_indices_constant(compiled):
     problem, knobs, src, _ = compiled
     if not knobs.producer_warp or knobs.persistent or knobs.stream_k or knobs.setmaxnreg:
         return
-    producers = [loop for loop in k_loops(src) if "tma_load" in loop and "wgmma_rs" not in loop]
-    if not producers and knobs.early_weights:
-        return      # (its first round of stages before the loop left the loop one trip, unrolled away)
-    producer = producers[0]
-    assert producer == k_loops(src)[0] or knobs.early_weights
+    producer = k_loops(src)[0]
+    assert "tma_load" in producer and "wgmma_rs" not in producer
     waits = re.findall(r"empty\[([^\]]+)\]\.wait", producer)
     assert waits
     if knobs.stage_unroll:

@@ -231,18 +231,6 @@ STREAM_WGMMA_KNOBS = {
                                                               smem_weights=True, tma=True, release_barriers=True,
                                                               producer_warp=True, pdl=True, early_start=2,
                                                               stage_unroll=True, scale_on_acc=True, fold_lag=True),
-    # ... and the first stages' weights copied before the producer's wait for the previous kernel
-    # (early_weights, session 27), there and in qkv 16's form (split 2 in a cluster, 6 stages)
-    "swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl_ew": SW(16, 1, 1, 128, 4, overlap=True, split_k=6,
-                                                                 smem_weights=True, tma=True, release_barriers=True,
-                                                                 producer_warp=True, pdl=True, early_start=2,
-                                                                 stage_unroll=True, scale_on_acc=True, fold_lag=True,
-                                                                 early_weights=True),
-    "swg_m16_k128_producer_cluster_split2_s6_sacc_lag_ew": SW(16, 1, 1, 128, 6, overlap=True, split_k=2,
-                                                              smem_weights=True, tma=True, release_barriers=True,
-                                                              producer_warp=True, cluster_reduce=True, early_start=2,
-                                                              stage_unroll=True, scale_on_acc=True, fold_lag=True,
-                                                              early_weights=True),
     # at most one block per SM (max_blocks: the weight stages padded), 2 splits in a cluster
     "swg_m16_k128_producer_cluster_split2_s6_sacc_lag_mb1": SW(16, 1, 1, 128, 6, overlap=True, split_k=2,
                                                                smem_weights=True, tma=True, release_barriers=True,

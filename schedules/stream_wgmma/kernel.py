@@ -319,23 +319,19 @@ def build(problem: Problem, knobs: Knobs):
             T.warpgroup_commit_batch()
 
     @T.macro
-    def copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, leaders, activations=True, weights=True):
-        """K-tile kt's copies into stage tile % stages against its barrier (each adds its bytes to the
-        barrier's expected count; the caller arrives): the activations, and the packed words and scale row."""
-        if activations:
-            if atoms == 1:
-                T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
-                           barrier=full[tile % stages], leader_scope_threads=leaders)
-            else:
-                for h in range(atoms):      # one box per 128-byte swizzle width
-                    T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk + h * 64:kt * bk + (h + 1) * 64],
-                               X_s[tile % stages, h, :, :], barrier=full[tile % stages], leader_scope_threads=leaders)
-        if weights:
-            T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
+    def copy_stage(A, B, S, X_s, W_s, S_s, full, tile, kt, by, bx, leaders):
+        if atoms == 1:
+            T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
                        barrier=full[tile % stages], leader_scope_threads=leaders)
-            if grouped:
-                T.tma_copy(S[kt * bk // group:kt * bk // group + 1, bx * bn:(bx + 1) * bn],
-                           S_s[tile % stages, :, :], barrier=full[tile % stages], leader_scope_threads=leaders)
+        else:
+            for h in range(atoms):      # one box per 128-byte swizzle width
+                T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk + h * 64:kt * bk + (h + 1) * 64],
+                           X_s[tile % stages, h, :, :], barrier=full[tile % stages], leader_scope_threads=leaders)
+        T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
+                   barrier=full[tile % stages], leader_scope_threads=leaders)
+        if grouped:
+            T.tma_copy(S[kt * bk // group:kt * bk // group + 1, bx * bn:(bx + 1) * bn], S_s[tile % stages, :, :],
+                       barrier=full[tile % stages], leader_scope_threads=leaders)
 
     @T.macro
     def load_tma(A, B, S, X_s, W_s, S_s, full, empty, tile, k0, by, bx, tx):
@@ -359,13 +355,12 @@ def build(problem: Problem, knobs: Knobs):
                 T.barrier_arrive(full[tile % stages])
 
     @T.macro
-    def fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g, t, by, bx, tx, weights=True):
+    def fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g, t, by, bx, tx):
         """The producer's k-tile t, number g of the block's sequence: wait for its stage's release (from
-        the second round of the stages on), issue its copies (without the weights' if they went first),
-        arrive."""
+        the second round of the stages on), issue its copies, arrive."""
         if g >= stages:
             T.mbarrier_wait_parity(empty[g % stages], (g // stages - 1) % 2)
-        copy_stage(A, B, S, X_s, W_s, S_s, full, g, k0 + t, by, bx, 32, weights=weights)
+        copy_stage(A, B, S, X_s, W_s, S_s, full, g, k0 + t, by, bx, 32)
         T.call_extern("handle", "__syncwarp")
         if tx == consumers:
             T.barrier_arrive(full[g % stages])
@@ -375,30 +370,18 @@ def build(problem: Problem, knobs: Knobs):
         """producer_warp: the extra warp fills every stage as soon as the consumers have released its
         previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx.
         K-tile t (of `count`, from k-tile k0) of this tile is number g0 + t of the block's sequence
-        (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase.
-        early_weights: the words and scale rows of the first `stages` k-tiles go first, then the wait for
-        the previous kernel (which the other warps did at the start), their activations, and the rest as
-        above."""
-        start = 0                # k-tiles filled before the loops below
-        if kb.early_weights:     # (g0 = 0 and count >= stages, a constant: see check())
-            start = stages
-            for t in T.unroll(start):
-                copy_stage(A, B, S, X_s, W_s, S_s, full, t, k0 + t, by, bx, 32, activations=False)
-            wait_prior()
-            for t in T.unroll(start):
-                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx, weights=False)
-        rest = count - start
+        (g0 > 0 only for persistent and stream_k blocks), which picks its stage and barrier phase."""
         if kb.stage_unroll and not kb.setmaxnreg:   # (g0 = 0 and count = trips, a constant: see check())
-            lead = rest % stages    # k-tiles before the loop, which then runs whole rounds of the stages
+            lead = count % stages   # k-tiles before the loop, which then runs whole rounds of the stages
             for t in T.unroll(lead):
-                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, start + t, start + t, by, bx, tx)
-            for t0 in T.serial(rest // stages):
+                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx)
+            for t0 in T.serial(count // stages):
                 for r in T.unroll(stages):
-                    t = start + lead + t0 * stages + r
-                    fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx)
+                    fill(A, B, S, X_s, W_s, S_s, full, empty, k0, lead + t0 * stages + r, lead + t0 * stages + r,
+                         by, bx, tx)
         else:
-            for t in T.serial(rest):
-                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g0 + start + t, start + t, by, bx, tx)
+            for t in T.serial(count):
+                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g0 + t, t, by, bx, tx)
 
     @T.macro
     def stage_ready():
@@ -738,11 +721,7 @@ def build(problem: Problem, knobs: Knobs):
             k0 = bz * trips + T.min(bz, extra) if extra else bz * trips    # the split's first k-tile
             if kb.early_start:
                 start_early(B, S, bx, k0)
-            if kb.early_weights:
-                if not in_producer_warp():      # (the producer waits after its first weight copies)
-                    wait_prior()
-            else:
-                wait_prior()
+            wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
 
             tx = T.get_thread_binding()

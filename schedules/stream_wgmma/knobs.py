@@ -91,11 +91,6 @@ class Knobs:
     fit on an SM: a grid of less than a wave then spreads over more SMs instead of packing several
     of a cluster's blocks onto one (down_proj 16 in clusters of 3: 11.8 us at 2 blocks per SM by
     registers, 13.8 at 3; perf-notes v50); 0 leaves the count to registers and shared memory.
-    early_weights (the producer warp's tma pipeline, with pdl or cluster_reduce) has the producer copy
-    the packed words and scale rows of the block's first `stages` k-tiles into their stages before it
-    waits for the previous kernel, and their activations after: weights never depend on an earlier
-    kernel, so a block that lands on an SM while the previous kernel drains streams its first stages
-    under that kernel's tail instead of after it (perf-notes v52).
     """
 
     block_m: int = 128
@@ -124,7 +119,6 @@ class Knobs:
     scale_on_acc: bool = False
     fold_lag: bool = False
     max_blocks: int = 0
-    early_weights: bool = False
 
     @property
     def block_n(self) -> int:
@@ -180,7 +174,7 @@ class Knobs:
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_ew", self.early_weights))
+                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -306,11 +300,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
                 "and overlap, and no ring, k_split, persistent, stream_k or setmaxnreg")
     if kb.max_blocks < 0 or kb.max_blocks and not kb.smem_weights:
         return f"max_blocks={kb.max_blocks}: 0 (no cap) or the blocks per SM, padding the weight stages (smem_weights)"
-    if kb.early_weights and not (kb.tma and kb.producer_warp and (kb.pdl or kb.cluster_reduce)) or \
-            kb.early_weights and (kb.persistent or kb.stream_k or kb.setmaxnreg):
-        return ("early_weights moves the producer warp's wait for the previous kernel behind its first weight "
-                "copies: it needs tma, producer_warp and pdl or cluster_reduce, and no persistent, stream_k or "
-                "setmaxnreg")
     if kb.fold_lag and not kb.scale_on_acc:
         return "fold_lag delays scale_on_acc's fold of each k-tile's sums: it needs scale_on_acc"
     if kb.panel_m < 0 or kb.panel_m == 1:
