@@ -7,7 +7,7 @@ import importlib
 import sys
 
 SUBCOMMANDS = ("gen.tune", "gen.sweep", "gen.cache_cmd", "gen.bench", "gen.compile_cmd", "gen.profile",
-               "gen.modelcheck")
+               "gen.modelcheck", "gen.timeline")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,215 @@
+"""`gen timeline`: where one kernel's time goes, block by block, back to back as the tune times it.
+
+The kernel is compiled afresh with %globaltimer stamps, and thread 0 of every block records when the
+block started, when its wait for the previous kernel returned, when its consumers saw the first full
+stage, when its k-loop ended and when it left, and on which SM it ran. The stamps go into a buffer that
+this process allocates: its address is compiled into the kernel, so the stamped kernel runs only here
+and never enters the kernel cache. Each block keeps its last RING calls (a per-block call counter picks
+the slot), and the summary times every call from the previous call's last exit: how long the next
+kernel's wait, first loads, k-loop and epilogue take, and how far apart its blocks finish.
+%globaltimer ticks in 32 ns steps on the H200 but updates about every 256 ns (perf-notes v53).
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import sys
+
+RING = 8            # calls kept per block
+SLOTS = 8           # stamps per block and call: entry, waited, first stage, k-loop end, exit, SM, blocks, spare
+POINTS = ("entry", "waited", "first stage", "k-loop end", "exit")
+
+TIMER_HELPERS = r"""
+__device__ __forceinline__ unsigned long long tm_globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) :: "memory");
+  return t;
+}
+__device__ __forceinline__ unsigned tm_smid() {
+  unsigned s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+"""
+
+
+def stamp_source(code: str, stamps: int, counters: int, max_blocks: int) -> str:
+    """The kernel's CUDA source with the timeline stamps written into device addresses `stamps`
+    ([RING, max_blocks, SLOTS] u64) and `counters` ([max_blocks] u32). A ValueError names a landmark
+    that the source lacks (the kernel's entry; its wait, first stage or k-loop end are optional and
+    stay 0 without one)."""
+    entry = re.search(r'extern "C" __global__ void[^;{]*\{', code)
+    if entry is None:
+        raise ValueError("no kernel definition (extern \"C\" __global__ ... {) in the source")
+    head, body = code[:entry.start()], code[entry.start():]
+    cut = entry.end() - entry.start()
+    body = (body[:cut] + "\n  unsigned long long tm_ts[5] = {0, 0, 0, 0, 0};\n  tm_ts[0] = tm_globaltimer();"
+            "\n  bool tm_first_stage = true;" + body[cut:])
+    wait = re.search(r"\n\s*(tm_wait_for_prior_grids|cudaGridDependencySynchronize)\(\);", body)
+    if wait:
+        body = body[:wait.end()] + " tm_ts[1] = tm_globaltimer();" + body[wait.end():]
+    # The consumers' first wait for a stage: an mbarrier of the TMA pipeline, or a cp.async group.
+    stage = re.search(r"\n\s*full\[[^\n]*\]\.wait\([^\n]*\);", body) or \
+        re.search(r"\n\s*tl::cp_async_wait<[^\n]*;", body)
+    if stage:
+        body = (body[:stage.end()] + " if (tm_first_stage) { tm_ts[2] = tm_globaltimer(); tm_first_stage = false; }"
+                + body[stage.end():])
+        # The k-loop ends where the warps first meet again at the top level of the kernel.
+        loop_end = re.compile(r"\n  bool if_condition|\n  __syncthreads\(\);").search(body, stage.end())
+        if loop_end:
+            body = body[:loop_end.start()] + "\n  tm_ts[3] = tm_globaltimer();" + body[loop_end.start():]
+    exit_at = body.rstrip().rfind("}")
+    store = f"""
+  tm_ts[4] = tm_globaltimer();
+  if (threadIdx.x == 0) {{
+    unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    unsigned call = atomicAdd(reinterpret_cast<unsigned*>({counters}ULL) + block, 1u) % {RING}u;
+    unsigned long long* s = reinterpret_cast<unsigned long long*>({stamps}ULL) + (call * {max_blocks}ull + block) * {SLOTS};
+    for (int i = 0; i < 5; ++i) s[i] = tm_ts[i];
+    s[5] = tm_smid();
+    s[6] = gridDim.x * gridDim.y * gridDim.z;
+  }}
+"""
+    return head + TIMER_HELPERS + body[:exit_at] + store + body[exit_at:]
+
+
+def compile_stamped(fam, problem, knobs, arch, stamps: int, counters: int, max_blocks: int):
+    """The kernel of `knobs` compiled with stamp_source's stamps, outside every cache: TileLang's kernel
+    cache does not key on a source post-processor, so with it on, a stamped binary could be served to
+    a later plain compile (or a plain one served here). Returns (kernel, plain CUDA source)."""
+    import tilelang
+
+    seen = {}
+
+    def stamp(code, target):
+        seen["plain"] = code
+        return stamp_source(code, stamps, counters, max_blocks)
+
+    was_enabled = tilelang.env.is_cache_enabled()
+    tilelang.disable_cache()
+    tilelang.engine.register_cuda_postproc(stamp)
+    try:
+        kernel = tilelang.compile(fam.build(problem, knobs), target=arch.target, pass_configs=fam.PASS_CONFIGS)
+    finally:
+        tilelang.engine.register_cuda_postproc(lambda code, target: code)
+        if was_enabled:
+            tilelang.enable_cache()
+    return kernel, seen["plain"]
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def summarize(stamps, calls: int) -> str:
+    """The report of a stamp buffer: stamps[slot][block] = [entry, waited, first stage, k-loop end, exit,
+    SM, blocks] in ns (sequence of lists or an array), every block having run `calls` calls (the last RING
+    are kept). Times are in us from the previous call's last exit."""
+    blocks = int(stamps[0][0][6])
+    if blocks < 1 or calls < 2:
+        raise ValueError(f"need at least two recorded calls of a launched kernel (calls={calls}, blocks={blocks})")
+    kept = min(calls, RING)
+    order = [(calls - kept + i) % RING for i in range(kept)]
+    rows = [[[float(x) for x in stamps[slot][b][:6]] for b in range(blocks)] for slot in order]
+    lines = [f"{blocks} blocks; us from the previous call's last exit (E); min / median / max unless named",
+             "call  period |   entry (min med max)  |  waited (min med max)  | first stage-waited | "
+             "k-loop (med max) | epilogue (med max) | exit (min p10 med p90 max)"]
+    for i in range(1, len(rows)):
+        last_exit = max(r[4] for r in rows[i - 1])
+        cur = rows[i]
+        rel = [[(r[j] - last_exit) / 1000.0 for j in range(5)] for r in cur]
+        col = [[r[j] for r in rel] for j in range(5)]
+        span = lambda a, b: [(r[b] - r[a]) / 1000.0 for r in cur if r[a] and r[b]]
+        first, loop, epi = span(1, 2), span(2, 3), span(3, 4)
+        med_max = lambda v: f"{statistics.median(v):5.2f} {max(v):5.2f}" if v else "  n/a   n/a"
+        three = lambda v: f"{min(v):6.2f} {statistics.median(v):6.2f} {max(v):6.2f}"
+        lines.append(f"{i:4d} {max(col[4]):7.2f} | {three(col[0])} | {three(col[1])} |   {med_max(first)}  |"
+                     f"   {med_max(loop)}    |    {med_max(epi)}     | {min(col[4]):6.2f} "
+                     f"{_quantile(col[4], .1):6.2f} {statistics.median(col[4]):6.2f} {_quantile(col[4], .9):6.2f} "
+                     f"{max(col[4]):6.2f}")
+    # The newest call's exits by how many of its blocks shared an SM.
+    last_exit = max(r[4] for r in rows[-2])
+    per_sm: dict[int, list[float]] = {}
+    for r in rows[-1]:
+        per_sm.setdefault(int(r[5]), []).append((r[4] - last_exit) / 1000.0)
+    by_load: dict[int, list[float]] = {}
+    for exits in per_sm.values():
+        by_load.setdefault(len(exits), []).extend(exits)
+    lines.append(f"newest call: {len(per_sm)} SMs used")
+    for load in sorted(by_load):
+        exits = by_load[load]
+        lines.append(f"  SMs with {load} block(s): {len(exits)} blocks, exit median {statistics.median(exits):.2f} "
+                     f"max {max(exits):.2f} us")
+    return "\n".join(lines)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("timeline", help="per-block timestamps of one kernel, back to back (GPU)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", required=True, help="KxN, e.g. 4096x12288")
+    p.add_argument("--m", type=int, required=True, help="rows of the activations")
+    p.add_argument("--family", help="with --knobs: the schedule to stamp (default: the tuned table's winner)")
+    p.add_argument("--knobs", default="", help='with --family: "k=v,k=v" (unnamed knobs keep their defaults)')
+    p.add_argument("--group", type=int, default=128)
+    p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
+    p.add_argument("--max-blocks", type=int, default=16384, help="room for this many blocks in the stamp buffer")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gen timeline: no CUDA GPU is visible; it runs the kernel", file=sys.stderr)
+        return 2
+    import functools
+
+    from runtime import op
+    from schedules.arch import current_arch
+    from schedules.registry import Schedule, family
+
+    from .compile_cmd import parse_knobs
+    from .measure import time_calls
+    from .models import parse_shapes
+    from .search import _Bench
+
+    (layer,) = parse_shapes(args.shape)
+    problem = op.problem_of(layer.n, layer.k, args.group, args.dtype)
+    if args.family:
+        schedule = Schedule(args.family, parse_knobs(family(args.family), args.knobs))
+    else:
+        schedule = op.schedule_for(problem, args.m)
+    arch = current_arch()
+    fam = schedule.module
+    reason = fam.check(problem, schedule.knobs, arch)
+    if reason:
+        print(f"gen timeline: {schedule.name} is not valid for {problem.name}: {reason}", file=sys.stderr)
+        return 2
+    stamps = torch.zeros(RING * args.max_blocks * SLOTS, dtype=torch.int64, device="cuda")
+    counters = torch.zeros(args.max_blocks, dtype=torch.int32, device="cuda")
+    kernel, _ = compile_stamped(fam, problem, schedule.knobs, arch, stamps.data_ptr(), counters.data_ptr(),
+                                args.max_blocks)
+    bench = _Bench(problem)
+    copies = bench.packed(fam)
+    ws_elems, counter_elems = fam.workspace_elems(problem, schedule.knobs, args.m)
+    ws = torch.zeros(ws_elems, dtype=torch.float32, device="cuda")
+    tiles = torch.zeros(counter_elems, dtype=torch.int32, device="cuda")
+    a = torch.randn(args.m, problem.k, dtype=bench.dtype, device="cuda")
+    out = torch.empty(args.m, problem.n, dtype=bench.dtype, device="cuda")
+    calls = [functools.partial(kernel, *fam.kernel_args(problem, schedule.knobs, a, qw, qs, out, ws, tiles))
+             for qw, qs in copies]
+    us = time_calls(calls)
+    torch.cuda.synchronize()
+    blocks = stamps.view(RING, args.max_blocks, SLOTS)[0, 0, 6].item()
+    if blocks > args.max_blocks:
+        print(f"gen timeline: the kernel launched {blocks} blocks; rerun with --max-blocks {blocks}", file=sys.stderr)
+        return 2
+    print(f"{schedule.name} at {problem.name}, M = {args.m}: {us:.2f} us per call back to back "
+          f"({len(calls)} weight copies; stamps cost a few instructions per block)")
+    counts = counters[:blocks].cpu()
+    if not bool((counts == counts[0]).all()):
+        print("gen timeline: blocks ran different numbers of calls", file=sys.stderr)
+        return 1
+    print(summarize(stamps.view(RING, args.max_blocks, SLOTS).cpu().tolist(), int(counts[0])))
+    return 0

@@ -1,0 +1,75 @@
+"""gen timeline on the CPU: the stamps land at the kernel's landmarks and compile for sm_90a in both
+stream families; the summary reads a stamp buffer."""
+import re
+
+import pytest
+
+from gen.timeline import RING, compile_stamped, stamp_source, summarize
+from schedules import stream_mma, stream_wgmma
+from schedules.arch import get_arch
+from schedules.problem import Problem
+
+SM90 = get_arch("sm_90a")
+TMA = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
+CASES = {
+    # qkv 16's form: 2 splits in a cluster (griddepcontrol.wait), the mbarrier pipeline
+    "stream_wgmma_cluster": (stream_wgmma, stream_wgmma.Knobs(16, 1, 1, 128, 6, split_k=2, cluster_reduce=True,
+                                                              early_start=2, stage_unroll=True, **TMA)),
+    # o_proj 16's form: pdl (cudaGridDependencySynchronize), cp.async groups
+    "stream_mma_pdl": (stream_mma, stream_mma.Knobs(m_tiles=1, slabs=1, warps=8, unroll=4, split_k=1, ahead=4,
+                                                    fold_zero_point=True, x_ldmatrix=True, async_weights=True,
+                                                    sum_slices=True, pdl=True, early_start=2, late_trigger=True)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def stamped(request):
+    import tilelang
+
+    fam, knobs = CASES[request.param]
+    problem = Problem(4096, 4096, 128)
+    assert fam.check(problem, knobs, SM90) is None
+    kernel, plain = compile_stamped(fam, problem, knobs, SM90, 0x7f0000001000, 0x7f0000002000, 1024)
+    assert tilelang.env.is_cache_enabled()        # switched back on after the stamped compile
+    return plain, kernel.get_kernel_source()
+
+
+def test_stamps_mark_every_landmark_and_compile(stamped):
+    plain, source = stamped
+    for point in range(5):
+        assert len(re.findall(rf"tm_ts\[{point}\] = tm_globaltimer\(\)", source)) == 1, point
+    body = source[source.index('extern "C" __global__ void __launch_bounds__'):]
+    # in order: entry, the wait for the previous kernel, the first stage, the k-loop's end, the exit
+    at = [body.index(f"tm_ts[{point}] = tm_globaltimer()") for point in range(5)]
+    assert at == sorted(at)
+    assert re.search(r"(tm_wait_for_prior_grids|cudaGridDependencySynchronize)\(\); tm_ts\[1\]", body)
+    assert "0x7f0000001000"[2:] not in body and str(0x7f0000001000) in body     # the buffer, as a constant
+    assert "tm_globaltimer" not in plain
+
+
+def test_a_source_without_a_kernel_is_refused():
+    with pytest.raises(ValueError, match="no kernel definition"):
+        stamp_source("__device__ void f() {}", 1, 2, 8)
+
+
+def test_summary_times_each_call_from_the_previous_exit():
+    # 4 blocks on 2 SMs (3 + 1), 3 calls 10 us apart; in each call the blocks wait 0.5 us, see their
+    # first stage 0.5 us later, loop 7 us and leave 1 us later, the block alone on its SM 1 us earlier.
+    stamps = [[[0] * 8 for _ in range(4)] for _ in range(RING)]
+    for call in range(3):
+        start = call * 10_000
+        for b in range(4):
+            alone = b == 3
+            exit_ns = start + 10_000 - (1000 if alone else 0)
+            stamps[call % RING][b][:7] = [start, start + 500, start + 1000, start + 8000, exit_ns, 1 if alone else 0, 4]
+    report = summarize(stamps, 3)
+    lines = report.splitlines()
+    assert lines[0].startswith("4 blocks")
+    first = lines[2].split("|")
+    assert first[0].split() == ["1", "10.00"]              # period: last exit to last exit
+    assert first[1].split() == ["0.00", "0.00", "0.00"]    # entries at the previous call's last exit
+    assert first[3].split() == ["0.50", "0.50"] and first[4].split() == ["7.00", "7.00"]
+    assert "SMs with 1 block(s): 1 blocks, exit median 9.00" in report
+    assert "SMs with 3 block(s): 3 blocks, exit median 10.00" in report
+    with pytest.raises(ValueError, match="two recorded calls"):
+        summarize(stamps, 1)
