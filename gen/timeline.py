@@ -48,6 +48,8 @@ def stamp_source(code: str, stamps: int, counters: int, max_blocks: int) -> str:
     wait = re.search(r"\n\s*(tm_wait_for_prior_grids|cudaGridDependencySynchronize)\(\);", body)
     if wait:
         body = body[:wait.end()] + " tm_ts[1] = tm_globaltimer();" + body[wait.end():]
+    else:       # nothing to wait for (a plain launch): the block is past it at entry
+        body = body.replace("tm_ts[0] = tm_globaltimer();", "tm_ts[0] = tm_globaltimer(); tm_ts[1] = tm_ts[0];", 1)
     # The consumers' first wait for a stage: an mbarrier of the TMA pipeline, or a cp.async group.
     stage = re.search(r"\n\s*full\[[^\n]*\]\.wait\([^\n]*\);", body) or \
         re.search(r"\n\s*tl::cp_async_wait<[^\n]*;", body)
@@ -61,13 +63,13 @@ def stamp_source(code: str, stamps: int, counters: int, max_blocks: int) -> str:
     exit_at = body.rstrip().rfind("}")
     store = f"""
   tm_ts[4] = tm_globaltimer();
-  if (threadIdx.x == 0) {{
-    unsigned block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    unsigned call = atomicAdd(reinterpret_cast<unsigned*>({counters}ULL) + block, 1u) % {RING}u;
-    unsigned long long* s = reinterpret_cast<unsigned long long*>({stamps}ULL) + (call * {max_blocks}ull + block) * {SLOTS};
-    for (int i = 0; i < 5; ++i) s[i] = tm_ts[i];
-    s[5] = tm_smid();
-    s[6] = gridDim.x * gridDim.y * gridDim.z;
+  unsigned tm_block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (threadIdx.x == 0 && tm_block < {max_blocks}u) {{     // (block 0 records the grid's size: too many is refused)
+    unsigned tm_call = atomicAdd(reinterpret_cast<unsigned*>({counters}ULL) + tm_block, 1u) % {RING}u;
+    unsigned long long* tm_s = reinterpret_cast<unsigned long long*>({stamps}ULL) + (tm_call * {max_blocks}ull + tm_block) * {SLOTS};
+    for (int i = 0; i < 5; ++i) tm_s[i] = tm_ts[i];
+    tm_s[5] = tm_smid();
+    tm_s[6] = gridDim.x * gridDim.y * gridDim.z;
   }}
 """
     return head + TIMER_HELPERS + body[:exit_at] + store + body[exit_at:]

@@ -47,6 +47,13 @@ def test_stamps_mark_every_landmark_and_compile(stamped):
     assert "tm_globaltimer" not in plain
 
 
+def test_a_kernel_without_a_wait_is_past_it_at_entry_and_blocks_past_the_buffer_write_nothing():
+    code = 'extern "C" __global__ void k(int* x) {\n  x[0] = 1;\n}\n'
+    source = stamp_source(code, 4096, 8192, 64)
+    assert "tm_ts[1] = tm_ts[0];" in source
+    assert "threadIdx.x == 0 && tm_block < 64u" in source
+
+
 def test_a_source_without_a_kernel_is_refused():
     with pytest.raises(ValueError, match="no kernel definition"):
         stamp_source("__device__ void f() {}", 1, 2, 8)
