@@ -181,6 +181,12 @@ CASES = {
     "tma_producer_uneven_split3": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 4, overlap=True, split_k=3,
                                                                   smem_weights=True, tma=True, release_barriers=True,
                                                                   producer_warp=True, stage_unroll=True)),
+    # qkv 16's form with the weight words read conflict-free (rotate, session 28)
+    "tma_producer_cluster_sacc_lag_rotate": (Problem(1024, 4096, 128),
+                                             Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True,
+                                                   tma=True, release_barriers=True, producer_warp=True,
+                                                   cluster_reduce=True, early_start=2, stage_unroll=True,
+                                                   scale_on_acc=True, fold_lag=True, rotate=True)),
 }
 
 
@@ -676,3 +682,29 @@ def test_max_blocks_caps_the_blocks_per_sm_by_shared_memory(max_blocks):
     before, after, src, padded_src = padded_launches(problem, Schedule("stream_wgmma", knobs), max_blocks)
     assert blocks_per_sm(before) > 3 and blocks_per_sm(after) == max_blocks
     assert re.sub(r"\d+", "#", padded_src) == re.sub(r"\d+", "#", src)     # the same code, other offsets
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("rotate", [False, True])
+def test_rotate_reads_each_bank_once_per_wavefront_and_keeps_every_column(groups, rotate):
+    from schedules.stream_wgmma.kernel import slab_quarter
+
+    phase = 32 // groups          # lanes per 128-byte wavefront of a groups-word (4 * groups bytes) load
+    worst = 0
+    for wq in range(4):
+        for start in range(0, 32, phase):
+            banks = [(lane * 4 + slab_quarter(wq, lane, 0, groups, rotate) + v) % 32
+                     for lane in range(start, start + phase) for v in range(groups)]
+            worst = max(worst, max(banks.count(b) for b in banks))
+    # without rotate a warp's 32-bit loads meet four lanes in a bank (groups 1), its 64-bit ones two
+    assert worst == (1 if rotate or groups == 4 else 4 // groups)
+    # every column of the warpgroup's slabs, at every lane's k-offset (lane % 4), exactly once
+    seen = sorted(((wq * groups + i) // 4 * 64 + slab_quarter(wq, lane, i, groups, rotate) * 16 + lane // 4 + 8 * h,
+                   lane % 4) for wq in range(4) for lane in range(32) for i in range(groups) for h in range(2))
+    assert seen == [(col, k) for col in range(64 * groups) for k in range(4)]
+
+
+def test_rotate_is_refused_where_a_warp_reads_the_whole_slab():
+    problem = Problem(1024, 4096, 128)
+    assert "groups 4" in stream_wgmma.check(problem, Knobs(16, 4, 1, 64, 4, rotate=True), SM90)
+    assert stream_wgmma.check(problem, Knobs(16, 2, 1, 64, 4, rotate=True), SM90) is None

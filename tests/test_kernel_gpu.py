@@ -5,6 +5,8 @@ among them): one compiled kernel (M is dynamic) must match the reference for eve
 random inputs, the output poisoned with NaN before each call, and any split-K workspace left zeroed.
 hopper_wgmma and stream_wgmma run only on sm_90a GPUs.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -245,6 +247,16 @@ STREAM_WGMMA_KNOBS = {
                                                                   stage_unroll=True, scale_on_acc=True,
                                                                   fold_lag=True),
 }
+# rotate (session 28): the lane quarters' shifted slab quarters, on every path that reads the words
+# (registers, cp.async and TMA stages, groups 1 and 2) and every way out (direct and staged stores,
+# the cluster sum, the workspace, two warpgroups, k_split)
+ROTATED = ("swg_m128_g2", "swg_m64_split2", "swg_m128_smem_overlap", "swg_m16_tma_g2_s6", "swg_m256_tma",
+           "swg_m8_tma_s8_split4", "swg_m128_tma_producer_k128_staged", "swg_m256_tma_setmaxnreg_staged",
+           "swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl",
+           "swg_m16_k128_producer_cluster_split2_s6_sacc_lag_mb1", "swg_m64_tma_producer_k_split",
+           "swg_m64_tma_producer_stream_k40")
+STREAM_WGMMA_KNOBS.update({f"{name}_rot": dataclasses.replace(STREAM_WGMMA_KNOBS[name], rotate=True)
+                           for name in ROTATED})
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},

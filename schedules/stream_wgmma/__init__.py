@@ -82,6 +82,14 @@ AXES = {
     # (0.74-0.88x); at down / o 16, 0.59-0.98x at split_k 4, 1.06-1.29x at split_k 2 and 8 (25
     # same-run pairs, median 0.98; session 24, perf-notes v49).
     "fold_lag": (False, True),
+    # At most B blocks per SM (shared memory padded): a variant of the M = 1-32 winners, not searched
+    # (session 25-26, perf-notes v50-v51); named here so that the axes keep the Knobs fields' order.
+    "max_blocks": (0,),
+    # The weight words read from shared memory without bank conflicts (each lane quarter of a warp
+    # shifted to the next 16-column quarter of the slab): 0.92-0.99x at every M = 16-64 winner (12
+    # same-run pairs, median 0.955; session 28, perf-notes v54). Not measured from M = 128 on; the
+    # table's older entries there keep it off (a knob missing from an entry is its default, False).
+    "rotate": (True,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

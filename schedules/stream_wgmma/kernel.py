@@ -95,6 +95,22 @@ def panel_tile(launch, m_tiles, n_tiles, panel, minimum=min, div=operator.floord
     return first + mod(within, rows), div(within, rows)
 
 
+# A 64-column slab's k-step is 128 words, lane l's word for the slab's 16-column quarter q at 4 l + q
+# (marlin_mma's layout). A warp that reads one quarter for all its lanes hits 8 banks, four lanes each:
+# 4-way conflicts, 4 wavefronts per 32-bit load (2 per 64-bit load at groups 2). rotate: the lanes of
+# each 8-lane quarter of the warp take the warp's quarter (pair of quarters at groups 2) shifted by that
+# lane quarter's number, so that one load touches every bank once. The wgmma does not mind which weight
+# columns a lane brings: its rows of A are then other columns, and its rows of the sums the same ones
+# (weight_col says which), since every row of A*B is that row of A times B.
+def slab_quarter(wq, lane, i, groups: int, rotate: bool):
+    """The 16-column quarter (within its 64-column slab) of lane `lane` of warp `wq`'s group i (ints or
+    TileLang expressions)."""
+    quarters = 4 // groups                # a warp's share of the slab, in steps of `groups` quarters
+    if rotate and quarters > 1:
+        return groups * ((wq % quarters + lane // 8) % quarters) + i
+    return (wq * groups + i) % 4
+
+
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
@@ -170,8 +186,9 @@ def build(problem: Problem, knobs: Knobs):
 
     def weight_col(bx, wg, wq, lane, i, h):
         """Output column of a lane's fragment row h (g or g + 8) of group i."""
-        f = wq * g + i
-        return bx * bn + wg * SLAB_N * g + (f // 4) * SLAB_N + (f % 4) * 16 + lane // 4 + 8 * h
+        slab = (wq * g + i) // 4
+        return (bx * bn + wg * SLAB_N * g + slab * SLAB_N + slab_quarter(wq, lane, i, g, kb.rotate) * 16 +
+                lane // 4 + 8 * h)
 
     @T.macro
     def load_x(A, B, S, X_s, W_s, S_s, tile, k0, by, bx, tx):
@@ -207,7 +224,7 @@ def build(problem: Problem, knobs: Knobs):
     def read_w(W_s, S_s, w, sc, tile, wg, wq, lane, sb):
         """smem_weights: the lane's words and scales of k-tile `tile` from its stage into buffer 0 (the
         scales from sc[sb])."""
-        word = (wg * g + wq * g // 4) * 128 + lane * 4 + wq * g % 4
+        word = (wg * g + wq * g // 4) * 128 + lane * 4 + slab_quarter(wq, lane, 0, g, kb.rotate)
         for u in T.unroll(steps):
             for v in T.vectorized(g):
                 w[u * g + v] = W_s[tile % stages, u, word + v]
@@ -221,7 +238,7 @@ def build(problem: Problem, knobs: Knobs):
         """Load k-tile `tile`'s packed words (and group scales) into register buffer `buf`."""
         if tile < trips:
             kt = k0 + tile
-            word = (bx * bn // SLAB_N + wg * g + wq * g // 4) * 128 + lane * 4 + wq * g % 4
+            word = (bx * bn // SLAB_N + wg * g + wq * g // 4) * 128 + lane * 4 + slab_quarter(wq, lane, 0, g, kb.rotate)
             for u in T.unroll(steps):
                 T.call_extern("handle", load_words, T.access_ptr(B[kt * steps + u, word], "r"),
                               T.access_ptr(w[buf * per_w + u * g], "w"))

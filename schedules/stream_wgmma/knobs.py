@@ -119,6 +119,7 @@ class Knobs:
     scale_on_acc: bool = False
     fold_lag: bool = False
     max_blocks: int = 0
+    rotate: bool = False
 
     @property
     def block_n(self) -> int:
@@ -174,7 +175,7 @@ class Knobs:
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks))
+                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -271,6 +272,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"early_start={kb.early_start} asks for more rows than the 32 lanes of one warp prefetch"
     if kb.early_start > kb.k_tiles(problem) // kb.split_k:
         return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
+    if kb.rotate and kb.groups >= 4:
+        return "rotate shifts each lane quarter's 16-column quarter of the slab: at groups 4 a warp reads all four already"
     if kb.stream_k < 0:
         return f"stream_k={kb.stream_k}: 0 (one block per tile) or the number of blocks"
     if kb.stream_k:
