@@ -238,7 +238,8 @@ def build(problem: Problem, knobs: Knobs):
         """Load k-tile `tile`'s packed words (and group scales) into register buffer `buf`."""
         if tile < trips:
             kt = k0 + tile
-            word = (bx * bn // SLAB_N + wg * g + wq * g // 4) * 128 + lane * 4 + slab_quarter(wq, lane, 0, g, kb.rotate)
+            word = ((bx * bn // SLAB_N + wg * g + wq * g // 4) * 128 + lane * 4 +
+                    slab_quarter(wq, lane, 0, g, kb.rotate))
             for u in T.unroll(steps):
                 T.call_extern("handle", load_words, T.access_ptr(B[kt * steps + u, word], "r"),
                               T.access_ptr(w[buf * per_w + u * g], "w"))

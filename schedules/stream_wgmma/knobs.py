@@ -91,6 +91,9 @@ class Knobs:
     fit on an SM: a grid of less than a wave then spreads over more SMs instead of packing several
     of a cluster's blocks onto one (down_proj 16 in clusters of 3: 11.8 us at 2 blocks per SM by
     registers, 13.8 at 3; perf-notes v50); 0 leaves the count to registers and shared memory.
+    rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
+    slab (kernel.slab_quarter), so that a warp's loads of its packed words from shared memory touch
+    every bank once instead of 8 banks four times (perf-notes v54); the sums and scales follow.
     """
 
     block_m: int = 128
