@@ -143,6 +143,12 @@ def summarize(stamps, calls: int) -> str:
         exits = by_load[load]
         lines.append(f"  SMs with {load} block(s): {len(exits)} blocks, exit median {statistics.median(exits):.2f} "
                      f"max {max(exits):.2f} us")
+    # Whether the blocks went out a round at a time: in launch order (blockIdx.x fastest), each run of
+    # as many blocks as SMs used landing on that many different SMs.
+    sms = [int(r[5]) for r in rows[-1]]
+    used = len(per_sm)
+    rounds = [len(set(sms[i:i + used])) for i in range(0, len(sms), used)]
+    lines.append(f"  launch order, {used} blocks at a time: {rounds} different SMs")
     return "\n".join(lines)
 
 

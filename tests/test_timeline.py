@@ -78,5 +78,7 @@ def test_summary_times_each_call_from_the_previous_exit():
     assert first[3].split() == ["0.50", "0.50"] and first[4].split() == ["7.00", "7.00"]
     assert "SMs with 1 block(s): 1 blocks, exit median 9.00" in report
     assert "SMs with 3 block(s): 3 blocks, exit median 10.00" in report
+    # blocks 0-2 on SM 0, block 3 on SM 1: the first two (as many as SMs) share an SM
+    assert "launch order, 2 blocks at a time: [1, 2] different SMs" in report
     with pytest.raises(ValueError, match="two recorded calls"):
         summarize(stamps, 1)
