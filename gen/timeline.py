@@ -17,7 +17,6 @@ import sys
 
 RING = 8            # calls kept per block
 SLOTS = 8           # stamps per block and call: entry, waited, first stage, k-loop end, exit, SM, blocks, spare
-POINTS = ("entry", "waited", "first stage", "k-loop end", "exit")
 
 TIMER_HELPERS = r"""
 __device__ __forceinline__ unsigned long long tm_globaltimer() {
@@ -117,15 +116,18 @@ def summarize(stamps, calls: int) -> str:
     lines = [f"{blocks} blocks; us from the previous call's last exit (E); min / median / max unless named",
              "call  period |   entry (min med max)  |  waited (min med max)  | first stage-waited | "
              "k-loop (med max) | epilogue (med max) | exit (min p10 med p90 max)"]
+    def med_max(v):
+        return f"{statistics.median(v):5.2f} {max(v):5.2f}" if v else "  n/a   n/a"
+
+    def three(v):
+        return f"{min(v):6.2f} {statistics.median(v):6.2f} {max(v):6.2f}"
+
     for i in range(1, len(rows)):
         last_exit = max(r[4] for r in rows[i - 1])
         cur = rows[i]
-        rel = [[(r[j] - last_exit) / 1000.0 for j in range(5)] for r in cur]
-        col = [[r[j] for r in rel] for j in range(5)]
-        span = lambda a, b: [(r[b] - r[a]) / 1000.0 for r in cur if r[a] and r[b]]
-        first, loop, epi = span(1, 2), span(2, 3), span(3, 4)
-        med_max = lambda v: f"{statistics.median(v):5.2f} {max(v):5.2f}" if v else "  n/a   n/a"
-        three = lambda v: f"{min(v):6.2f} {statistics.median(v):6.2f} {max(v):6.2f}"
+        col = [[(r[j] - last_exit) / 1000.0 for r in cur] for j in range(5)]
+        # from stamp a to stamp b, in the blocks that have both (a missing landmark stays 0)
+        first, loop, epi = ([(r[b] - r[a]) / 1000.0 for r in cur if r[a] and r[b]] for a, b in ((1, 2), (2, 3), (3, 4)))
         lines.append(f"{i:4d} {max(col[4]):7.2f} | {three(col[0])} | {three(col[1])} |   {med_max(first)}  |"
                      f"   {med_max(loop)}    |    {med_max(epi)}     | {min(col[4]):6.2f} "
                      f"{_quantile(col[4], .1):6.2f} {statistics.median(col[4]):6.2f} {_quantile(col[4], .9):6.2f} "
