@@ -103,6 +103,17 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most of the (entry, exit) spans that overlap at one time (a span ending as another starts
+    does not overlap it)."""
+    events = sorted([(exit_, -1) for _, exit_ in spans] + [(entry, 1) for entry, _ in spans])
+    running = most = 0
+    for _, step in events:
+        running += step
+        most = max(most, running)
+    return most
+
+
 def summarize(stamps, calls: int) -> str:
     """The report of a stamp buffer: stamps[slot][block] = [entry, waited, first stage, k-loop end, exit,
     SM, blocks] in ns (sequence of lists or an array), every block having run `calls` calls (the last RING
@@ -141,6 +152,15 @@ def summarize(stamps, calls: int) -> str:
     for exits in per_sm.values():
         by_load.setdefault(len(exits), []).extend(exits)
     lines.append(f"newest call: {len(per_sm)} SMs used")
+    # "SMs with N blocks" counts the call's blocks over time: whether they ran at once, or some waited
+    # for a slot on their SM (a second wave: down_proj 16 at 0.97 waves, perf-notes v55).
+    spans: dict[int, list[tuple[float, float]]] = {}
+    for r in rows[-1]:
+        spans.setdefault(int(r[5]), []).append((r[0], r[4]))
+    at_once = max(most_at_once(s) for s in spans.values())
+    late = sum(any(exit_ <= entry for _, exit_ in s) for s in spans.values() for entry, _ in s)
+    lines.append(f"  at most {at_once} block(s) at once on an SM; {late} block(s) entered after a block of "
+                 f"the call had left their SM")
     for load in sorted(by_load):
         exits = by_load[load]
         lines.append(f"  SMs with {load} block(s): {len(exits)} blocks, exit median {statistics.median(exits):.2f} "

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from gen.timeline import RING, compile_stamped, stamp_source, summarize
+from gen.timeline import RING, compile_stamped, most_at_once, stamp_source, summarize
 from schedules import stream_mma, stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
@@ -80,5 +80,23 @@ def test_summary_times_each_call_from_the_previous_exit():
     assert "SMs with 3 block(s): 3 blocks, exit median 10.00" in report
     # blocks 0-2 on SM 0, block 3 on SM 1: the first two (as many as SMs) share an SM
     assert "launch order, 2 blocks at a time: [1, 2] different SMs" in report
+    assert "at most 3 block(s) at once on an SM; 0 block(s) entered after" in report
     with pytest.raises(ValueError, match="two recorded calls"):
         summarize(stamps, 1)
+
+
+def test_summary_counts_blocks_that_waited_for_a_slot_on_their_sm():
+    # 3 blocks on SM 0 per call: two at once from the start, the third entering when the first leaves.
+    stamps = [[[0] * 8 for _ in range(3)] for _ in range(RING)]
+    for call in range(2):
+        start = call * 20_000
+        for b, (entry, exit_) in enumerate([(0, 6000), (0, 9000), (6000, 12_000)]):
+            stamps[call % RING][b][:7] = [start + entry, start + entry, 0, 0, start + exit_, 0, 3]
+    report = summarize(stamps, 2)
+    assert "SMs with 3 block(s)" in report
+    assert "at most 2 block(s) at once on an SM; 1 block(s) entered after a block of the call had left" in report
+
+
+def test_most_at_once_counts_overlapping_spans_only():
+    assert most_at_once([(0, 5), (5, 9), (1, 2)]) == 2       # (0, 5) with (1, 2); (5, 9) starts as (0, 5) ends
+    assert most_at_once([(0, 10), (1, 9), (2, 8)]) == 3
