@@ -187,13 +187,6 @@ CASES = {
                                                    tma=True, release_barriers=True, producer_warp=True,
                                                    cluster_reduce=True, early_start=2, stage_unroll=True,
                                                    scale_on_acc=True, fold_lag=True, rotate=True)),
-    # gate_up 16's form asking L2 for the weights 4 k-tiles before their stage frees (l2_ahead, session 29)
-    "tma_producer_pdl_staged_sacc_lag_rotate_l2ahead": (Problem(1024, 4096, 128),
-                                                        Knobs(16, 1, 1, 128, 6, overlap=True, smem_weights=True,
-                                                              tma=True, release_barriers=True, producer_warp=True,
-                                                              pdl=True, staged_store=True, early_start=2,
-                                                              panel_m=4, stage_unroll=True, scale_on_acc=True,
-                                                              fold_lag=True, rotate=True, l2_ahead=4)),
 }
 
 
@@ -475,11 +468,10 @@ def test_early_start_prefetches_weights_before_the_wait_and_launches_dependents(
     if not knobs.early_start:
         assert prefetches == 0 and "launch_dependents" not in ptx
         return
+    assert prefetches == 2 and not problem.channelwise    # a weight row and a scale row, a lane each
     wait = ptx.index("griddepcontrol.wait")
-    before_wait = count(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx[:wait])
-    assert before_wait == 2 and not problem.channelwise    # a weight row and a scale row, a lane each
-    assert prefetches == before_wait or knobs.l2_ahead        # (l2_ahead's own: its test)
     assert ptx.index("griddepcontrol.launch_dependents") < wait
+    assert all(m.start() < wait for m in re.finditer(r"cp\.async\.bulk\.prefetch", ptx))
     assert not re.search(r"ld\.global|cp\.async\.bulk\.tensor", ptx[:wait])
 
 
@@ -527,33 +519,6 @@ def test_stream_k_shares_units_of_two_k_tiles_among_at_most_a_row_of_tiles():
     assert "odd" in stream_wgmma.check(Problem(1024, 4160, 64), Knobs(64, 1, 1, 64, 4, stream_k=8, **tma), SM90)
     assert "wired" in stream_wgmma.check(problem, Knobs(64, 1, 1, 64, 4, stream_k=8, staged_store=True, **tma), SM90)
     assert Knobs(64, 1, 1, 64, 4, stream_k=8, **tma).uses_workspace
-
-
-def test_l2_ahead_asks_for_the_weights_in_the_producer_loop_within_the_blocks_k_tiles(compiled):
-    problem, knobs, src, ptx = compiled
-    if not knobs.l2_ahead:
-        return
-    # after the wait, in the producer warp's branch: the lead k-tiles' copy and the loop's, each a packed
-    # row per lane below the k-steps and the scale row at lane k-steps, ahead of that k-tile's TMA copies
-    producer = src[src.index("cudaGridDependencySynchronize();"):]
-    asks = [m.start() for m in re.finditer(r"tm_prefetch_l2\(", producer)]
-    assert len(asks) == 4 and asks[-1] < producer.index("tma_load", asks[-1])
-    wait = ptx.index("griddepcontrol.wait")
-    assert count(r"cp\.async\.bulk\.prefetch\.L2\.global", ptx[wait:]) >= 2
-    # k-tile t asks for k-tile t + D only while that is one of the block's: 32 k-tiles, 2 before the loop
-    # of 6, D = 4, so t = 2 + 6 t0 + r asks while t + 4 < 32
-    assert re.search(r"if \(\(\(t0 \* 3\) \+ \(r >> 1\)\) < 13\)", producer), "the loop's bound on t + D"
-
-
-def test_l2_ahead_is_refused_outside_the_producer_warps_pipeline():
-    problem = Problem(1024, 4096, 128)
-    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True)
-    assert "producer warp" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, l2_ahead=4, **tma), SM90)
-    assert "0 (off)" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, producer_warp=True, l2_ahead=-1, **tma),
-                                           SM90)
-    assert "stream_k" in stream_wgmma.check(problem, Knobs(64, 1, 1, 64, 4, producer_warp=True, stream_k=8, l2_ahead=2,
-                                                           **tma), SM90)
-    assert stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, producer_warp=True, l2_ahead=4, **tma), SM90) is None
 
 
 def test_early_start_is_refused_where_it_cannot_apply():

@@ -257,12 +257,6 @@ ROTATED = ("swg_m128_g2", "swg_m64_split2", "swg_m128_smem_overlap", "swg_m16_tm
            "swg_m64_tma_producer_stream_k40")
 STREAM_WGMMA_KNOBS.update({f"{name}_rot": dataclasses.replace(STREAM_WGMMA_KNOBS[name], rotate=True)
                            for name in ROTATED})
-# l2_ahead (session 29): the producer warp asks L2 for k-tile t + D's weights, only while that is one of
-# the block's (uneven splits: two counts; 5-6 k-tiles per split on the 32-k-tile layers, fewer than D = 8)
-L2_AHEAD = ("swg_m16_k128_producer_staged_unrolled", "swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl",
-            "swg_m16_k128_producer_cluster_split2_s6_sacc_lag_mb1")
-STREAM_WGMMA_KNOBS.update({f"{name}_rot_l2a{d}": dataclasses.replace(STREAM_WGMMA_KNOBS[name], rotate=True, l2_ahead=d)
-                           for name in L2_AHEAD for d in (4, 8)})
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},

@@ -90,9 +90,6 @@ AXES = {
     # same-run pairs, median 0.955; session 28, perf-notes v54). Not measured from M = 128 on; the
     # table's older entries there keep it off (a knob missing from an entry is its default, False).
     "rotate": (True,),
-    # The producer warp asks L2 for the weights D k-tiles before their stage frees (perf-notes v55):
-    # not measured yet, so not searched.
-    "l2_ahead": (0,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

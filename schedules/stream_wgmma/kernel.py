@@ -137,7 +137,7 @@ def build(problem: Problem, knobs: Knobs):
     prelude = render_dequant(dtype, problem.bits) + WEIGHT_LOADS + (SPLIT_K_HELPERS if kb.stream_k else "") + \
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
         (COPY16 if kb.staged_store else "") + (CONSUMERS_SYNC if kb.staged_store or kb.stream_k else "") + \
-        (EARLY_START_HELPERS if kb.early_start or kb.l2_ahead else "") + \
+        (EARLY_START_HELPERS if kb.early_start else "") + \
         split_k_prelude(bm, bn, kb.split_k, threads, n, problem.channelwise, cluster)
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
@@ -373,23 +373,9 @@ def build(problem: Problem, knobs: Knobs):
                 T.barrier_arrive(full[tile % stages])
 
     @T.macro
-    def ask_l2_ahead(B, S, kt, bx, tx):
-        """l2_ahead: ask L2 for k-tile kt's packed rows (8 * block_n bytes each, k-steps apart in B) and
-        its scale row, a lane each of the producer warp."""
-        lane = tx % 32
-        if lane < steps:
-            T.call_extern("handle", "tm_prefetch_l2", T.access_ptr(B[kt * steps + lane, bx * 2 * bn], "r"), 8 * bn)
-        elif grouped and lane == steps:
-            T.call_extern("handle", "tm_prefetch_l2", T.access_ptr(S[kt * bk // group, bx * bn], "r"), 2 * bn)
-
-    @T.macro
-    def fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g, t, by, bx, tx, count):
-        """The producer's k-tile t (of `count`), number g of the block's sequence: with l2_ahead ask L2
-        for k-tile t + l2_ahead's weights first; wait for its stage's release (from the second round of
-        the stages on), issue its copies, arrive."""
-        if kb.l2_ahead:
-            if t + kb.l2_ahead < count:
-                ask_l2_ahead(B, S, k0 + t + kb.l2_ahead, bx, tx)
+    def fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g, t, by, bx, tx):
+        """The producer's k-tile t, number g of the block's sequence: wait for its stage's release (from
+        the second round of the stages on), issue its copies, arrive."""
         if g >= stages:
             T.mbarrier_wait_parity(empty[g % stages], (g // stages - 1) % 2)
         copy_stage(A, B, S, X_s, W_s, S_s, full, g, k0 + t, by, bx, 32)
@@ -406,14 +392,14 @@ def build(problem: Problem, knobs: Knobs):
         if kb.stage_unroll and not kb.setmaxnreg:   # (g0 = 0 and count = trips, a constant: see check())
             lead = count % stages   # k-tiles before the loop, which then runs whole rounds of the stages
             for t in T.unroll(lead):
-                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx, count)
+                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, t, t, by, bx, tx)
             for t0 in T.serial(count // stages):
                 for r in T.unroll(stages):
                     fill(A, B, S, X_s, W_s, S_s, full, empty, k0, lead + t0 * stages + r, lead + t0 * stages + r,
-                         by, bx, tx, count)
+                         by, bx, tx)
         else:
             for t in T.serial(count):
-                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g0 + t, t, by, bx, tx, count)
+                fill(A, B, S, X_s, W_s, S_s, full, empty, k0, g0 + t, t, by, bx, tx)
 
     @T.macro
     def stage_ready():

@@ -94,11 +94,6 @@ class Knobs:
     rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
     slab (kernel.slab_quarter), so that a warp's loads of its packed words from shared memory touch
     every bank once instead of 8 banks four times (perf-notes v54); the sums and scales follow.
-    l2_ahead (D > 0, the producer warp's tma pipeline, not persistent or stream_k) has the producer warp,
-    as it fills k-tile t, ask L2 for the packed words and scale row of the block's k-tile t + D: the
-    weights' DRAM reads start D k-tiles before their stage frees, so that more of them are in flight
-    per SM than the stages hold (perf-notes v55: a block's stream looked bound by its stages' bytes
-    in flight, the SMs that run three blocks finishing 2.5 us after those that run two).
     """
 
     block_m: int = 128
@@ -128,7 +123,6 @@ class Knobs:
     fold_lag: bool = False
     max_blocks: int = 0
     rotate: bool = False
-    l2_ahead: int = 0
 
     @property
     def block_n(self) -> int:
@@ -184,8 +178,7 @@ class Knobs:
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate),
-                 (f"_l2a{self.l2_ahead}", self.l2_ahead))
+                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -284,13 +277,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
     if kb.rotate and kb.groups >= 4:
         return "rotate shifts each lane quarter's 16-column quarter of the slab: at groups 4 a warp reads all four already"
-    if kb.l2_ahead < 0:
-        return f"l2_ahead={kb.l2_ahead}: 0 (off) or how many k-tiles ahead the producer warp asks L2 for weights"
-    if kb.l2_ahead and not (kb.tma and kb.producer_warp) or kb.l2_ahead and (kb.persistent or kb.stream_k):
-        return ("l2_ahead is the producer warp's: it needs the producer warp's tma pipeline, not persistent or "
-                "stream_k (whose k-ranges are known at run time only)")
-    if kb.l2_ahead and kb.k_steps + 1 > 32:
-        return f"l2_ahead asks L2 for a k-tile's {kb.k_steps} packed rows and its scale row a lane each: at most 31 rows"
     if kb.stream_k < 0:
         return f"stream_k={kb.stream_k}: 0 (one block per tile) or the number of blocks"
     if kb.stream_k:
