@@ -187,13 +187,6 @@ CASES = {
                                                    tma=True, release_barriers=True, producer_warp=True,
                                                    cluster_reduce=True, early_start=2, stage_unroll=True,
                                                    scale_on_acc=True, fold_lag=True, rotate=True)),
-    # ... with the pair's sum pushed one way (cluster_push, session 29)
-    "tma_producer_cluster_sacc_lag_rotate_push": (Problem(1024, 4096, 128),
-                                                  Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True,
-                                                        tma=True, release_barriers=True, producer_warp=True,
-                                                        cluster_reduce=True, early_start=2, stage_unroll=True,
-                                                        scale_on_acc=True, fold_lag=True, rotate=True,
-                                                        cluster_push=True)),
 }
 
 
@@ -385,15 +378,6 @@ def test_split_k_through_the_cluster_or_the_workspace(compiled):
         assert remote == 0 and atomics > 0 and knobs.uses_workspace
     elif knobs.split_k == 1:
         assert remote == 0 and atomics == 0
-    elif knobs.cluster_push:       # the second block's fragments written into the first's, read nowhere
-        pushes = count(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.v4\.f32", ptx)
-        assert remote == 0 and pushes == knobs.groups * knobs.block_m // 8 and atomics == 0
-        # one relaxed arrive at the start (after the barrier's init fence), one wait before the push,
-        # and the first block waits for the bytes on its barrier with cluster scope
-        assert count(r"barrier\.cluster\.arrive\.relaxed", ptx) == 1 and count(r"barrier\.cluster\.wait", ptx) == 1
-        assert ptx.index("fence.mbarrier_init.release.cluster") < ptx.index("barrier.cluster.arrive")
-        assert count(r"mbarrier\.try_wait\.parity\.acquire\.cluster", ptx) == 1
-        assert "tm_cluster_sum_store" not in src and not knobs.uses_workspace
     elif knobs.cluster_reduce:     # partial tiles read from the other blocks' shared memory, nothing global
         assert remote > 0 and count(r"barrier\.cluster\.arrive", ptx) >= 2 and atomics == 0
         assert not knobs.uses_workspace
@@ -403,8 +387,6 @@ def test_split_k_through_the_cluster_or_the_workspace(compiled):
 
 def test_split_k_sums_move_whole_vectors(compiled):
     _, knobs, _, ptx = compiled
-    if knobs.cluster_push:      # (16-byte pushes: the test above)
-        return
     assert_split_sums_move_vectors(knobs, ptx)
 
 
@@ -539,17 +521,6 @@ def test_stream_k_shares_units_of_two_k_tiles_among_at_most_a_row_of_tiles():
     assert Knobs(64, 1, 1, 64, 4, stream_k=8, **tma).uses_workspace
 
 
-def test_cluster_push_is_refused_outside_a_pair_of_splits_in_a_cluster():
-    problem = Problem(1024, 4096, 128)
-    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
-    assert "split_k=2" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, split_k=2, cluster_push=True, **tma), SM90)
-    assert "split_k=2" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, split_k=4, cluster_reduce=True,
-                                                           cluster_push=True, **tma), SM90)
-    assert stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, split_k=2, cluster_reduce=True, cluster_push=True,
-                                             **tma), SM90) is None
-    assert Knobs(16, 1, 1, 128, 4, split_k=2, cluster_reduce=True, cluster_push=True, **tma).name.endswith("_cl_push")
-
-
 def test_early_start_is_refused_where_it_cannot_apply():
     problem = Problem(1024, 4096, 128)
     tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
@@ -670,8 +641,7 @@ def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
         # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, still 3 blocks per SM)
         uneven = knobs.longer_splits(problem)
         out = ptxas_output(ptx, "sm_90a", tmp_path)
-        # (cluster_push: 114, its helpers' addresses)
-        bound = (128 if uneven else 114 if knobs.cluster_push else 112) if knobs.fold_lag else 80
+        bound = (128 if uneven else 112) if knobs.fold_lag else 80
         assert int(re.search(r"Used (\d+) registers", out).group(1)) <= bound, out
 
 

@@ -257,13 +257,6 @@ ROTATED = ("swg_m128_g2", "swg_m64_split2", "swg_m128_smem_overlap", "swg_m16_tm
            "swg_m64_tma_producer_stream_k40")
 STREAM_WGMMA_KNOBS.update({f"{name}_rot": dataclasses.replace(STREAM_WGMMA_KNOBS[name], rotate=True)
                            for name in ROTATED})
-# cluster_push (session 29): the pair's sum pushed one way, rotated, with and without a producer warp,
-# one and two warpgroups, groups scales on the sums or on the weights (so channelwise too)
-PUSHED = ("swg_m32_tma_cluster_split2", "swg_m128_wg2_k128_producer_cluster_split2",
-          "swg_m16_k128_producer_cluster_split2_unrolled", "swg_m16_k128_producer_cluster_split2_s6_sacc_lag")
-STREAM_WGMMA_KNOBS.update({f"{name}_rot_push": dataclasses.replace(STREAM_WGMMA_KNOBS[name], rotate=True,
-                                                                   cluster_push=True)
-                           for name in PUSHED})
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},

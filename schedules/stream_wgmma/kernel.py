@@ -82,62 +82,6 @@ __device__ __forceinline__ void tm_consumers_sync(int threads) {
 """
 
 
-# cluster_push: the second block of a split pair stores each consumer thread's fp32 sums (its own
-# fragment, kPer values) into the first block's box, slot `tid`, with st.async against the first
-# block's mbarrier (armed at the start for all kN * 4 bytes), and leaves; the first waits on it, adds
-# its slot to its own fragment and stores the tile. Box and barrier are static shared memory: TileLang
-# merges its own buffers by liveness (C_s lay over the activation stages), and the partner may write
-# here while this block's k-loop still runs. The barrier's init reaches the partner through
-# fence.mbarrier_init and a relaxed cluster arrive at the start, waited for before the first push.
-CLUSTER_PUSH = r"""
-__shared__ __align__(16) float tm_push_box[{total}];
-__shared__ __align__(8) unsigned long long tm_push_bar;
-
-__device__ __forceinline__ void tm_push_init(int rank) {{
-  unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&tm_push_bar));
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" :: "r"(bar) : "memory");
-  if (rank == 0)
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" :: "r"(bar), "r"({total} * 4) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}}
-
-__device__ __forceinline__ void tm_cluster_arrive_relaxed() {{
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}}
-
-__device__ __forceinline__ void tm_cluster_wait() {{
-  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
-}}
-
-__device__ __forceinline__ void tm_push_sums(const float* sums, int tid) {{
-  unsigned box = static_cast<unsigned>(__cvta_generic_to_shared(tm_push_box + tid * {per}));
-  unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&tm_push_bar));
-  unsigned rbox, rbar;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n" : "=r"(rbox) : "r"(box));
-  asm volatile("mapa.shared::cluster.u32 %0, %1, 0;\n" : "=r"(rbar) : "r"(bar));
-#pragma unroll
-  for (int j = 0; j < {per}; j += 4)
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {{%1, %2, %3, %4}}, [%5];\n"
-                 :: "r"(rbox + j * 4), "f"(sums[j]), "f"(sums[j + 1]), "f"(sums[j + 2]), "f"(sums[j + 3]), "r"(rbar)
-                 : "memory");
-}}
-
-__device__ __forceinline__ void tm_push_receive(float* sums, int tid) {{
-  unsigned bar = static_cast<unsigned>(__cvta_generic_to_shared(&tm_push_bar));
-  unsigned done = 0;
-  while (!done)
-    asm volatile("{{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n"
-                 " selp.u32 %0, 1, 0, p;\n}}\n" : "=r"(done) : "r"(bar) : "memory");
-  const float4* mine = reinterpret_cast<const float4*>(tm_push_box + tid * {per});
-#pragma unroll
-  for (int j = 0; j < {per}; j += 4) {{
-    float4 v = mine[j / 4];
-    sums[j] += v.x; sums[j + 1] += v.y; sums[j + 2] += v.z; sums[j + 3] += v.w;
-  }}
-}}
-"""
-
-
 def panel_tile(launch, m_tiles, n_tiles, panel, minimum=min, div=operator.floordiv, mod=operator.mod):
     """(M tile, N tile) of the block launched `launch`-th, with the tiles handed out in panels of
     `panel` M tiles (the last panel may be shorter): within a panel the M tiles go fastest, then the
@@ -194,9 +138,7 @@ def build(problem: Problem, knobs: Knobs):
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
         (COPY16 if kb.staged_store else "") + (CONSUMERS_SYNC if kb.staged_store or kb.stream_k else "") + \
         (EARLY_START_HELPERS if kb.early_start else "") + \
-        (CLUSTER_PUSH.format(total=kb.consumer_threads * kb.groups * kb.block_m // 2,
-                             per=kb.groups * kb.block_m // 2) if kb.cluster_push else "") + \
-        ("" if kb.cluster_push else split_k_prelude(bm, bn, kb.split_k, threads, n, problem.channelwise, cluster))
+        split_k_prelude(bm, bn, kb.split_k, threads, n, problem.channelwise, cluster)
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
         if kb.split_k > 1 else None
@@ -779,28 +721,6 @@ def build(problem: Problem, knobs: Knobs):
                 T.call_extern("handle", "tm_prefetch_l2",
                               T.access_ptr(S[(k0 + lane - rows) * bk // group, bx * bn], "r"), 2 * bn)
 
-    push = kb.cluster_push
-
-    @T.macro
-    def push_start(tx):
-        """cluster_push: arm this block's barrier (the first of the pair expects the partner's bytes) and
-        let the partner know it is armed."""
-        if tx == 0:
-            T.call_extern("handle", "tm_push_init", T.block_rank_in_cluster())
-        T.sync_threads()
-        T.call_extern("handle", "tm_cluster_arrive_relaxed")
-
-    @T.macro
-    def push_end(acc, C, S, by, bx, tx, wg, wq, lane):
-        """cluster_push: the second block's consumers push their sums; the first's add them and store."""
-        T.call_extern("handle", "tm_cluster_wait")
-        if not producer or not in_producer_warp():
-            if T.block_rank_in_cluster() == 0:
-                T.call_extern("handle", "tm_push_receive", T.access_ptr(acc[0], "rw"), tx)
-                acc_to_global(acc, C, S, by, bx, wg, wq, lane, None)
-            else:
-                T.call_extern("handle", "tm_push_sums", T.access_ptr(acc[0], "r"), tx)
-
     @T.macro
     def body(A, B, S, C, ws, counters):
         # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
@@ -827,8 +747,6 @@ def build(problem: Problem, knobs: Knobs):
             wq = tx // 32 % 4
             lane = tx % 32
             T.initialize_wgmma_descriptor(desc, X_s.access_ptr("r"), layout_type, lbo, sbo)
-            if push:
-                push_start(tx)
             if not producer:    # (the producer warp's consumers zero their own sums)
                 zero_sums(acc, sc)
 
@@ -858,9 +776,7 @@ def build(problem: Problem, knobs: Knobs):
             else:
                 finish_sums(acc, sc)
 
-            if push:
-                push_end(acc, C, S, by, bx, tx, wg, wq, lane)
-            elif kb.split_k > 1:
+            if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")
                 # TileLang may place C_s over the activation stages, which the other warpgroup's
                 # last wgmmas can still be reading.

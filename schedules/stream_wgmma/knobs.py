@@ -94,11 +94,6 @@ class Knobs:
     rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
     slab (kernel.slab_quarter), so that a warp's loads of its packed words from shared memory touch
     every bank once instead of 8 banks four times (perf-notes v54); the sums and scales follow.
-    cluster_push (cluster_reduce with split_k 2) ends the pair's sum one way: the second block stores its
-    consumers' sums, each thread its own fragment, into the first block's shared memory with st.async
-    against that block's mbarrier and leaves; the first waits for the bytes, adds them to its own
-    fragments and stores the tile. One remote write per value instead of a cluster barrier, remote
-    reads and a second barrier (qkv 16's cluster sum took 1.0 us of 9, perf-notes v53).
     """
 
     block_m: int = 128
@@ -128,7 +123,6 @@ class Knobs:
     fold_lag: bool = False
     max_blocks: int = 0
     rotate: bool = False
-    cluster_push: bool = False
 
     @property
     def block_n(self) -> int:
@@ -184,8 +178,7 @@ class Knobs:
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate),
-                 ("_push", self.cluster_push))
+                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -284,10 +277,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
     if kb.rotate and kb.groups >= 4:
         return "rotate shifts each lane quarter's 16-column quarter of the slab: at groups 4 a warp reads all four already"
-    if kb.cluster_push and not (kb.cluster_reduce and kb.split_k == 2) or \
-            kb.cluster_push and (kb.k_split or kb.persistent or kb.stream_k or kb.setmaxnreg):
-        return ("cluster_push hands the second split's sums to the first: it needs cluster_reduce with split_k=2, "
-                "and no k_split, persistent, stream_k or setmaxnreg")
     if kb.stream_k < 0:
         return f"stream_k={kb.stream_k}: 0 (one block per tile) or the number of blocks"
     if kb.stream_k:
