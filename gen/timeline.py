@@ -42,26 +42,29 @@ def stamp_source(code: str, stamps: int, counters: int, max_blocks: int) -> str:
         raise ValueError("no kernel definition (extern \"C\" __global__ ... {) in the source")
     head, body = code[:entry.start()], code[entry.start():]
     cut = entry.end() - entry.start()
-    body = (body[:cut] + "\n  unsigned long long tm_ts[5] = {0, 0, 0, 0, 0};\n  tm_ts[0] = tm_globaltimer();"
+    # Thread 0 keeps the stamps in shared memory: held in registers through the kernel they cost ten,
+    # which took down_proj 16's kernel from 128 to 134 and from 3 blocks per SM to 2 (perf-notes v55).
+    body = (body[:cut] + "\n  __shared__ unsigned long long tm_ts[5];\n  bool tm_zero = threadIdx.x == 0;"
+            "\n  if (tm_zero) { tm_ts[1] = tm_ts[2] = tm_ts[3] = 0; tm_ts[0] = tm_globaltimer(); }"
             "\n  bool tm_first_stage = true;" + body[cut:])
     wait = re.search(r"\n\s*(tm_wait_for_prior_grids|cudaGridDependencySynchronize)\(\);", body)
     if wait:
-        body = body[:wait.end()] + " tm_ts[1] = tm_globaltimer();" + body[wait.end():]
+        body = body[:wait.end()] + " if (tm_zero) tm_ts[1] = tm_globaltimer();" + body[wait.end():]
     else:       # nothing to wait for (a plain launch): the block is past it at entry
         body = body.replace("tm_ts[0] = tm_globaltimer();", "tm_ts[0] = tm_globaltimer(); tm_ts[1] = tm_ts[0];", 1)
     # The consumers' first wait for a stage: an mbarrier of the TMA pipeline, or a cp.async group.
     stage = re.search(r"\n\s*full\[[^\n]*\]\.wait\([^\n]*\);", body) or \
         re.search(r"\n\s*tl::cp_async_wait<[^\n]*;", body)
     if stage:
-        body = (body[:stage.end()] + " if (tm_first_stage) { tm_ts[2] = tm_globaltimer(); tm_first_stage = false; }"
-                + body[stage.end():])
+        body = (body[:stage.end()] + " if (tm_zero && tm_first_stage) { tm_ts[2] = tm_globaltimer(); "
+                "tm_first_stage = false; }" + body[stage.end():])
         # The k-loop ends where the warps first meet again at the top level of the kernel.
         loop_end = re.compile(r"\n  bool if_condition|\n  __syncthreads\(\);").search(body, stage.end())
         if loop_end:
-            body = body[:loop_end.start()] + "\n  tm_ts[3] = tm_globaltimer();" + body[loop_end.start():]
+            body = body[:loop_end.start()] + "\n  if (tm_zero) tm_ts[3] = tm_globaltimer();" + body[loop_end.start():]
     exit_at = body.rstrip().rfind("}")
     store = f"""
-  tm_ts[4] = tm_globaltimer();
+  if (tm_zero) tm_ts[4] = tm_globaltimer();
   unsigned tm_block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   if (threadIdx.x == 0 && tm_block < {max_blocks}u) {{     // (block 0 records the grid's size: too many is refused)
     unsigned tm_call = atomicAdd(reinterpret_cast<unsigned*>({counters}ULL) + tm_block, 1u) % {RING}u;

@@ -42,7 +42,10 @@ def test_stamps_mark_every_landmark_and_compile(stamped):
     # in order: entry, the wait for the previous kernel, the first stage, the k-loop's end, the exit
     at = [body.index(f"tm_ts[{point}] = tm_globaltimer()") for point in range(5)]
     assert at == sorted(at)
-    assert re.search(r"(tm_wait_for_prior_grids|cudaGridDependencySynchronize)\(\); tm_ts\[1\]", body)
+    assert re.search(r"(tm_wait_for_prior_grids|cudaGridDependencySynchronize)\(\); if \(tm_zero\) tm_ts\[1\]", body)
+    # thread 0 writes them, into shared memory (not registers held through the kernel)
+    assert "__shared__ unsigned long long tm_ts[5];" in body and "bool tm_zero = threadIdx.x == 0;" in body
+    assert all(f"if (tm_zero) tm_ts[{p}] = tm_globaltimer();" in body for p in (1, 3, 4))
     assert "0x7f0000001000"[2:] not in body and str(0x7f0000001000) in body     # the buffer, as a constant
     assert "tm_globaltimer" not in plain
 
@@ -50,8 +53,32 @@ def test_stamps_mark_every_landmark_and_compile(stamped):
 def test_a_kernel_without_a_wait_is_past_it_at_entry_and_blocks_past_the_buffer_write_nothing():
     code = 'extern "C" __global__ void k(int* x) {\n  x[0] = 1;\n}\n'
     source = stamp_source(code, 4096, 8192, 64)
-    assert "tm_ts[1] = tm_ts[0];" in source
+    # zeroed first, then the entry stamp, which the wait's stamp copies
+    assert "tm_ts[1] = tm_ts[2] = tm_ts[3] = 0; tm_ts[0] = tm_globaltimer(); tm_ts[1] = tm_ts[0];" in source
     assert "threadIdx.x == 0 && tm_block < 64u" in source
+
+
+def test_stamps_leave_the_registers_and_so_the_blocks_per_sm_as_they_were(tmp_path):
+    # down_proj 16's table form sits at 128 registers, the most that lets 3 blocks of 160 threads share
+    # an SM; stamps held in registers took it to 134 and to 2 blocks per SM (a second wave, v55)
+    from gen.compile import compile_schedule
+    from schedules.registry import Schedule
+    from tests.test_codegen_stream import ptxas_output
+
+    problem = Problem(4096, 11008, 128)
+    knobs = stream_wgmma.Knobs(16, 1, 1, 128, 6, split_k=6, pdl=True, early_start=2, panel_m=4, stage_unroll=True,
+                               scale_on_acc=True, fold_lag=True, rotate=True, **TMA)
+    assert stream_wgmma.check(problem, knobs, SM90) is None
+    stamped, _ = compile_stamped(stream_wgmma, problem, knobs, SM90, 0x7f0000001000, 0x7f0000002000, 1024)
+    plain = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90)
+    used = {}
+    for name, kernel in (("plain", plain), ("stamped", stamped)):
+        ptx = tmp_path / f"{name}.ptx"
+        kernel.export_ptx(str(ptx))
+        (tmp_path / name).mkdir()
+        out = ptxas_output(ptx.read_text(), "sm_90a", tmp_path / name)
+        used[name] = int(re.search(r"Used (\d+) registers", out).group(1))
+    assert used["stamped"] <= used["plain"] + 2 and used["stamped"] <= 128, used
 
 
 def test_a_source_without_a_kernel_is_refused():
