@@ -156,7 +156,7 @@ def summarize(stamps, calls: int) -> str:
         by_load.setdefault(len(exits), []).extend(exits)
     lines.append(f"newest call: {len(per_sm)} SMs used")
     # "SMs with N blocks" counts the call's blocks over time: whether they ran at once, or some waited
-    # for a slot on their SM (a second wave: down_proj 16 at 0.97 waves, perf-notes v55).
+    # for a slot on their SM (a second wave; v55's at down_proj 16 came from stamps held in registers).
     spans: dict[int, list[tuple[float, float]]] = {}
     for r in rows[-1]:
         spans.setdefault(int(r[5]), []).append((r[0], r[4]))
