@@ -187,18 +187,6 @@ CASES = {
                                                    tma=True, release_barriers=True, producer_warp=True,
                                                    cluster_reduce=True, early_start=2, stage_unroll=True,
                                                    scale_on_acc=True, fold_lag=True, rotate=True)),
-    # gate_up 16's form with the block's scale rows in one copy (scales_once, session 29), and 3 uneven
-    # splits of group 64 (22, 21, 21 k-tiles of 64: one box of 22 rows, the last split's last row past K)
-    "tma_producer_pdl_staged_sacc_lag_rotate_scales_once": (Problem(1024, 4096, 128),
-                                                            Knobs(16, 1, 1, 128, 6, overlap=True, smem_weights=True,
-                                                                  tma=True, release_barriers=True, producer_warp=True,
-                                                                  pdl=True, staged_store=True, early_start=2,
-                                                                  panel_m=4, stage_unroll=True, scale_on_acc=True,
-                                                                  fold_lag=True, rotate=True, scales_once=True)),
-    "tma_producer_uneven_split3_scales_once": (Problem(1024, 4096, 64),
-                                               Knobs(16, 1, 1, 64, 4, overlap=True, split_k=3, smem_weights=True,
-                                                     tma=True, release_barriers=True, producer_warp=True,
-                                                     stage_unroll=True, scales_once=True)),
 }
 
 
@@ -533,40 +521,6 @@ def test_stream_k_shares_units_of_two_k_tiles_among_at_most_a_row_of_tiles():
     assert Knobs(64, 1, 1, 64, 4, stream_k=8, **tma).uses_workspace
 
 
-def test_scales_once_copies_the_blocks_scale_rows_in_one_box_with_the_first_stage(compiled):
-    problem, knobs, src, _ = compiled
-    copies = re.findall(r"tl::tma_load\((\w+)_desc, full\[([^\]]+)\]", src)
-    scale_copies = [stage for desc, stage in copies if desc == "S"]
-    if not knobs.scales_once:
-        return
-    # one scale copy per copy of the pipeline (uneven splits have two), on stage 0's barrier, for every
-    # k-tile of the block: block_n columns of 2 bytes per row
-    pipelines = 2 if knobs.longer_splits(problem) else 1
-    assert scale_copies == ["0"] * pipelines
-    rows = knobs.block_k_tiles(problem)
-    assert f"full[0].expect_transaction({rows * knobs.block_n * 2});" in src
-    # the consumers read k-tile t's scales from row t
-    assert re.search(r"sc\[[^\]]+\] = \(\(half_t\*\)S_s\)\[", src)
-
-
-def test_scales_once_is_refused_where_it_cannot_apply():
-    problem = Problem(1024, 4096, 128)
-    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True)
-    assert "producer warp" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, scales_once=True, **tma), SM90)
-    assert "block_k=64" in stream_wgmma.check(problem, Knobs(16, 1, 1, 64, 4, producer_warp=True, scales_once=True,
-                                                             **tma), SM90)
-    assert "group scales" in stream_wgmma.check(Problem.make(1024, 4096, -1), Knobs(16, 1, 1, 128, 4,
-                                                                                    producer_warp=True,
-                                                                                    scales_once=True, **tma), SM90)
-    assert "max_blocks" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, producer_warp=True, scales_once=True,
-                                                             max_blocks=2, **tma), SM90)
-    knobs = Knobs(16, 1, 1, 128, 4, producer_warp=True, scales_once=True, **tma)
-    assert stream_wgmma.check(problem, knobs, SM90) is None and knobs.name.endswith("_so")
-    # the stages' scale rows give way to one row per k-tile of the block (32 here)
-    plain = Knobs(16, 1, 1, 128, 4, producer_warp=True, **tma)
-    assert knobs.shared_bytes(problem) - plain.shared_bytes(problem) == (32 - 4) * 64 * 2
-
-
 def test_early_start_is_refused_where_it_cannot_apply():
     problem = Problem(1024, 4096, 128)
     tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
@@ -687,8 +641,7 @@ def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
         # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, still 3 blocks per SM)
         uneven = knobs.longer_splits(problem)
         out = ptxas_output(ptx, "sm_90a", tmp_path)
-        # (scales_once: 121 at gate_up 16's form, the scale row's address per k-tile at run time)
-        bound = (128 if uneven or knobs.scales_once else 112) if knobs.fold_lag else 80
+        bound = (128 if uneven else 112) if knobs.fold_lag else 80
         assert int(re.search(r"Used (\d+) registers", out).group(1)) <= bound, out
 
 

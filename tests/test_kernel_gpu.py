@@ -257,13 +257,6 @@ ROTATED = ("swg_m128_g2", "swg_m64_split2", "swg_m128_smem_overlap", "swg_m16_tm
            "swg_m64_tma_producer_stream_k40")
 STREAM_WGMMA_KNOBS.update({f"{name}_rot": dataclasses.replace(STREAM_WGMMA_KNOBS[name], rotate=True)
                            for name in ROTATED})
-# scales_once (session 29): the block's scale rows in one copy, rotated: no split, uneven splits through
-# the workspace (two copies of the pipeline, the last split's last row past K), a pair in a cluster
-SCALES_ONCE = ("swg_m16_k128_producer_staged_unrolled_sacc", "swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl",
-               "swg_m16_k128_producer_cluster_split2_s6_sacc_lag")
-STREAM_WGMMA_KNOBS.update({f"{name}_rot_so": dataclasses.replace(STREAM_WGMMA_KNOBS[name], rotate=True,
-                                                                 scales_once=True)
-                           for name in SCALES_ONCE})
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},

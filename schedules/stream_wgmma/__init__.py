@@ -90,8 +90,6 @@ AXES = {
     # same-run pairs, median 0.955; session 28, perf-notes v54). Not measured from M = 128 on; the
     # table's older entries there keep it off (a knob missing from an entry is its default, False).
     "rotate": (True,),
-    # The block's scale rows in one TMA copy at the start (session 29): a variant, not measured yet.
-    "scales_once": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

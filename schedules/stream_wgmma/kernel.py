@@ -168,9 +168,6 @@ def build(problem: Problem, knobs: Knobs):
     # fold_lag: two sets of k-tile sums by parity, k-tile t's folded while k-tile t + 1's wgmmas run.
     lag = kb.fold_lag
     acc_all = acc_len * (3 if lag else 2 if sacc else 1)
-    # scales_once: the block's scale rows (one per k-tile: block_k is the group) copied at its start
-    once = kb.scales_once
-    once_rows = kb.block_k_tiles(problem) if once else 0
 
     def in_producer_warp():
         """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
@@ -234,9 +231,7 @@ def build(problem: Problem, knobs: Knobs):
         if grouped:
             for i in T.unroll(g):
                 for h in T.unroll(2):
-                    # (scales_once: every k-tile of the block has its own row, `tile` being the block's
-                    # sequence number: 0 at its first k-tile)
-                    sc[sb + 2 * i + h] = S_s[tile if once else tile % stages, 0, weight_col(0, wg, wq, lane, i, h)]
+                    sc[sb + 2 * i + h] = S_s[tile % stages, 0, weight_col(0, wg, wq, lane, i, h)]
 
     @T.macro
     def load_w(B, S, w, sc, buf, tile, k0, bx, wg, wq, lane):
@@ -352,12 +347,7 @@ def build(problem: Problem, knobs: Knobs):
                            X_s[tile % stages, h, :, :], barrier=full[tile % stages], leader_scope_threads=leaders)
         T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
                    barrier=full[tile % stages], leader_scope_threads=leaders)
-        if once:
-            # the block's first k-tile brings the scale rows of all of them (past K: TMA's zero fill)
-            if tile == 0:
-                T.tma_copy(S[kt:kt + once_rows, bx * bn:(bx + 1) * bn], S_s[:, 0, :], barrier=full[0],
-                           leader_scope_threads=leaders)
-        elif grouped:
+        if grouped:
             T.tma_copy(S[kt * bk // group:kt * bk // group + 1, bx * bn:(bx + 1) * bn], S_s[tile % stages, :, :],
                        barrier=full[tile % stages], leader_scope_threads=leaders)
 
@@ -704,7 +694,7 @@ def build(problem: Problem, knobs: Knobs):
             full = T.alloc_barrier([1 if release else threads] * stages)
             empty = T.alloc_barrier([consumers // ksplit] * stages) if release else None
         W_s = T.alloc_shared((stages + kb.pad_stages, steps, 2 * bn) if w_smem else (1, 1, 4), "int32")
-        S_s = T.alloc_shared((once_rows if once else stages, 1, bn) if w_smem else (1, 1, 8), dtype)
+        S_s = T.alloc_shared((stages, 1, bn) if w_smem else (1, 1, 8), dtype)
         w = T.alloc_local((bufs * per_w,), "int32")
         sc = T.alloc_local((bufs * per_s * (2 if sacc else 1),), dtype)
         a = T.alloc_local((kb.ring * g * 8 if kb.ring else (2 if overlap else 1) * a_len,), dtype)

@@ -94,11 +94,6 @@ class Knobs:
     rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
     slab (kernel.slab_quarter), so that a warp's loads of its packed words from shared memory touch
     every bank once instead of 8 banks four times (perf-notes v54); the sums and scales follow.
-    scales_once (the producer warp's tma pipeline, group scales, block_k equal to the group, not
-    persistent or stream_k) has the producer copy the block's scale rows of all its k-tiles with one
-    TMA box, against the first stage's barrier, into a shared [k-tiles, block_n] array of their own,
-    instead of one 128-byte row copy per k-tile into each stage: three copies per k-tile instead of
-    four (the copy engine looked like the per-SM limit, perf-notes v55).
     """
 
     block_m: int = 128
@@ -128,7 +123,6 @@ class Knobs:
     fold_lag: bool = False
     max_blocks: int = 0
     rotate: bool = False
-    scales_once: bool = False
 
     @property
     def block_n(self) -> int:
@@ -184,25 +178,19 @@ class Knobs:
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate),
-                 ("_so", self.scales_once))
+                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
 
-    def block_k_tiles(self, problem: Problem) -> int:
-        """The most k-tiles a block takes (uneven splits: the first ones take one more)."""
-        return self.k_tiles(problem) // self.split_k + (1 if self.longer_splits(problem) else 0)
-
     def longer_splits(self, problem: Problem) -> int:
         """How many splits take one k-tile more than the others (uneven split_k: the first ones)."""
         return self.k_tiles(problem) % self.split_k
 
     def shared_bytes(self, problem: Problem) -> int:
-        once = (self.block_k_tiles(problem) - self.stages) * self.block_n * 2 if self.scales_once else 0
-        return self._unpadded_shared_bytes() + self.pad_stages * self.block_k * self.block_n // 2 + once
+        return self._unpadded_shared_bytes() + self.pad_stages * self.block_k * self.block_n // 2
 
     def _unpadded_shared_bytes(self) -> int:
         x = self.stages * self.block_m * self.block_k * 2
@@ -289,16 +277,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
     if kb.rotate and kb.groups >= 4:
         return "rotate shifts each lane quarter's 16-column quarter of the slab: at groups 4 a warp reads all four already"
-    if kb.scales_once and (not (kb.tma and kb.producer_warp) or kb.persistent or kb.stream_k or kb.setmaxnreg):
-        return ("scales_once is the producer warp's first copy: it needs the producer warp's tma pipeline, and no "
-                "persistent, stream_k or setmaxnreg")
-    if kb.scales_once and (problem.channelwise or problem.group != kb.block_k):
-        return (f"scales_once copies a scale row per k-tile: it needs group scales with group={problem.group} equal "
-                f"to block_k={kb.block_k}")
-    if kb.scales_once and kb.max_blocks:
-        return "scales_once's scale rows are not in max_blocks' padding of the stages: use one or the other"
-    if kb.scales_once and kb.block_k_tiles(problem) > 256:
-        return f"scales_once copies {kb.block_k_tiles(problem)} scale rows in one TMA box: at most 256"
     if kb.stream_k < 0:
         return f"stream_k={kb.stream_k}: 0 (one block per tile) or the number of blocks"
     if kb.stream_k:
