@@ -531,7 +531,7 @@ def _measure_child(conn, problem: Problem, arch_name: str, tasks: list, between:
 
     logging.disable(logging.WARNING)
     try:
-        bench = _Bench(problem, between)
+        bench = Bench(problem, between)
     except Exception as exc:
         conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
         return
@@ -567,7 +567,7 @@ def _cuda_usable() -> bool:
         return False
 
 
-class _Bench:
+class Bench:
     """Random weights of one problem on the GPU, packed per family, with copies for timing, timed back
     to back or, with `between`, after the activations' producer."""
 
@@ -620,6 +620,11 @@ class _Bench:
         out = torch.empty(m, self.problem.n, dtype=self.dtype, device="cuda")
         return self._time([functools.partial(torch.matmul, a, w, out=out) for w in self.fp16_weights], a)
 
+    def rotated_calls(self, kernel, fam, knobs, a, out, ws, counters) -> list:
+        """One call of `kernel` per weight copy, all on the same activations, output and workspace."""
+        return [functools.partial(kernel, *fam.kernel_args(self.problem, knobs, a, qw, qs, out, ws, counters))
+                for qw, qs in self.packed(fam)]
+
     def check_and_time(self, schedule: Schedule, arch: Arch, bucket: int) -> dict:
         """{"us", "rel_err"} of a correct candidate, or {"error", "rel_err"} of a wrong one."""
         import torch
@@ -657,9 +662,7 @@ class _Bench:
             return {"error": "wrong: the split-K workspace was not left zero", "rel_err": worst}
 
         a, out, _ = run(bucket, *copies[0])
-        calls = [functools.partial(kernel, *fam.kernel_args(p, knobs, a, qw, qs, out, ws, counters))
-                 for qw, qs in copies]
-        us = self._time(calls, a)
+        us = self._time(self.rotated_calls(kernel, fam, knobs, a, out, ws, counters), a)
         # The replays must still compute the right thing (e.g. split-K state across graph replays).
         err = relative_error(out, reference_matmul(a, self.codes, self.scales, p.bits))
         if not err < tol:

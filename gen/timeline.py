@@ -196,8 +196,6 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("gen timeline: no CUDA GPU is visible; it runs the kernel", file=sys.stderr)
         return 2
-    import functools
-
     from runtime import op
     from schedules.arch import current_arch
     from schedules.registry import Schedule, family
@@ -205,7 +203,7 @@ def run(args) -> int:
     from .compile_cmd import parse_knobs
     from .measure import time_calls
     from .models import parse_shapes
-    from .search import _Bench
+    from .search import Bench
 
     (layer,) = parse_shapes(args.shape)
     problem = op.problem_of(layer.n, layer.k, args.group, args.dtype)
@@ -223,15 +221,13 @@ def run(args) -> int:
     counters = torch.zeros(args.max_blocks, dtype=torch.int32, device="cuda")
     kernel, _ = compile_stamped(fam, problem, schedule.knobs, arch, stamps.data_ptr(), counters.data_ptr(),
                                 args.max_blocks)
-    bench = _Bench(problem)
-    copies = bench.packed(fam)
+    bench = Bench(problem)
     ws_elems, counter_elems = fam.workspace_elems(problem, schedule.knobs, args.m)
     ws = torch.zeros(ws_elems, dtype=torch.float32, device="cuda")
     tiles = torch.zeros(counter_elems, dtype=torch.int32, device="cuda")
     a = torch.randn(args.m, problem.k, dtype=bench.dtype, device="cuda")
     out = torch.empty(args.m, problem.n, dtype=bench.dtype, device="cuda")
-    calls = [functools.partial(kernel, *fam.kernel_args(problem, schedule.knobs, a, qw, qs, out, ws, tiles))
-             for qw, qs in copies]
+    calls = bench.rotated_calls(kernel, fam, schedule.knobs, a, out, ws, tiles)
     us = time_calls(calls)
     torch.cuda.synchronize()
     blocks = stamps.view(RING, args.max_blocks, SLOTS)[0, 0, 6].item()
