@@ -145,6 +145,74 @@ __device__ __forceinline__ void tm_workspace_store(float* ws, Out* out, int rows
   }}
 }}
 """
+# split_wait: the tile's last split (the highest blockIdx.z, so launched after the others) does not
+# add its tile to the workspace. One warp of it (the stream_wgmma producer warp, idle once it has issued
+# its last copy) waits until the other splits have counted themselves in, copies their sums into a
+# shared tile with cp.async (L2 only: the reductions went there) and zeroes the workspace tile and the
+# counter for the next call, while the block's consumers still run their last k-tiles; at the end the
+# block adds that tile to its own and stores. Without it the last block to arrive pays three L2 round
+# trips after its k-loop (its reductions' fence, the counter, the sums' loads: down_proj 16's epilogue
+# took 1.8-2.8 us, perf-notes v56). It waits only for blocks launched before it, so it cannot hold a
+# slot that one of them needs.
+SPLIT_WAIT_SUM = r"""
+// TileLang's shared-memory merge gives a buffer's bytes to another once, in program order, the first
+// is no longer accessed. The gathered tile is written while the consumers still read the stages, so
+// the kernel names it here, before the k-loop: from there on its bytes are its own.
+__device__ __forceinline__ void tm_split_k_claim(const float*) {{}}
+
+__device__ __forceinline__ void tm_split_k_publish(int* counter) {{
+  atomicAdd(counter, 1);           // (the block's threads fenced their reductions before)
+}}
+
+__device__ __forceinline__ void tm_split_k_gather(int* counter, float* ws, float* gathered, int rows, int lane) {{
+  constexpr int kChunksPerRow = {bn} / 4;
+  constexpr int kChunks = {bm} * kChunksPerRow;
+  if (lane == 0) {{
+    int seen;
+    while (true) {{
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
+      if (seen == {others}) break;
+      __nanosleep(32);
+    }}
+  }}
+  __syncwarp();
+  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(gathered));
+#pragma unroll
+  for (int c = lane; c < kChunks; c += 32) {{
+    int row = c / kChunksPerRow;
+    if (row < rows) {{
+      int col = c % kChunksPerRow * 4;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                   :: "r"(local + (row * {bn} + col) * 4), "l"(ws + row * {ldc} + col) : "memory");
+    }}
+  }}
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#pragma unroll
+  for (int c = lane; c < kChunks; c += 32) {{
+    int row = c / kChunksPerRow;
+    if (row < rows)
+      *reinterpret_cast<float4*>(ws + row * {ldc} + c % kChunksPerRow * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }}
+  if (lane == 0) *counter = 0;
+}}
+
+template <typename Out>
+__device__ __forceinline__ void tm_split_k_final(const float* tile, const float* gathered, Out* out, int rows,
+                                                 int tid) {{
+  constexpr int kChunksPerRow = {bn} / 4;
+  constexpr int kChunks = {bm} * kChunksPerRow;
+#pragma unroll
+  for (int c = tid; c < kChunks; c += {threads}) {{
+    int row = c / kChunksPerRow;
+    if (row < rows) {{
+      int at = row * {bn} + c % kChunksPerRow * 4;
+      float4 a = *reinterpret_cast<const float4*>(tile + at);
+      float4 b = *reinterpret_cast<const float4*>(gathered + at);
+      tm_store4(out + row * {ldc} + c % kChunksPerRow * 4, make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w));
+    }}
+  }}
+}}
+"""
 # Four outputs from four fp32 sums in one 8-byte store.
 STORE4 = r"""
 template <typename Out>
@@ -158,17 +226,19 @@ __device__ __forceinline__ void tm_store4(Out* dst, float4 v) {
 
 
 def split_k_prelude(block_m: int, block_n: int, split_k: int, threads: int, n: int, channelwise: bool,
-                    cluster: bool) -> str:
+                    cluster: bool, split_wait: bool = False) -> str:
     """CUDA source of the functions that store_tile's split-K sums call, for one kernel ("" without
     split-K): tm_cluster_sum_store (with `cluster`), or tm_workspace_add, tm_split_k_arrive and
-    tm_workspace_store."""
+    tm_workspace_store, with `split_wait` also tm_split_k_publish, tm_split_k_gather and
+    tm_split_k_final."""
     if split_k == 1:
         return ""
     if block_n % 4:
         raise ValueError(f"split-K sums move 4 columns at a time: block_n={block_n} is not a multiple of 4")
     shape = dict(bm=block_m, bn=block_n, threads=threads, ldc=n)
     if not cluster:
-        return SPLIT_K_HELPERS + STORE4 + WORKSPACE_SUM.format(**shape)
+        wait = SPLIT_WAIT_SUM.format(others=split_k - 1, **shape) if split_wait else ""
+        return SPLIT_K_HELPERS + STORE4 + WORKSPACE_SUM.format(**shape) + wait
     scale = ("\n      v.x *= static_cast<float>(scale[col]); v.y *= static_cast<float>(scale[col + 1]);"
              "\n      v.z *= static_cast<float>(scale[col + 2]); v.w *= static_cast<float>(scale[col + 3]);"
              ) if channelwise else ""
@@ -216,7 +286,8 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
     block_n] (fp32, complete for this block, threads synchronized) at rows by * block_m, columns
     bx * block_n of C [m, N]. With split_k > 1 the kernel's prelude must hold split_k_prelude's
     functions; ws and counters are used only without `cluster` (with it, the kernel must launch the
-    split_k blocks of a tile as one cluster, see CLUSTER_HELPERS)."""
+    split_k blocks of a tile as one cluster, see CLUSTER_HELPERS). For split_wait, see
+    store_tile_split_wait."""
     bm, bn = block_m, block_n
 
     @T.macro
@@ -255,6 +326,33 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
                               T.access_ptr(C[by * bm, bx * bn], "w"), m - by * bm, tx)
                 if tx == 0:
                     counters[by * grid_n + bx] = 0
+
+    return store
+
+
+def store_tile_split_wait(block_m: int, block_n: int, grid_n: int, split_k: int, channelwise: bool):
+    """split_wait's store (SPLIT_WAIT_SUM; split_k_prelude with split_wait): a T.macro(C_s, G_s, C, S,
+    ws, counters, m, by, bx, bz, tx). The splits bz < split_k - 1 add C_s to the workspace and count
+    themselves in; the last one adds C_s to G_s, the others' sums that tm_split_k_gather copied there
+    (the caller runs it in a warp of that block before the threads meet), and stores the tile."""
+    bm, bn = block_m, block_n
+
+    @T.macro
+    def store(C_s, G_s, C, S, ws, counters, m, by, bx, bz, tx):
+        if channelwise:
+            for i, j in T.Parallel(bm, bn):
+                C_s[i, j] = C_s[i, j] * T.cast(S[0, bx * bn + j], "float32")
+            T.sync_threads()
+        if bz < split_k - 1:
+            T.call_extern("handle", "tm_workspace_add", T.access_ptr(C_s[0, 0], "r"),
+                          T.access_ptr(ws[by * bm, bx * bn], "rw"), m - by * bm, tx)
+            T.call_extern("handle", "__threadfence")
+            T.sync_threads()
+            if tx == 0:
+                T.call_extern("handle", "tm_split_k_publish", T.access_ptr(counters[by * grid_n + bx], "rw"))
+        else:
+            T.call_extern("handle", "tm_split_k_final", T.access_ptr(C_s[0, 0], "r"), T.access_ptr(G_s[0, 0], "r"),
+                          T.access_ptr(C[by * bm, bx * bn], "w"), m - by * bm, tx)
 
     return store
 

@@ -317,6 +317,11 @@ def assert_split_sums_move_vectors(knobs, ptx: str, hopper: bool = True):
         per_thread = -(-(-(-chunks // knobs.split_k)) // knobs.threads)
         assert remote == count(r"ld\.shared::cluster", ptx) == per_thread * knobs.split_k
         assert reduced == read_back == 0
+    elif getattr(knobs, "split_wait", False):     # added; the last split's producer warp copies the sums
+        per_thread = -(-chunks // knobs.threads)
+        copied = count(r"cp\.async\.cg\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],\s*16", ptx)
+        assert remote == read_back == 0 and copied == -(-chunks // 32)
+        assert reduced == per_thread
     else:                          # the workspace: added and (by the tile's last block) read back
         per_thread = -(-chunks // knobs.threads)
         scalar = count(r"(atom|red)\.global(\.\w+)*\.add\.f32", ptx)

@@ -187,6 +187,17 @@ CASES = {
                                                    tma=True, release_barriers=True, producer_warp=True,
                                                    cluster_reduce=True, early_start=2, stage_unroll=True,
                                                    scale_on_acc=True, fold_lag=True, rotate=True)),
+    # down_proj 16's form with the last split gathering the others' sums (split_wait, session 30): 86
+    # k-tiles in 6 splits, the last two of 15; and 4 even splits of channelwise sums at block_m 32
+    "tma_producer_split_wait_uneven_split6": (Problem(4096, 11008, 128),
+                                              Knobs(16, 1, 1, 128, 6, overlap=True, split_k=6, smem_weights=True,
+                                                    tma=True, release_barriers=True, producer_warp=True, pdl=True,
+                                                    early_start=2, panel_m=4, stage_unroll=True, scale_on_acc=True,
+                                                    fold_lag=True, rotate=True, split_wait=True)),
+    "tma_producer_split_wait_split4_channelwise": (Problem.make(1024, 4096, -1),
+                                                   Knobs(32, 1, 1, 64, 4, overlap=True, split_k=4, smem_weights=True,
+                                                         tma=True, release_barriers=True, producer_warp=True,
+                                                         stage_unroll=True, split_wait=True)),
 }
 
 
@@ -286,8 +297,10 @@ def test_activations_by_cp_async_weights_by_global_loads(compiled):
         # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
         assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
         # (stream_k: TileLang fences the consumers' generic shared-memory write of the tile counter's
-        # answer once per segment, before its k-loop)
-        assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == (1 if knobs.stream_k else 0)
+        # answer once per segment, before its k-loop; split_wait's gather copies the workspace tile by
+        # cp.async, after the producer warp's last TMA copy)
+        assert count(r"cp\.async\.cg", ptx) == 0 or knobs.split_wait
+        assert count(r"fence\.proxy\.async", ptx) == (1 if knobs.stream_k else 0)
         # (channelwise scales are read once, by the epilogue)
         assert count(r"ld\.global\.nc", ptx) == 0 or problem.channelwise
         assert not re.search(r"= S\[", k_loop(src))
@@ -521,6 +534,58 @@ def test_stream_k_shares_units_of_two_k_tiles_among_at_most_a_row_of_tiles():
     assert Knobs(64, 1, 1, 64, 4, stream_k=8, **tma).uses_workspace
 
 
+def shared_offsets(src: str) -> dict[str, int]:
+    """Byte offsets of the kernel's buffers in TileLang's merged dynamic shared memory."""
+    return {name: int(off) for name, off in
+            re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)}
+
+
+def test_split_wait_gathers_in_the_last_splits_producer_warp(compiled):
+    problem, knobs, src, _ = compiled
+    calls = lambda name: len(re.findall(rf"\b{name}\(\(", src))     # calls, not the definitions
+    if not knobs.split_wait:
+        assert "tm_split_k_gather" not in src
+        return
+    last = knobs.split_k - 1
+    # the last split's producer warp gathers, the others add to the workspace and count themselves in,
+    # the last one adds the gathered tile to its own; nobody waits for the counter's returned value
+    assert calls("tm_split_k_gather") == 1 and calls("tm_split_k_final") == 1
+    assert calls("tm_split_k_publish") == 1 and calls("tm_workspace_add") == 1
+    assert calls("tm_split_k_arrive") == 0 and calls("tm_workspace_store") == 0
+    gather = src.index("tm_split_k_gather((")
+    assert re.findall(r"if \(\(\(int\)blockIdx\.z\) == (\d+)\)", src[:gather])[-1] == str(last)
+    assert src.rindex("tm_warp_index()", 0, gather) > src.rindex("tl::tma_load", 0, gather)
+    # the gathered tile keeps its bytes while the stages are read (TileLang's merge would reuse them)
+    off = shared_offsets(src)
+    stage_bytes = {"X_s": knobs.stages * knobs.block_m * knobs.block_k * 2,
+                   "W_s": knobs.stages * knobs.block_k * knobs.block_n // 2, "S_s": knobs.stages * knobs.block_n * 2}
+    g0, g1 = off["G_s"], off["G_s"] + knobs.block_m * knobs.block_n * 4
+    for name, size in stage_bytes.items():
+        if name in off:     # (channelwise scales have no stages)
+            assert g1 <= off[name] or off[name] + size <= g0, (name, off)
+    # uneven splits: the short ones come first, so the last (waiting) split is a long one
+    extra = knobs.longer_splits(problem)
+    if extra:
+        short = knobs.split_k - extra
+        assert f"max((((int)blockIdx.z) - {short}), 0)" in src
+        assert f"if ({short} <= ((int)blockIdx.z))" in src
+
+
+def test_split_wait_is_refused_where_it_cannot_apply():
+    problem = Problem(1024, 4096, 128)
+    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True)
+    for knobs in (Knobs(16, 1, 1, 128, 4, split_k=2, split_wait=True, **tma),          # no producer warp
+                  Knobs(16, 1, 1, 128, 4, producer_warp=True, split_wait=True, **tma),  # no split
+                  Knobs(16, 1, 1, 128, 4, split_k=2, producer_warp=True, cluster_reduce=True, split_wait=True,
+                        **tma)):
+        assert "split_wait" in stream_wgmma.check(problem, knobs, SM90)
+    knobs = Knobs(16, 1, 1, 128, 4, split_k=2, producer_warp=True, split_wait=True, **tma)
+    assert stream_wgmma.check(problem, knobs, SM90) is None and knobs.name.endswith("_wait")
+    # the gathered tile: a second fp32 tile of block_m x block_n
+    plain = Knobs(16, 1, 1, 128, 4, split_k=2, producer_warp=True, **tma)
+    assert knobs.shared_bytes(problem) - plain.shared_bytes(problem) == 16 * 64 * 4
+
+
 def test_early_start_is_refused_where_it_cannot_apply():
     problem = Problem(1024, 4096, 128)
     tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
@@ -650,7 +715,9 @@ def test_uneven_splits_run_one_pipeline_per_count(compiled):
     # the pipeline, so the split's first k-tile is the only runtime term.
     problem, knobs, src, _ = compiled
     extra = knobs.longer_splits(problem)
-    branch = f"if (((int)blockIdx.z) < {extra}) {{"
+    # (split_wait: the last ones, see test_split_wait_gathers_in_the_last_splits_producer_warp)
+    branch = f"if ({knobs.split_k - extra} <= ((int)blockIdx.z)) {{" if knobs.split_wait else \
+        f"if (((int)blockIdx.z) < {extra}) {{"
     assert (branch in src) == bool(extra)
 
 

@@ -90,6 +90,8 @@ AXES = {
     # same-run pairs, median 0.955; session 28, perf-notes v54). Not measured from M = 128 on; the
     # table's older entries there keep it off (a knob missing from an entry is its default, False).
     "rotate": (True,),
+    # The last split gathering the others' sums under its own k-loop (session 30): not yet measured.
+    "split_wait": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

@@ -36,6 +36,7 @@ from tilelang.layout import make_swizzled_layout
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
 from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, split_k_prelude, store_tile,
+                        store_tile_split_wait,
                         w4a16_prim_func, wait_for_prior_grids)
 from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
@@ -138,10 +139,14 @@ def build(problem: Problem, knobs: Knobs):
         (CLUSTER_HELPERS if cluster else "") + (WARP_INDEX if kb.producer_warp else "") + \
         (COPY16 if kb.staged_store else "") + (CONSUMERS_SYNC if kb.staged_store or kb.stream_k else "") + \
         (EARLY_START_HELPERS if kb.early_start else "") + \
-        split_k_prelude(bm, bn, kb.split_k, threads, n, problem.channelwise, cluster)
+        split_k_prelude(bm, bn, kb.split_k, threads, n, problem.channelwise, cluster, kb.split_wait)
     wait_prior = wait_for_prior_grids(cluster, kb.pdl)
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
         if kb.split_k > 1 else None
+    if kb.split_wait:
+        store_waiting = store_tile_split_wait(bm, bn, grid_n, kb.split_k, problem.channelwise)
+    # split_wait: the short splits come first, so that the last split (which waits) is a long one
+    short = kb.split_k - extra if kb.split_wait else 0
     load_words = f"tm_ldg_words{g}"
     w_smem = kb.smem_weights
     bufs = 1 if w_smem else ahead + 1    # register buffers of packed words (and scales)
@@ -736,11 +741,18 @@ def build(problem: Problem, knobs: Knobs):
                 bx = T.alloc_var("int32", init=tile_n)
             else:
                 by, bx = grid_y, grid_x
-            k0 = bz * trips + T.min(bz, extra) if extra else bz * trips    # the split's first k-tile
+            if kb.split_wait and extra:
+                k0 = bz * trips + T.max(bz - short, 0)          # the split's first k-tile
+            else:
+                k0 = bz * trips + T.min(bz, extra) if extra else bz * trips
             if kb.early_start:
                 start_early(B, S, bx, k0)
             wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
+            G_s = None
+            if kb.split_wait:
+                G_s = T.alloc_shared((bm, bn), "float32")      # the other splits' sums
+                T.call_extern("handle", "tm_split_k_claim", T.access_ptr(G_s[0, 0], "r"))
 
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
@@ -755,7 +767,7 @@ def build(problem: Problem, knobs: Knobs):
                                         wg, wq, lane, Y_s)
             elif tma and extra:
                 # Two copies of the pipeline, one per count, so that each loop's trip count stays a constant.
-                if bz < extra:
+                if (bz >= short) if kb.split_wait else (bz < extra):
                     pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
                                  lane, trips + 1)
                 else:
@@ -773,6 +785,11 @@ def build(problem: Problem, knobs: Knobs):
             elif producer:
                 if not in_producer_warp():      # wgmma's warpgroup instructions, not for the producer warp
                     finish_sums(acc, sc)
+                elif kb.split_wait:
+                    if bz == kb.split_k - 1:    # the producer warp has issued its last copy
+                        T.call_extern("handle", "tm_split_k_gather", T.access_ptr(counters[by * grid_n + bx], "rw"),
+                                      T.access_ptr(ws[by * bm, bx * bn], "rw"), T.access_ptr(G_s[0, 0], "w"),
+                                      m - by * bm, lane)
             else:
                 finish_sums(acc, sc)
 
@@ -787,7 +804,10 @@ def build(problem: Problem, knobs: Knobs):
                 else:
                     acc_to_shared(acc, C_s, wg, wq, lane)
                 T.sync_threads()
-                store(C_s, C, S, ws, counters, m, by, bx, tx)
+                if kb.split_wait:
+                    store_waiting(C_s, G_s, C, S, ws, counters, m, by, bx, bz, tx)
+                else:
+                    store(C_s, C, S, ws, counters, m, by, bx, tx)
             elif kb.setmaxnreg:
                 pass
             elif kb.k_split:

@@ -94,6 +94,11 @@ class Knobs:
     rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
     slab (kernel.slab_quarter), so that a warp's loads of its packed words from shared memory touch
     every bank once instead of 8 banks four times (perf-notes v54); the sums and scales follow.
+    split_wait (split-K through the workspace, the producer warp's tma pipeline): the tile's last split
+    keeps its sums; its producer warp, once it has issued its last copy, waits for the other splits'
+    count, copies their sums from the workspace into shared memory and zeroes it, under the
+    consumers' last k-tiles (epilogue.SPLIT_WAIT_SUM); uneven splits give the extra k-tiles to the last
+    splits, so that the waiting one, launched last, also has the most to do.
     """
 
     block_m: int = 128
@@ -123,6 +128,7 @@ class Knobs:
     fold_lag: bool = False
     max_blocks: int = 0
     rotate: bool = False
+    split_wait: bool = False
 
     @property
     def block_n(self) -> int:
@@ -178,7 +184,8 @@ class Knobs:
                  ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate))
+                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate),
+                 ("_wait", self.split_wait))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -186,7 +193,8 @@ class Knobs:
         return problem.k // self.block_k
 
     def longer_splits(self, problem: Problem) -> int:
-        """How many splits take one k-tile more than the others (uneven split_k: the first ones)."""
+        """How many splits take one k-tile more than the others (uneven split_k: the first ones, with
+        split_wait the last ones)."""
         return self.k_tiles(problem) % self.split_k
 
     def shared_bytes(self, problem: Problem) -> int:
@@ -195,7 +203,7 @@ class Knobs:
     def _unpadded_shared_bytes(self) -> int:
         x = self.stages * self.block_m * self.block_k * 2
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
-        c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
+        c = self.block_m * self.block_n * 4 * (2 if self.split_wait else 1) if self.split_k > 1 or self.k_split else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
         return x + w + c + y + 64
@@ -314,6 +322,11 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return "panel_m orders the tiled launch; persistent blocks walk their tiles in their own order"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
+    if kb.split_wait and not (kb.split_k > 1 and kb.tma and kb.producer_warp) or kb.split_wait and (
+            kb.cluster_reduce or kb.persistent or kb.stream_k or kb.setmaxnreg or kb.k_split):
+        return ("split_wait has the last split's producer warp gather the other splits' sums from the workspace: "
+                "it needs split_k > 1 through the workspace (no cluster_reduce) and the producer warp's tma "
+                "pipeline, with no persistent loop, stream_k, setmaxnreg or k_split")
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
     if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
