@@ -145,55 +145,99 @@ __device__ __forceinline__ void tm_workspace_store(float* ws, Out* out, int rows
   }}
 }}
 """
-# split_wait: the tile's last split (the highest blockIdx.z, so launched after the others) does not
-# add its tile to the workspace. One warp of it (the stream_wgmma producer warp, idle once it has issued
-# its last copy) waits until the other splits have counted themselves in, copies their sums into a
-# shared tile with cp.async (L2 only: the reductions went there) and zeroes the workspace tile and the
-# counter for the next call, while the block's consumers still run their last k-tiles; at the end the
-# block adds that tile to its own and stores. Without it the last block to arrive pays three L2 round
-# trips after its k-loop (its reductions' fence, the counter, the sums' loads: down_proj 16's epilogue
-# took 1.8-2.8 us, perf-notes v56). It waits only for blocks launched before it, so it cannot hold a
-# slot that one of them needs.
+# split_wait: the tile's last split (the highest blockIdx.z, so launched after the others) waits for
+# the others' partial tiles instead of the last to arrive summing them. Each other split stores its
+# tile into a slot of its own in the workspace (slot z at rows z * M), every value's bits plus one:
+# no fence, no counter, and the block leaves at once. A zero word is one not yet written (the
+# workspace starts zeroed, and a stored word is never 0: fp32 bits 0xffffffff are a NaN no arithmetic
+# produces). One warp of the last split (the stream_wgmma producer warp, idle once it has issued its
+# last copy) polls the slots, adds each 4-value chunk once all four of its words have landed (a
+# 16-byte store need not land at once), zeroes what it took and leaves the sums in shared memory,
+# while the block's consumers still run their last k-tiles; at the end the block adds them to its own
+# tile and stores. The fence and the counter cost the last block to arrive two L2 round trips (~0.9 us
+# each under the weights' stream at down_proj 16, perf-notes v56) before it could even read the sums.
+# The last split waits only for blocks launched before it, so it cannot hold a slot that one of them needs.
 SPLIT_WAIT_SUM = r"""
 // TileLang's shared-memory merge gives a buffer's bytes to another once, in program order, the first
 // is no longer accessed. The gathered tile is written while the consumers still read the stages, so
 // the kernel names it here, before the k-loop: from there on its bytes are its own.
 __device__ __forceinline__ void tm_split_k_claim(const float*) {{}}
 
-__device__ __forceinline__ void tm_split_k_publish(int* counter) {{
-  atomicAdd(counter, 1);           // (the block's threads fenced their reductions before)
-}}
-
-__device__ __forceinline__ void tm_split_k_gather(int* counter, float* ws, float* gathered, int rows, int lane) {{
+__device__ __forceinline__ void tm_split_k_put(const float* tile, float* slot, int rows, int tid) {{
   constexpr int kChunksPerRow = {bn} / 4;
   constexpr int kChunks = {bm} * kChunksPerRow;
-  if (lane == 0) {{
-    int seen;
-    while (true) {{
-      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(seen) : "l"(counter) : "memory");
-      if (seen == {others}) break;
-      __nanosleep(32);
-    }}
-  }}
-  __syncwarp();
-  unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(gathered));
 #pragma unroll
-  for (int c = lane; c < kChunks; c += 32) {{
+  for (int c = tid; c < kChunks; c += {threads}) {{
     int row = c / kChunksPerRow;
     if (row < rows) {{
       int col = c % kChunksPerRow * 4;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                   :: "r"(local + (row * {bn} + col) * 4), "l"(ws + row * {ldc} + col) : "memory");
+      uint4 v = *reinterpret_cast<const uint4*>(tile + row * {bn} + col);
+      v.x += 1u; v.y += 1u; v.z += 1u; v.w += 1u;
+      *reinterpret_cast<uint4*>(slot + row * {ldc} + col) = v;
     }}
   }}
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}}
+
+// The other splits' sums into `gathered` [bm, bn] (rows < rows). A lane owns chunks lane, lane + 32,
+// ...; per round it copies every chunk still to come of every slot into `staged` [splits - 1, bm, bn]
+// with cp.async (L2 only, no registers), waits for them (one L2 round trip however many are pending)
+// and adds those whose four words have all landed. The loops over the slots stay rolled and those
+// over a lane's chunks partly unrolled: fully unrolled, ptxas kept every chunk's address (and loaded
+// value) of every slot in registers, 106 -> 144 at o_proj 32's form (3 -> 2 blocks per SM).
+__device__ __forceinline__ void tm_split_k_gather(float* ws, long long slot_elems, float* gathered, int rows,
+                                                  int lane) {{
+  constexpr int kChunksPerRow = {bn} / 4;
+  constexpr int kChunks = {bm} * kChunksPerRow;
+  constexpr int kPerLane = (kChunks + 31) / 32;
+  static_assert({others} * kPerLane <= 64, "a bit per (slot, chunk) of a lane");
+  float* staged = gathered + {bm} * {bn};
+  unsigned staged_local = static_cast<unsigned>(__cvta_generic_to_shared(staged));
+  unsigned long long mine = 0;
 #pragma unroll
-  for (int c = lane; c < kChunks; c += 32) {{
-    int row = c / kChunksPerRow;
-    if (row < rows)
-      *reinterpret_cast<float4*>(ws + row * {ldc} + c % kChunksPerRow * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = 0; i < kPerLane; ++i) {{
+    int c = i * 32 + lane;
+    if (c < kChunks && c / kChunksPerRow < rows) {{
+      mine |= 1ull << i;
+      *reinterpret_cast<float4*>(gathered + c * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+    }}
   }}
-  if (lane == 0) *counter = 0;
+  unsigned long long pending = 0;     // bit s * kPerLane + i: slot s's chunk i of this lane is still to come
+#pragma unroll
+  for (int s = 0; s < {others}; ++s) pending |= mine << (s * kPerLane);
+  while (pending) {{
+#pragma unroll 1
+    for (int s = 0; s < {others}; ++s)
+#pragma unroll 8
+      for (int i = 0; i < kPerLane; ++i) {{
+        int c = i * 32 + lane;
+        if (pending >> (s * kPerLane + i) & 1)
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                       :: "r"(staged_local + (s * kChunks + c) * 16),
+                          "l"(ws + s * slot_elems + c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4) : "memory");
+      }}
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+#pragma unroll 1
+    for (int s = 0; s < {others}; ++s)
+#pragma unroll 4
+      for (int i = 0; i < kPerLane; ++i) {{
+        int c = i * 32 + lane;
+        if (pending >> (s * kPerLane + i) & 1) {{
+          uint4 w = *reinterpret_cast<const uint4*>(staged + (s * kChunks + c) * 4);
+          if (w.x && w.y && w.z && w.w) {{
+            float4* sum = reinterpret_cast<float4*>(gathered + c * 4);
+            float4 t = *sum;
+            t.x += __uint_as_float(w.x - 1u); t.y += __uint_as_float(w.y - 1u);
+            t.z += __uint_as_float(w.z - 1u); t.w += __uint_as_float(w.w - 1u);
+            *sum = t;
+            *reinterpret_cast<uint4*>(ws + s * slot_elems + c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4) =
+                make_uint4(0u, 0u, 0u, 0u);
+            pending &= ~(1ull << (s * kPerLane + i));
+          }}
+        }}
+      }}
+    // (no __nanosleep between rounds: a round is an L2 round trip already, and in this branch beside
+    // the consumers' wgmmas it made ptxas serialize them, C7518)
+  }}
 }}
 
 template <typename Out>
@@ -229,7 +273,7 @@ def split_k_prelude(block_m: int, block_n: int, split_k: int, threads: int, n: i
                     cluster: bool, split_wait: bool = False) -> str:
     """CUDA source of the functions that store_tile's split-K sums call, for one kernel ("" without
     split-K): tm_cluster_sum_store (with `cluster`), or tm_workspace_add, tm_split_k_arrive and
-    tm_workspace_store, with `split_wait` also tm_split_k_publish, tm_split_k_gather and
+    tm_workspace_store, or with `split_wait` tm_split_k_claim, tm_split_k_put, tm_split_k_gather and
     tm_split_k_final."""
     if split_k == 1:
         return ""
@@ -237,8 +281,9 @@ def split_k_prelude(block_m: int, block_n: int, split_k: int, threads: int, n: i
         raise ValueError(f"split-K sums move 4 columns at a time: block_n={block_n} is not a multiple of 4")
     shape = dict(bm=block_m, bn=block_n, threads=threads, ldc=n)
     if not cluster:
-        wait = SPLIT_WAIT_SUM.format(others=split_k - 1, **shape) if split_wait else ""
-        return SPLIT_K_HELPERS + STORE4 + WORKSPACE_SUM.format(**shape) + wait
+        if split_wait:
+            return STORE4 + SPLIT_WAIT_SUM.format(others=split_k - 1, **shape)
+        return SPLIT_K_HELPERS + STORE4 + WORKSPACE_SUM.format(**shape)
     scale = ("\n      v.x *= static_cast<float>(scale[col]); v.y *= static_cast<float>(scale[col + 1]);"
              "\n      v.z *= static_cast<float>(scale[col + 2]); v.w *= static_cast<float>(scale[col + 3]);"
              ) if channelwise else ""
@@ -330,43 +375,41 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
     return store
 
 
-def store_tile_split_wait(block_m: int, block_n: int, grid_n: int, split_k: int, channelwise: bool):
+def store_tile_split_wait(block_m: int, block_n: int, split_k: int, channelwise: bool):
     """split_wait's store (SPLIT_WAIT_SUM; split_k_prelude with split_wait): a T.macro(C_s, G_s, C, S,
-    ws, counters, m, by, bx, bz, tx). The splits bz < split_k - 1 add C_s to the workspace and count
-    themselves in; the last one adds C_s to G_s, the others' sums that tm_split_k_gather copied there
-    (the caller runs it in a warp of that block before the threads meet), and stores the tile."""
+    ws, m, by, bx, bz, tx). The splits bz < split_k - 1 put C_s into their slot of the workspace, rows
+    bz * m of ws's [(split_k - 1) * m, N]; the last one adds C_s to G_s[0], the others' sums that
+    tm_split_k_gather left there (G_s [split_k, block_m, block_n]: the sums, then its staging; the
+    caller runs it in a warp of that block before the threads meet), and stores the tile."""
     bm, bn = block_m, block_n
 
     @T.macro
-    def store(C_s, G_s, C, S, ws, counters, m, by, bx, bz, tx):
+    def store(C_s, G_s, C, S, ws, m, by, bx, bz, tx):
         if channelwise:
             for i, j in T.Parallel(bm, bn):
                 C_s[i, j] = C_s[i, j] * T.cast(S[0, bx * bn + j], "float32")
             T.sync_threads()
         if bz < split_k - 1:
-            T.call_extern("handle", "tm_workspace_add", T.access_ptr(C_s[0, 0], "r"),
-                          T.access_ptr(ws[by * bm, bx * bn], "rw"), m - by * bm, tx)
-            T.call_extern("handle", "__threadfence")
-            T.sync_threads()
-            if tx == 0:
-                T.call_extern("handle", "tm_split_k_publish", T.access_ptr(counters[by * grid_n + bx], "rw"))
+            T.call_extern("handle", "tm_split_k_put", T.access_ptr(C_s[0, 0], "r"),
+                          T.access_ptr(ws[bz * m + by * bm, bx * bn], "w"), m - by * bm, tx)
         else:
-            T.call_extern("handle", "tm_split_k_final", T.access_ptr(C_s[0, 0], "r"), T.access_ptr(G_s[0, 0], "r"),
+            T.call_extern("handle", "tm_split_k_final", T.access_ptr(C_s[0, 0], "r"), T.access_ptr(G_s[0, 0, 0], "r"),
                           T.access_ptr(C[by * bm, bx * bn], "w"), m - by * bm, tx)
 
     return store
 
 
-def w4a16_prim_func(body, m, tiles, n: int, k: int, group: int, dtype: str, workspace: bool):
+def w4a16_prim_func(body, m, tiles, n: int, k: int, group: int, dtype: str, workspace: bool, slots: int = 1):
     """The kernel's signature, shared by the mma.sync families: A [m, K], packed B [K/16, 2N] int32,
     scales [K/group, N], C [m, N], and with `workspace` (split-K through global memory) the fp32
-    workspace [m, N] and int32 tile counters [tiles]. `body` is a T.macro(A, B, S, C, ws, counters)
-    and m, tiles the T.dynamic variables it was built with."""
+    workspace [slots * m, N] (split_wait: a slot of m rows per split but the last) and int32 tile
+    counters [tiles]. `body` is a T.macro(A, B, S, C, ws, counters) and m, tiles the T.dynamic
+    variables it was built with."""
     if workspace:
         @T.prim_func
         def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
                        S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype),
-                       ws: T.Tensor((m, n), "float32"), counters: T.Tensor((tiles,), "int32")):
+                       ws: T.Tensor((slots * m, n), "float32"), counters: T.Tensor((tiles,), "int32")):
             body(A, B, S, C, ws, counters)
     else:
         @T.prim_func

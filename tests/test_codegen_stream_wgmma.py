@@ -394,6 +394,8 @@ def test_split_k_through_the_cluster_or_the_workspace(compiled):
     elif knobs.cluster_reduce:     # partial tiles read from the other blocks' shared memory, nothing global
         assert remote > 0 and count(r"barrier\.cluster\.arrive", ptx) >= 2 and atomics == 0
         assert not knobs.uses_workspace
+    elif knobs.split_wait:         # fp32 workspace slots: plain stores, polled by the last split
+        assert remote == 0 and atomics == 0 and knobs.uses_workspace
     else:                          # fp32 workspace: vector reductions and the tile's arrival counter
         assert remote == 0 and atomics > 0 and knobs.uses_workspace
 
@@ -547,11 +549,14 @@ def test_split_wait_gathers_in_the_last_splits_producer_warp(compiled):
         assert "tm_split_k_gather" not in src
         return
     last = knobs.split_k - 1
-    # the last split's producer warp gathers, the others add to the workspace and count themselves in,
-    # the last one adds the gathered tile to its own; nobody waits for the counter's returned value
-    assert calls("tm_split_k_gather") == 1 and calls("tm_split_k_final") == 1
-    assert calls("tm_split_k_publish") == 1 and calls("tm_workspace_add") == 1
-    assert calls("tm_split_k_arrive") == 0 and calls("tm_workspace_store") == 0
+    # the last split's producer warp gathers, the others put their tiles into their slots (no atomics,
+    # no counter), the last one adds the gathered tile to its own
+    assert calls("tm_split_k_gather") == 1 and calls("tm_split_k_final") == 1 and calls("tm_split_k_put") == 1
+    assert calls("tm_workspace_add") == calls("tm_split_k_arrive") == calls("tm_workspace_store") == 0
+    assert "atomicAdd" not in src
+    # split z's slot: rows z * m of the workspace
+    put = src[src.index("tm_split_k_put(("):]
+    assert "(((int64_t)((int)blockIdx.z)) * ((int64_t)m))" in put[:put.index(";")]
     gather = src.index("tm_split_k_gather((")
     assert re.findall(r"if \(\(\(int\)blockIdx\.z\) == (\d+)\)", src[:gather])[-1] == str(last)
     assert src.rindex("tm_warp_index()", 0, gather) > src.rindex("tl::tma_load", 0, gather)
@@ -559,7 +564,7 @@ def test_split_wait_gathers_in_the_last_splits_producer_warp(compiled):
     off = shared_offsets(src)
     stage_bytes = {"X_s": knobs.stages * knobs.block_m * knobs.block_k * 2,
                    "W_s": knobs.stages * knobs.block_k * knobs.block_n // 2, "S_s": knobs.stages * knobs.block_n * 2}
-    g0, g1 = off["G_s"], off["G_s"] + knobs.block_m * knobs.block_n * 4
+    g0, g1 = off["G_s"], off["G_s"] + knobs.split_k * knobs.block_m * knobs.block_n * 4   # sums, staging
     for name, size in stage_bytes.items():
         if name in off:     # (channelwise scales have no stages)
             assert g1 <= off[name] or off[name] + size <= g0, (name, off)
@@ -579,11 +584,19 @@ def test_split_wait_is_refused_where_it_cannot_apply():
                   Knobs(16, 1, 1, 128, 4, split_k=2, producer_warp=True, cluster_reduce=True, split_wait=True,
                         **tma)):
         assert "split_wait" in stream_wgmma.check(problem, knobs, SM90)
-    knobs = Knobs(16, 1, 1, 128, 4, split_k=2, producer_warp=True, split_wait=True, **tma)
+    # a lane's (slot, chunk) pairs are bits of one 64-bit word: 3 slots of 16 chunks fit, 5 do not
+    assert "at most 64" in stream_wgmma.check(problem, Knobs(32, 1, 1, 64, 4, split_k=6, producer_warp=True,
+                                                              split_wait=True, **tma), SM90)
+    assert stream_wgmma.check(problem, Knobs(32, 1, 1, 64, 4, split_k=4, producer_warp=True, split_wait=True,
+                                             **tma), SM90) is None
+    knobs = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, split_wait=True, **tma)
     assert stream_wgmma.check(problem, knobs, SM90) is None and knobs.name.endswith("_wait")
-    # the gathered tile: a second fp32 tile of block_m x block_n
-    plain = Knobs(16, 1, 1, 128, 4, split_k=2, producer_warp=True, **tma)
-    assert knobs.shared_bytes(problem) - plain.shared_bytes(problem) == 16 * 64 * 4
+    # the gathered tile and the staging of two slots: three more fp32 tiles of block_m x block_n
+    plain = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, **tma)
+    assert knobs.shared_bytes(problem) - plain.shared_bytes(problem) == 3 * 16 * 64 * 4
+    # the workspace: a slot of [m, N] per split but the last (the counters stay, unused)
+    assert stream_wgmma.workspace_elems(problem, knobs, 5) == (2 * 5 * 1024, 1 * 16)
+    assert stream_wgmma.workspace_elems(problem, plain, 5) == (5 * 1024, 1 * 16)
 
 
 def test_early_start_is_refused_where_it_cannot_apply():

@@ -49,10 +49,13 @@ def unpack(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def workspace_elems(problem: Problem, knobs: Knobs, m: int) -> tuple[int, int]:
-    """(fp32 workspace elements, int32 tile counters) one call with `m` rows needs (0, 0 if none)."""
+    """(fp32 workspace elements, int32 tile counters) one call with `m` rows needs (0, 0 if none): an
+    [m, N] tile of sums, or the slots of m rows that a family's knobs ask for (stream_wgmma's
+    split_wait: one per split but the last), which share this signature and these checks."""
     if not knobs.uses_workspace:
         return 0, 0
-    return m * problem.n, -(-m // knobs.block_m) * (problem.n // knobs.block_n)
+    slots = getattr(knobs, "workspace_slots", 1)
+    return slots * m * problem.n, -(-m // knobs.block_m) * (problem.n // knobs.block_n)
 
 
 def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspace=None, counters=None) -> tuple:
@@ -78,7 +81,7 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
             raise ValueError(f"{what} is on {t.device} but the activations are on {a.device}")
     if not knobs.uses_workspace:
         return a, weight, scales, out
-    return a, weight, scales, out, workspace[:ws_elems].view(m, problem.n), counters
+    return a, weight, scales, out, workspace[:ws_elems].view(-1, problem.n), counters
 
 
 def _expect(what, t, dtype, shape, min_elems=0) -> None:

@@ -94,11 +94,12 @@ class Knobs:
     rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
     slab (kernel.slab_quarter), so that a warp's loads of its packed words from shared memory touch
     every bank once instead of 8 banks four times (perf-notes v54); the sums and scales follow.
-    split_wait (split-K through the workspace, the producer warp's tma pipeline): the tile's last split
-    keeps its sums; its producer warp, once it has issued its last copy, waits for the other splits'
-    count, copies their sums from the workspace into shared memory and zeroes it, under the
-    consumers' last k-tiles (epilogue.SPLIT_WAIT_SUM); uneven splits give the extra k-tiles to the last
-    splits, so that the waiting one, launched last, also has the most to do.
+    split_wait (split-K through the workspace, the producer warp's tma pipeline): every split but the
+    last stores its tile into a workspace slot of its own and leaves, without fence or counter; the
+    last split's producer warp, once it has issued its last copy, polls the slots for them, adds them
+    in shared memory and zeroes the slots, under the consumers' last k-tiles
+    (epilogue.SPLIT_WAIT_SUM); uneven splits give the extra k-tiles to the last splits, so that the
+    waiting one, launched last, also has the most to do.
     """
 
     block_m: int = 128
@@ -177,6 +178,11 @@ class Knobs:
         return self.split_k > 1 and not self.cluster_reduce or self.stream_k > 0
 
     @property
+    def workspace_slots(self) -> int:
+        """[m, N] slots of the fp32 workspace: split_wait gives each split but the last its own."""
+        return self.split_k - 1 if self.split_wait else 1
+
+    @property
     def name(self) -> str:
         flags = (("_ov", self.overlap), ("_sw", self.smem_weights), ("_tma", self.tma), ("_rb", self.release_barriers),
                  ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
@@ -203,7 +209,9 @@ class Knobs:
     def _unpadded_shared_bytes(self) -> int:
         x = self.stages * self.block_m * self.block_k * 2
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
-        c = self.block_m * self.block_n * 4 * (2 if self.split_wait else 1) if self.split_k > 1 or self.k_split else 0
+        # (split_wait: the last split's gathered sums and its staging of the other splits' slots too)
+        c = self.block_m * self.block_n * 4 * (1 + self.split_k if self.split_wait else 1) \
+            if self.split_k > 1 or self.k_split else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
         return x + w + c + y + 64
@@ -327,6 +335,10 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return ("split_wait has the last split's producer warp gather the other splits' sums from the workspace: "
                 "it needs split_k > 1 through the workspace (no cluster_reduce) and the producer warp's tma "
                 "pipeline, with no persistent loop, stream_k, setmaxnreg or k_split")
+    if kb.split_wait and (kb.split_k - 1) * -(-kb.block_m * kb.block_n // 128) > 64:
+        return (f"split_wait's gather keeps a bit per slot and 4-column chunk of a lane, at most 64: "
+                f"{kb.split_k - 1} slots of {-(-kb.block_m * kb.block_n // 128)} chunks (block_m={kb.block_m}, "
+                f"block_n={kb.block_n})")
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
     if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
