@@ -150,19 +150,15 @@ __device__ __forceinline__ void tm_workspace_store(float* ws, Out* out, int rows
 # tile into a slot of its own in the workspace (slot z at rows z * M), every value's bits plus one:
 # no fence, no counter, and the block leaves at once. A zero word is one not yet written (the
 # workspace starts zeroed, and a stored word is never 0: fp32 bits 0xffffffff are a NaN no arithmetic
-# produces). One warp of the last split (the stream_wgmma producer warp, idle once it has issued its
-# last copy) polls the slots, adds each 4-value chunk once all four of its words have landed (a
-# 16-byte store need not land at once), zeroes what it took and leaves the sums in shared memory,
-# while the block's consumers still run their last k-tiles; at the end the block adds them to its own
-# tile and stores. The fence and the counter cost the last block to arrive two L2 round trips (~0.9 us
-# each under the weights' stream at down_proj 16, perf-notes v56) before it could even read the sums.
-# The last split waits only for blocks launched before it, so it cannot hold a slot that one of them needs.
+# produces). After its own k-loop, every thread of the last split loads its chunks of every slot at
+# once, adds each 4-value chunk once all four of its words have landed (a 16-byte store need not land
+# at once) and zeroes it, loads again what is still missing, and stores the sums. The last block to
+# arrive at the tile's counter paid two L2 round trips (its reductions' fence, the counter; ~0.9 us
+# each under the weights' stream at down_proj 16, perf-notes v56) before it could even read the sums;
+# here the last split reads them at once. It waits only for blocks launched before it, so it cannot
+# hold a slot that one of them needs. (A first form polled from the producer warp during the k-loop:
+# its ~1200 instructions a round, issued beside 14 busy warps, took ~6 us, v56.)
 SPLIT_WAIT_SUM = r"""
-// TileLang's shared-memory merge gives a buffer's bytes to another once, in program order, the first
-// is no longer accessed. The gathered tile is written while the consumers still read the stages, so
-// the kernel names it here, before the k-loop: from there on its bytes are its own.
-__device__ __forceinline__ void tm_split_k_claim(const float*) {{}}
-
 __device__ __forceinline__ void tm_split_k_put(const float* tile, float* slot, int rows, int tid) {{
   constexpr int kChunksPerRow = {bn} / 4;
   constexpr int kChunks = {bm} * kChunksPerRow;
@@ -178,82 +174,60 @@ __device__ __forceinline__ void tm_split_k_put(const float* tile, float* slot, i
   }}
 }}
 
-// The other splits' sums into `gathered` [bm, bn] (rows < rows). A lane owns chunks lane, lane + 32,
-// ...; per round it copies every chunk still to come of every slot into `staged` [splits - 1, bm, bn]
-// with cp.async (L2 only, no registers), waits for them (one L2 round trip however many are pending)
-// and adds those whose four words have all landed. The loops over the slots stay rolled and those
-// over a lane's chunks partly unrolled: fully unrolled, ptxas kept every chunk's address (and loaded
-// value) of every slot in registers, 106 -> 144 at o_proj 32's form (3 -> 2 blocks per SM).
-__device__ __forceinline__ void tm_split_k_gather(float* ws, long long slot_elems, float* gathered, int rows,
-                                                  int lane) {{
+// The block's own tile plus the other splits' slots, stored to `out`: a thread's chunks tid, tid +
+// threads, ..., a bit per (slot, chunk) still to come.
+template <typename Out>
+__device__ __forceinline__ void tm_split_k_sum_slots(const float* tile, float* ws, long long slot_elems, Out* out,
+                                                     int rows, int tid) {{
   constexpr int kChunksPerRow = {bn} / 4;
   constexpr int kChunks = {bm} * kChunksPerRow;
-  constexpr int kPerLane = (kChunks + 31) / 32;
-  static_assert({others} * kPerLane <= 64, "a bit per (slot, chunk) of a lane");
-  float* staged = gathered + {bm} * {bn};
-  unsigned staged_local = static_cast<unsigned>(__cvta_generic_to_shared(staged));
+  constexpr int kMine = (kChunks + {threads} - 1) / {threads};
+  static_assert({others} * kMine <= 64, "a bit per (slot, chunk) of a thread");
+  float4 sum[kMine];
   unsigned long long mine = 0;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {{
-    int c = i * 32 + lane;
+  for (int i = 0; i < kMine; ++i) {{
+    int c = i * {threads} + tid;
     if (c < kChunks && c / kChunksPerRow < rows) {{
       mine |= 1ull << i;
-      *reinterpret_cast<float4*>(gathered + c * 4) = make_float4(0.f, 0.f, 0.f, 0.f);
+      sum[i] = *reinterpret_cast<const float4*>(tile + c * 4);
     }}
   }}
-  unsigned long long pending = 0;     // bit s * kPerLane + i: slot s's chunk i of this lane is still to come
+  unsigned long long pending = 0;     // bit s * kMine + i: slot s's chunk i of this thread is still to come
 #pragma unroll
-  for (int s = 0; s < {others}; ++s) pending |= mine << (s * kPerLane);
+  for (int s = 0; s < {others}; ++s) pending |= mine << (s * kMine);
   while (pending) {{
-#pragma unroll 1
+    uint4 v[{others}][kMine];
+#pragma unroll
     for (int s = 0; s < {others}; ++s)
-#pragma unroll 8
-      for (int i = 0; i < kPerLane; ++i) {{
-        int c = i * 32 + lane;
-        if (pending >> (s * kPerLane + i) & 1)
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
-                       :: "r"(staged_local + (s * kChunks + c) * 16),
-                          "l"(ws + s * slot_elems + c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4) : "memory");
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {{
+        int c = i * {threads} + tid;
+        v[s][i] = make_uint4(0u, 0u, 0u, 0u);
+        if (pending >> (s * kMine + i) & 1)
+          asm volatile("ld.relaxed.gpu.global.v4.u32 {{%0, %1, %2, %3}}, [%4];\n"
+                       : "=r"(v[s][i].x), "=r"(v[s][i].y), "=r"(v[s][i].z), "=r"(v[s][i].w)
+                       : "l"(ws + s * slot_elems + c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4));
       }}
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-#pragma unroll 1
+#pragma unroll
     for (int s = 0; s < {others}; ++s)
-#pragma unroll 4
-      for (int i = 0; i < kPerLane; ++i) {{
-        int c = i * 32 + lane;
-        if (pending >> (s * kPerLane + i) & 1) {{
-          uint4 w = *reinterpret_cast<const uint4*>(staged + (s * kChunks + c) * 4);
-          if (w.x && w.y && w.z && w.w) {{
-            float4* sum = reinterpret_cast<float4*>(gathered + c * 4);
-            float4 t = *sum;
-            t.x += __uint_as_float(w.x - 1u); t.y += __uint_as_float(w.y - 1u);
-            t.z += __uint_as_float(w.z - 1u); t.w += __uint_as_float(w.w - 1u);
-            *sum = t;
-            *reinterpret_cast<uint4*>(ws + s * slot_elems + c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4) =
-                make_uint4(0u, 0u, 0u, 0u);
-            pending &= ~(1ull << (s * kPerLane + i));
-          }}
+#pragma unroll
+      for (int i = 0; i < kMine; ++i) {{
+        uint4 w = v[s][i];
+        if ((pending >> (s * kMine + i) & 1) && w.x && w.y && w.z && w.w) {{
+          int c = i * {threads} + tid;
+          sum[i].x += __uint_as_float(w.x - 1u); sum[i].y += __uint_as_float(w.y - 1u);
+          sum[i].z += __uint_as_float(w.z - 1u); sum[i].w += __uint_as_float(w.w - 1u);
+          *reinterpret_cast<uint4*>(ws + s * slot_elems + c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4) =
+              make_uint4(0u, 0u, 0u, 0u);
+          pending &= ~(1ull << (s * kMine + i));
         }}
       }}
-    // (no __nanosleep between rounds: a round is an L2 round trip already, and in this branch beside
-    // the consumers' wgmmas it made ptxas serialize them, C7518)
   }}
-}}
-
-template <typename Out>
-__device__ __forceinline__ void tm_split_k_final(const float* tile, const float* gathered, Out* out, int rows,
-                                                 int tid) {{
-  constexpr int kChunksPerRow = {bn} / 4;
-  constexpr int kChunks = {bm} * kChunksPerRow;
 #pragma unroll
-  for (int c = tid; c < kChunks; c += {threads}) {{
-    int row = c / kChunksPerRow;
-    if (row < rows) {{
-      int at = row * {bn} + c % kChunksPerRow * 4;
-      float4 a = *reinterpret_cast<const float4*>(tile + at);
-      float4 b = *reinterpret_cast<const float4*>(gathered + at);
-      tm_store4(out + row * {ldc} + c % kChunksPerRow * 4, make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w));
-    }}
+  for (int i = 0; i < kMine; ++i) {{
+    int c = i * {threads} + tid;
+    if (mine >> i & 1) tm_store4(out + c / kChunksPerRow * {ldc} + c % kChunksPerRow * 4, sum[i]);
   }}
 }}
 """
@@ -273,8 +247,7 @@ def split_k_prelude(block_m: int, block_n: int, split_k: int, threads: int, n: i
                     cluster: bool, split_wait: bool = False) -> str:
     """CUDA source of the functions that store_tile's split-K sums call, for one kernel ("" without
     split-K): tm_cluster_sum_store (with `cluster`), or tm_workspace_add, tm_split_k_arrive and
-    tm_workspace_store, or with `split_wait` tm_split_k_claim, tm_split_k_put, tm_split_k_gather and
-    tm_split_k_final."""
+    tm_workspace_store, or with `split_wait` tm_split_k_put and tm_split_k_sum_slots."""
     if split_k == 1:
         return ""
     if block_n % 4:
@@ -375,16 +348,14 @@ def store_tile(block_m: int, block_n: int, grid_n: int, split_k: int, dtype: str
     return store
 
 
-def store_tile_split_wait(block_m: int, block_n: int, split_k: int, channelwise: bool):
-    """split_wait's store (SPLIT_WAIT_SUM; split_k_prelude with split_wait): a T.macro(C_s, G_s, C, S,
-    ws, m, by, bx, bz, tx). The splits bz < split_k - 1 put C_s into their slot of the workspace, rows
-    bz * m of ws's [(split_k - 1) * m, N]; the last one adds C_s to G_s[0], the others' sums that
-    tm_split_k_gather left there (G_s [split_k, block_m, block_n]: the sums, then its staging; the
-    caller runs it in a warp of that block before the threads meet), and stores the tile."""
+def store_tile_split_wait(block_m: int, block_n: int, split_k: int, n: int, channelwise: bool):
+    """split_wait's store (SPLIT_WAIT_SUM; split_k_prelude with split_wait): a T.macro(C_s, C, S, ws, m,
+    by, bx, bz, tx). The splits bz < split_k - 1 put C_s into their slot of the workspace, rows bz * m
+    of ws's [(split_k - 1) * m, N]; the last one adds the slots to C_s and stores the tile."""
     bm, bn = block_m, block_n
 
     @T.macro
-    def store(C_s, G_s, C, S, ws, m, by, bx, bz, tx):
+    def store(C_s, C, S, ws, m, by, bx, bz, tx):
         if channelwise:
             for i, j in T.Parallel(bm, bn):
                 C_s[i, j] = C_s[i, j] * T.cast(S[0, bx * bn + j], "float32")
@@ -393,7 +364,8 @@ def store_tile_split_wait(block_m: int, block_n: int, split_k: int, channelwise:
             T.call_extern("handle", "tm_split_k_put", T.access_ptr(C_s[0, 0], "r"),
                           T.access_ptr(ws[bz * m + by * bm, bx * bn], "w"), m - by * bm, tx)
         else:
-            T.call_extern("handle", "tm_split_k_final", T.access_ptr(C_s[0, 0], "r"), T.access_ptr(G_s[0, 0, 0], "r"),
+            T.call_extern("handle", "tm_split_k_sum_slots", T.access_ptr(C_s[0, 0], "r"),
+                          T.access_ptr(ws[by * bm, bx * bn], "rw"), T.cast(m, "int64") * n,
                           T.access_ptr(C[by * bm, bx * bn], "w"), m - by * bm, tx)
 
     return store

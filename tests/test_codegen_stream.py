@@ -317,10 +317,10 @@ def assert_split_sums_move_vectors(knobs, ptx: str, hopper: bool = True):
         per_thread = -(-(-(-chunks // knobs.split_k)) // knobs.threads)
         assert remote == count(r"ld\.shared::cluster", ptx) == per_thread * knobs.split_k
         assert reduced == read_back == 0
-    elif getattr(knobs, "split_wait", False):     # stored; the last split's producer warp copies the slots
-        copied = count(r"cp\.async\.cg\.shared\.global\s+\[[^\]]+\],\s*\[[^\]]+\],\s*16", ptx)
-        # (one copy per chunk of a lane in the round's loop, unrolled by up to 8; the slots' loop rolled)
-        assert remote == read_back == reduced == 0 and copied == min(8, -(-chunks // 32))
+    elif getattr(knobs, "split_wait", False):     # stored into slots, read by the last split
+        polled = count(r"ld\.relaxed\.gpu\.global\.v4\.u32", ptx)
+        assert remote == read_back == reduced == 0
+        assert polled == (knobs.split_k - 1) * -(-chunks // knobs.threads)
     else:                          # the workspace: added and (by the tile's last block) read back
         per_thread = -(-chunks // knobs.threads)
         scalar = count(r"(atom|red)\.global(\.\w+)*\.add\.f32", ptx)

@@ -297,10 +297,8 @@ def test_activations_by_cp_async_weights_by_global_loads(compiled):
         # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
         assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
         # (stream_k: TileLang fences the consumers' generic shared-memory write of the tile counter's
-        # answer once per segment, before its k-loop; split_wait's gather copies the workspace tile by
-        # cp.async, after the producer warp's last TMA copy)
-        assert count(r"cp\.async\.cg", ptx) == 0 or knobs.split_wait
-        assert count(r"fence\.proxy\.async", ptx) == (1 if knobs.stream_k else 0)
+        # answer once per segment, before its k-loop)
+        assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == (1 if knobs.stream_k else 0)
         # (channelwise scales are read once, by the epilogue)
         assert count(r"ld\.global\.nc", ptx) == 0 or problem.channelwise
         assert not re.search(r"= S\[", k_loop(src))
@@ -542,32 +540,21 @@ def shared_offsets(src: str) -> dict[str, int]:
             re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)}
 
 
-def test_split_wait_gathers_in_the_last_splits_producer_warp(compiled):
+def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
     problem, knobs, src, _ = compiled
     calls = lambda name: len(re.findall(rf"\b{name}\(\(", src))     # calls, not the definitions
     if not knobs.split_wait:
-        assert "tm_split_k_gather" not in src
+        assert "tm_split_k_sum_slots" not in src
         return
-    last = knobs.split_k - 1
-    # the last split's producer warp gathers, the others put their tiles into their slots (no atomics,
-    # no counter), the last one adds the gathered tile to its own
-    assert calls("tm_split_k_gather") == 1 and calls("tm_split_k_final") == 1 and calls("tm_split_k_put") == 1
+    # the other splits put their tiles into their slots (no atomics, no counter), the last one reads
+    # them after its k-loop and stores
+    assert calls("tm_split_k_sum_slots") == 1 and calls("tm_split_k_put") == 1
     assert calls("tm_workspace_add") == calls("tm_split_k_arrive") == calls("tm_workspace_store") == 0
     assert "atomicAdd" not in src
-    # split z's slot: rows z * m of the workspace
     put = src[src.index("tm_split_k_put(("):]
-    assert "(((int64_t)((int)blockIdx.z)) * ((int64_t)m))" in put[:put.index(";")]
-    gather = src.index("tm_split_k_gather((")
-    assert re.findall(r"if \(\(\(int\)blockIdx\.z\) == (\d+)\)", src[:gather])[-1] == str(last)
-    assert src.rindex("tm_warp_index()", 0, gather) > src.rindex("tl::tma_load", 0, gather)
-    # the gathered tile keeps its bytes while the stages are read (TileLang's merge would reuse them)
-    off = shared_offsets(src)
-    stage_bytes = {"X_s": knobs.stages * knobs.block_m * knobs.block_k * 2,
-                   "W_s": knobs.stages * knobs.block_k * knobs.block_n // 2, "S_s": knobs.stages * knobs.block_n * 2}
-    g0, g1 = off["G_s"], off["G_s"] + knobs.split_k * knobs.block_m * knobs.block_n * 4   # sums, staging
-    for name, size in stage_bytes.items():
-        if name in off:     # (channelwise scales have no stages)
-            assert g1 <= off[name] or off[name] + size <= g0, (name, off)
+    assert "(((int64_t)((int)blockIdx.z)) * ((int64_t)m))" in put[:put.index(";")]    # split z's slot: rows z * m
+    assert re.findall(r"if \(\(\(int\)blockIdx\.z\) < (\d+)\)", src[:src.index("tm_split_k_put((")])[-1] == \
+        str(knobs.split_k - 1)
     # uneven splits: the short ones come first, so the last (waiting) split is a long one
     extra = knobs.longer_splits(problem)
     if extra:
@@ -584,16 +571,16 @@ def test_split_wait_is_refused_where_it_cannot_apply():
                   Knobs(16, 1, 1, 128, 4, split_k=2, producer_warp=True, cluster_reduce=True, split_wait=True,
                         **tma)):
         assert "split_wait" in stream_wgmma.check(problem, knobs, SM90)
-    # a lane's (slot, chunk) pairs are bits of one 64-bit word: 3 slots of 16 chunks fit, 5 do not
-    assert "at most 64" in stream_wgmma.check(problem, Knobs(32, 1, 1, 64, 4, split_k=6, producer_warp=True,
+    # a thread's (slot, chunk) pairs are bits of one 64-bit word: at block_m 128 (13 chunks of 4 columns
+    # for each of 160 threads) 4 slots fit, 5 do not
+    assert "at most 64" in stream_wgmma.check(problem, Knobs(128, 1, 1, 64, 4, split_k=6, producer_warp=True,
                                                               split_wait=True, **tma), SM90)
-    assert stream_wgmma.check(problem, Knobs(32, 1, 1, 64, 4, split_k=4, producer_warp=True, split_wait=True,
+    assert stream_wgmma.check(problem, Knobs(128, 1, 1, 64, 4, split_k=5, producer_warp=True, split_wait=True,
                                              **tma), SM90) is None
     knobs = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, split_wait=True, **tma)
     assert stream_wgmma.check(problem, knobs, SM90) is None and knobs.name.endswith("_wait")
-    # the gathered tile and the staging of two slots: three more fp32 tiles of block_m x block_n
     plain = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, **tma)
-    assert knobs.shared_bytes(problem) - plain.shared_bytes(problem) == 3 * 16 * 64 * 4
+    assert knobs.shared_bytes(problem) == plain.shared_bytes(problem)
     # the workspace: a slot of [m, N] per split but the last (the counters stay, unused)
     assert stream_wgmma.workspace_elems(problem, knobs, 5) == (2 * 5 * 1024, 1 * 16)
     assert stream_wgmma.workspace_elems(problem, plain, 5) == (5 * 1024, 1 * 16)

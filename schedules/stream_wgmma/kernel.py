@@ -144,7 +144,7 @@ def build(problem: Problem, knobs: Knobs):
     store = store_tile(bm, bn, grid_n, kb.split_k, dtype, problem.channelwise, cluster=cluster) \
         if kb.split_k > 1 else None
     if kb.split_wait:
-        store_waiting = store_tile_split_wait(bm, bn, kb.split_k, problem.channelwise)
+        store_waiting = store_tile_split_wait(bm, bn, kb.split_k, n, problem.channelwise)
     # split_wait: the short splits come first, so that the last split (which waits) is a long one
     short = kb.split_k - extra if kb.split_wait else 0
     load_words = f"tm_ldg_words{g}"
@@ -749,11 +749,6 @@ def build(problem: Problem, knobs: Knobs):
                 start_early(B, S, bx, k0)
             wait_prior()
             X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s = buffers()
-            G_s = None
-            if kb.split_wait:
-                # the other splits' sums, then tm_split_k_gather's staging of their slots
-                G_s = T.alloc_shared((kb.split_k, bm, bn), "float32")
-                T.call_extern("handle", "tm_split_k_claim", T.access_ptr(G_s[0, 0, 0], "r"))
 
             tx = T.get_thread_binding()
             wg = tx // WARPGROUP % kb.warpgroups if kb.k_split else tx // WARPGROUP    # along N
@@ -786,10 +781,6 @@ def build(problem: Problem, knobs: Knobs):
             elif producer:
                 if not in_producer_warp():      # wgmma's warpgroup instructions, not for the producer warp
                     finish_sums(acc, sc)
-                elif kb.split_wait:
-                    if bz == kb.split_k - 1:    # the producer warp has issued its last copy
-                        T.call_extern("handle", "tm_split_k_gather", T.access_ptr(ws[by * bm, bx * bn], "rw"),
-                                      T.cast(m, "int64") * n, T.access_ptr(G_s[0, 0, 0], "w"), m - by * bm, lane)
             else:
                 finish_sums(acc, sc)
 
@@ -805,7 +796,7 @@ def build(problem: Problem, knobs: Knobs):
                     acc_to_shared(acc, C_s, wg, wq, lane)
                 T.sync_threads()
                 if kb.split_wait:
-                    store_waiting(C_s, G_s, C, S, ws, m, by, bx, bz, tx)
+                    store_waiting(C_s, C, S, ws, m, by, bx, bz, tx)
                 else:
                     store(C_s, C, S, ws, counters, m, by, bx, tx)
             elif kb.setmaxnreg:

@@ -95,11 +95,10 @@ class Knobs:
     slab (kernel.slab_quarter), so that a warp's loads of its packed words from shared memory touch
     every bank once instead of 8 banks four times (perf-notes v54); the sums and scales follow.
     split_wait (split-K through the workspace, the producer warp's tma pipeline): every split but the
-    last stores its tile into a workspace slot of its own and leaves, without fence or counter; the
-    last split's producer warp, once it has issued its last copy, polls the slots for them, adds them
-    in shared memory and zeroes the slots, under the consumers' last k-tiles
-    (epilogue.SPLIT_WAIT_SUM); uneven splits give the extra k-tiles to the last splits, so that the
-    waiting one, launched last, also has the most to do.
+    last stores its tile into a workspace slot of its own and leaves, without fence or counter; after
+    its k-loop the last split reads the slots (again where a value has not landed yet), adds them to
+    its own tile, zeroes them and stores (epilogue.SPLIT_WAIT_SUM); uneven splits give the extra
+    k-tiles to the last splits, so that the waiting one, launched last, also has the most to do.
     """
 
     block_m: int = 128
@@ -209,9 +208,7 @@ class Knobs:
     def _unpadded_shared_bytes(self) -> int:
         x = self.stages * self.block_m * self.block_k * 2
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
-        # (split_wait: the last split's gathered sums and its staging of the other splits' slots too)
-        c = self.block_m * self.block_n * 4 * (1 + self.split_k if self.split_wait else 1) \
-            if self.split_k > 1 or self.k_split else 0
+        c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
         return x + w + c + y + 64
@@ -332,13 +329,14 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
     if kb.split_wait and not (kb.split_k > 1 and kb.tma and kb.producer_warp) or kb.split_wait and (
             kb.cluster_reduce or kb.persistent or kb.stream_k or kb.setmaxnreg or kb.k_split):
-        return ("split_wait has the last split's producer warp gather the other splits' sums from the workspace: "
-                "it needs split_k > 1 through the workspace (no cluster_reduce) and the producer warp's tma "
-                "pipeline, with no persistent loop, stream_k, setmaxnreg or k_split")
-    if kb.split_wait and (kb.split_k - 1) * -(-kb.block_m * kb.block_n // 128) > 64:
-        return (f"split_wait's gather keeps a bit per slot and 4-column chunk of a lane, at most 64: "
-                f"{kb.split_k - 1} slots of {-(-kb.block_m * kb.block_n // 128)} chunks (block_m={kb.block_m}, "
-                f"block_n={kb.block_n})")
+        return ("split_wait has the last split of a tile read the others' workspace slots: it is wired into "
+                "split_k > 1 through the workspace (no cluster_reduce) with the producer warp's tma pipeline, "
+                "and no persistent loop, stream_k, setmaxnreg or k_split")
+    mine = -(-kb.block_m * kb.block_n // 4 // kb.threads)
+    if kb.split_wait and (kb.split_k - 1) * mine > 64:
+        return (f"split_wait's last split keeps a bit per slot and 4-column chunk of a thread, at most 64: "
+                f"{kb.split_k - 1} slots of {mine} chunks (block_m={kb.block_m}, block_n={kb.block_n}, "
+                f"{kb.threads} threads)")
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
     if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
