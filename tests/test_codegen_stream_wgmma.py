@@ -194,13 +194,6 @@ CASES = {
                                                     tma=True, release_barriers=True, producer_warp=True, pdl=True,
                                                     early_start=2, panel_m=4, stage_unroll=True, scale_on_acc=True,
                                                     fold_lag=True, rotate=True, split_wait=True)),
-    "tma_producer_split_wait_short_last_uneven_split6": (Problem(4096, 11008, 128),
-                                                         Knobs(16, 1, 1, 128, 6, overlap=True, split_k=6,
-                                                               smem_weights=True, tma=True, release_barriers=True,
-                                                               producer_warp=True, pdl=True, early_start=2,
-                                                               panel_m=4, stage_unroll=True, scale_on_acc=True,
-                                                               fold_lag=True, rotate=True, split_wait=True,
-                                                               short_last=True)),
     "tma_producer_split_wait_split4_channelwise": (Problem.make(1024, 4096, -1),
                                                    Knobs(32, 1, 1, 64, 4, overlap=True, split_k=4, smem_weights=True,
                                                          tma=True, release_barriers=True, producer_warp=True,
@@ -562,17 +555,12 @@ def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
     assert "(((int64_t)((int)blockIdx.z)) * ((int64_t)m))" in put[:put.index(";")]    # split z's slot: rows z * m
     assert re.findall(r"if \(\(\(int\)blockIdx\.z\) < (\d+)\)", src[:src.index("tm_split_k_put((")])[-1] == \
         str(knobs.split_k - 1)
-    # uneven splits: the short ones come first, so the last (waiting) split is a long one (with
-    # short_last as without split_wait: test_uneven_splits_run_one_pipeline_per_count)
+    # uneven splits: the short ones come first, so the last (waiting) split is a long one
     extra = knobs.longer_splits(problem)
-    if extra and not knobs.short_last:
+    if extra:
         short = knobs.split_k - extra
         assert f"max((((int)blockIdx.z) - {short}), 0)" in src
         assert f"if ({short} <= ((int)blockIdx.z))" in src
-
-
-def plain_of(knobs):
-    return dataclasses.replace(knobs, split_wait=False)
 
 
 def test_split_wait_is_refused_where_it_cannot_apply():
@@ -591,10 +579,6 @@ def test_split_wait_is_refused_where_it_cannot_apply():
                                              **tma), SM90) is None
     knobs = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, split_wait=True, **tma)
     assert stream_wgmma.check(problem, knobs, SM90) is None and knobs.name.endswith("_wait")
-    # short_last orders uneven splits only (32 k-tiles in 3 splits are uneven, in 2 even)
-    assert stream_wgmma.check(problem, dataclasses.replace(knobs, short_last=True), SM90) is None
-    assert "short_last" in stream_wgmma.check(problem, dataclasses.replace(knobs, split_k=2, short_last=True), SM90)
-    assert "short_last" in stream_wgmma.check(problem, dataclasses.replace(plain_of(knobs), short_last=True), SM90)
     plain = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, **tma)
     assert knobs.shared_bytes(problem) == plain.shared_bytes(problem)
     # the workspace: a slot of [m, N] per split but the last (the counters stay, unused)
@@ -732,7 +716,7 @@ def test_uneven_splits_run_one_pipeline_per_count(compiled):
     problem, knobs, src, _ = compiled
     extra = knobs.longer_splits(problem)
     # (split_wait: the last ones, see test_split_wait_gathers_in_the_last_splits_producer_warp)
-    branch = f"if ({knobs.split_k - extra} <= ((int)blockIdx.z)) {{" if knobs.split_wait and not knobs.short_last else \
+    branch = f"if ({knobs.split_k - extra} <= ((int)blockIdx.z)) {{" if knobs.split_wait else \
         f"if (((int)blockIdx.z) < {extra}) {{"
     assert (branch in src) == bool(extra)
 

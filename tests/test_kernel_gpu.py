@@ -263,9 +263,6 @@ SPLIT_WAIT = ("swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl_rot", "swg_m1
               "swg_m64_tma_release_producer_split2")
 STREAM_WGMMA_KNOBS.update({f"{name}_wait": dataclasses.replace(STREAM_WGMMA_KNOBS[name], split_wait=True)
                            for name in SPLIT_WAIT})
-# ... with the waiting split short (short_last: the first splits long, as without split_wait)
-STREAM_WGMMA_KNOBS["swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl_rot_wait_shortlast"] = dataclasses.replace(
-    STREAM_WGMMA_KNOBS["swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl_rot_wait"], short_last=True)
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},

@@ -145,10 +145,8 @@ def build(problem: Problem, knobs: Knobs):
         if kb.split_k > 1 else None
     if kb.split_wait:
         store_waiting = store_tile_split_wait(bm, bn, kb.split_k, n, problem.channelwise)
-    # split_wait: the short splits come first, so that the last split (which waits) is a long one;
-    # with short_last they stay last, so that it finishes with the others
-    long_last = kb.split_wait and not kb.short_last
-    short = kb.split_k - extra if long_last else 0
+    # split_wait: the short splits come first, so that the last split (which waits) is a long one
+    short = kb.split_k - extra if kb.split_wait else 0
     load_words = f"tm_ldg_words{g}"
     w_smem = kb.smem_weights
     bufs = 1 if w_smem else ahead + 1    # register buffers of packed words (and scales)
@@ -743,7 +741,7 @@ def build(problem: Problem, knobs: Knobs):
                 bx = T.alloc_var("int32", init=tile_n)
             else:
                 by, bx = grid_y, grid_x
-            if long_last and extra:
+            if kb.split_wait and extra:
                 k0 = bz * trips + T.max(bz - short, 0)          # the split's first k-tile
             else:
                 k0 = bz * trips + T.min(bz, extra) if extra else bz * trips
@@ -765,7 +763,7 @@ def build(problem: Problem, knobs: Knobs):
                                         wg, wq, lane, Y_s)
             elif tma and extra:
                 # Two copies of the pipeline, one per count, so that each loop's trip count stays a constant.
-                if (bz >= short) if long_last else (bz < extra):
+                if (bz >= short) if kb.split_wait else (bz < extra):
                     pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
                                  lane, trips + 1)
                 else:

@@ -98,8 +98,7 @@ class Knobs:
     last stores its tile into a workspace slot of its own and leaves, without fence or counter; after
     its k-loop the last split reads the slots (again where a value has not landed yet), adds them to
     its own tile, zeroes them and stores (epilogue.SPLIT_WAIT_SUM); uneven splits give the extra
-    k-tiles to the last splits, so that the waiting one, launched last, also has the most to do, or
-    with short_last to the first ones as without split_wait, so that it finishes with the others.
+    k-tiles to the last splits, so that the waiting one, launched last, also has the most to do.
     """
 
     block_m: int = 128
@@ -130,7 +129,6 @@ class Knobs:
     max_blocks: int = 0
     rotate: bool = False
     split_wait: bool = False
-    short_last: bool = False
 
     @property
     def block_n(self) -> int:
@@ -192,7 +190,7 @@ class Knobs:
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
                  ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate),
-                 ("_wait", self.split_wait), ("_shortlast", self.short_last))
+                 ("_wait", self.split_wait))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -334,8 +332,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return ("split_wait has the last split of a tile read the others' workspace slots: it is wired into "
                 "split_k > 1 through the workspace (no cluster_reduce) with the producer warp's tma pipeline, "
                 "and no persistent loop, stream_k, setmaxnreg or k_split")
-    if kb.short_last and not (kb.split_wait and kb.longer_splits(problem)):
-        return "short_last orders split_wait's uneven splits: it needs split_wait and uneven splits"
     mine = -(-kb.block_m * kb.block_n // 4 // kb.threads)
     if kb.split_wait and (kb.split_k - 1) * mine > 64:
         return (f"split_wait's last split keeps a bit per slot and 4-column chunk of a thread, at most 64: "
