@@ -90,7 +90,9 @@ AXES = {
     # same-run pairs, median 0.955; session 28, perf-notes v54). Not measured from M = 128 on; the
     # table's older entries there keep it off (a knob missing from an entry is its default, False).
     "rotate": (True,),
-    # The last split gathering the others' sums under its own k-loop (session 30): not yet measured.
+    # The splits but the last leaving their tiles in workspace slots, the last reading them after its
+    # k-loop: a same-run variant of the workspace winners at M = 16-64, 0.94x at down_proj 16, 0.95x at
+    # o_proj 32, 0.99x at down_proj 32 (session 30, perf-notes v56); not yet in the searched space.
     "split_wait": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
