@@ -7,7 +7,9 @@ tile and the counter again, so the next call (or CUDA-graph replay) finds them r
 host work. On sm_90 the splits of a tile can instead form a thread-block cluster (`cluster=True`):
 after one cluster barrier each block sums its share of the tile from every block's shared tile
 (distributed shared memory) and writes it, and a second barrier keeps the tiles alive until all have
-read. No workspace, no atomics, no global round trips.
+read. No workspace, no atomics, no global round trips. Or (stream_wgmma's split_wait,
+store_tile_split_wait) every split but the last stores its tile into a workspace slot of its own and
+leaves, and the last split reads the slots after its own k-loop: no atomics, no counter.
 Both sums move 16-byte vectors and issue all of a thread's loads before the first is used
 (split_k_prelude): summed one element at a time, each element waited for a round trip of its own, which
 made split-K 1.3-2x slower at M >= 64 (perf-notes v31, v32).

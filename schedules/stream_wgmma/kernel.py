@@ -36,8 +36,7 @@ from tilelang.layout import make_swizzled_layout
 from templates import dequant_function_names, mma_operand_dtype, render_dequant
 
 from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, SPLIT_K_HELPERS, split_k_prelude, store_tile,
-                        store_tile_split_wait,
-                        w4a16_prim_func, wait_for_prior_grids)
+                        store_tile_split_wait, w4a16_prim_func, wait_for_prior_grids)
 from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
 from .knobs import CORE_ROWS, PRODUCER_REGISTERS, WARPGROUP, Knobs
@@ -126,8 +125,9 @@ def build(problem: Problem, knobs: Knobs):
     steps, stages, ahead, prefetch, overlap = kb.k_steps, kb.stages, kb.ahead, kb.prefetch, kb.overlap
     threads = kb.threads
     consumers = kb.consumer_threads     # threads of the warpgroups; with producer_warp one warp (or warpgroup) more
-    # K-tiles per split; the first `extra` splits take one more (uneven splits: the producer warp's tma
-    # pipeline only, where each block's count is a constant of one of two branches, see body())
+    # K-tiles per split; the first `extra` splits take one more, with split_wait the last ones (uneven
+    # splits: the producer warp's tma pipeline only, where each block's count is a constant of one of
+    # two branches, see body())
     trips, extra = kb.k_tiles(problem) // kb.split_k, kb.longer_splits(problem)
     grouped = not problem.channelwise
     split = kb.uses_workspace
