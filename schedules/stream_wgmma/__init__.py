@@ -98,7 +98,7 @@ AXES = {
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.
 VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m", "stage_unroll", "ring", "scale_on_acc",
-                "fold_lag")
+                "fold_lag", "split_wait")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order
