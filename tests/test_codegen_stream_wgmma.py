@@ -187,7 +187,7 @@ CASES = {
                                                    tma=True, release_barriers=True, producer_warp=True,
                                                    cluster_reduce=True, early_start=2, stage_unroll=True,
                                                    scale_on_acc=True, fold_lag=True, rotate=True)),
-    # down_proj 16's form with the last split gathering the others' sums (split_wait, session 30): 86
+    # down_proj 16's form with the last split reading the others' slots (split_wait, session 30): 86
     # k-tiles in 6 splits, the last two of 15; and 4 even splits of channelwise sums at block_m 32
     "tma_producer_split_wait_uneven_split6": (Problem(4096, 11008, 128),
                                               Knobs(16, 1, 1, 128, 6, overlap=True, split_k=6, smem_weights=True,
@@ -534,12 +534,6 @@ def test_stream_k_shares_units_of_two_k_tiles_among_at_most_a_row_of_tiles():
     assert Knobs(64, 1, 1, 64, 4, stream_k=8, **tma).uses_workspace
 
 
-def shared_offsets(src: str) -> dict[str, int]:
-    """Byte offsets of the kernel's buffers in TileLang's merged dynamic shared memory."""
-    return {name: int(off) for name, off in
-            re.findall(r"void\* (\w+) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\);", src)}
-
-
 def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
     problem, knobs, src, _ = compiled
     calls = lambda name: len(re.findall(rf"\b{name}\(\(", src))     # calls, not the definitions
@@ -715,7 +709,7 @@ def test_uneven_splits_run_one_pipeline_per_count(compiled):
     # the pipeline, so the split's first k-tile is the only runtime term.
     problem, knobs, src, _ = compiled
     extra = knobs.longer_splits(problem)
-    # (split_wait: the last ones, see test_split_wait_gathers_in_the_last_splits_producer_warp)
+    # (split_wait: the last ones, see test_split_wait_has_the_last_split_read_the_others_slots)
     branch = f"if ({knobs.split_k - extra} <= ((int)blockIdx.z)) {{" if knobs.split_wait else \
         f"if (((int)blockIdx.z) < {extra}) {{"
     assert (branch in src) == bool(extra)

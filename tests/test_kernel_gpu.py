@@ -257,7 +257,7 @@ ROTATED = ("swg_m128_g2", "swg_m64_split2", "swg_m128_smem_overlap", "swg_m16_tm
            "swg_m64_tma_producer_stream_k40")
 STREAM_WGMMA_KNOBS.update({f"{name}_rot": dataclasses.replace(STREAM_WGMMA_KNOBS[name], rotate=True)
                            for name in ROTATED})
-# split_wait (session 30): the last split gathers the others' sums under its k-loop: uneven splits
+# split_wait (session 30): the last split reads the others' slots after its k-loop: uneven splits
 # (the last two long), even ones at block_k 64, and block_m 64 split in two
 SPLIT_WAIT = ("swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl_rot", "swg_m16_tma_producer_pdl_split4",
               "swg_m64_tma_release_producer_split2")
