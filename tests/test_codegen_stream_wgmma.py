@@ -198,13 +198,6 @@ CASES = {
                                                    Knobs(32, 1, 1, 64, 4, overlap=True, split_k=4, smem_weights=True,
                                                          tma=True, release_barriers=True, producer_warp=True,
                                                          stage_unroll=True, split_wait=True)),
-    # gate_up_proj 16's form with only the last N tiles split (tail_tiles, session 31): 64 tiles, the
-    # last 10 in 3 splits of 10, 11 and 11 k-tiles; the whole tiles keep the staged store
-    "tma_producer_tail10_split3": (Problem(4096, 4096, 128),
-                                   Knobs(16, 1, 1, 128, 6, overlap=True, split_k=3, smem_weights=True, tma=True,
-                                         release_barriers=True, producer_warp=True, pdl=True, staged_store=True,
-                                         early_start=2, stage_unroll=True, scale_on_acc=True, fold_lag=True,
-                                         rotate=True, split_wait=True, tail_tiles=10)),
 }
 
 
@@ -552,8 +545,6 @@ def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
     assert calls("tm_split_k_sum_slots") == 1 and calls("tm_split_k_put") == 1
     assert calls("tm_workspace_add") == calls("tm_split_k_arrive") == calls("tm_workspace_store") == 0
     assert "atomicAdd" not in src
-    if knobs.tail_tiles:
-        return      # (its own test: the split index is computed from blockIdx.y)
     put = src[src.index("tm_split_k_put(("):]
     assert "(((int64_t)((int)blockIdx.z)) * ((int64_t)m))" in put[:put.index(";")]    # split z's slot: rows z * m
     assert re.findall(r"if \(\(\(int\)blockIdx\.z\) < (\d+)\)", src[:src.index("tm_split_k_put((")])[-1] == \
@@ -564,41 +555,6 @@ def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
         short = knobs.split_k - extra
         assert f"max((((int)blockIdx.z) - {short}), 0)" in src
         assert f"if ({short} <= ((int)blockIdx.z))" in src
-
-
-def test_tail_tiles_split_only_the_last_n_tiles(compiled):
-    problem, knobs, src, _ = compiled
-    if not knobs.tail_tiles:
-        assert "tm_split_k_sum_slots" in src or "tm_split_k_put" not in src
-        return
-    whole = problem.n // knobs.block_n - knobs.tail_tiles
-    # the grid: M tiles, then the whole tiles and the tail's splits side by side along y, no z
-    assert "blockIdx.z" not in src
-    # a tail block's N tile and split from its place after the whole tiles
-    assert f"((((int)blockIdx.y) - {whole}) / {knobs.split_k}) + {whole})" in src
-    assert f"(((int)blockIdx.y) % {knobs.split_k})" in src
-    # whole tiles: all k-tiles from k-tile 0 and split_k 1's (staged) store; the splits: split_wait's
-    assert src.count(f"if (((int)blockIdx.y) < {whole}) {{") == 2
-    whole_store = src[src.rindex(f"if (((int)blockIdx.y) < {whole}) {{"):]
-    assert whole_store.index("tm_copy16((") < whole_store.index("} else {") < whole_store.index("tm_split_k_put((")
-    short = knobs.split_k - knobs.longer_splits(problem)
-    assert f"max((bz - {short}), 0)" in src and f"if ({short} <= bz) {{" in src
-
-
-def test_tail_tiles_are_refused_where_they_cannot_apply():
-    problem = Problem(4096, 4096, 128)      # 64 N tiles of 64
-    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
-    assert "needs split_wait" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, split_k=3, tail_tiles=8, **tma),
-                                                     SM90)
-    assert "up to the 64 N tiles" in stream_wgmma.check(
-        problem, Knobs(16, 1, 1, 128, 4, split_k=3, split_wait=True, tail_tiles=65, **tma), SM90)
-    assert "panel_m" in stream_wgmma.check(
-        problem, Knobs(16, 1, 1, 128, 4, split_k=3, split_wait=True, tail_tiles=8, panel_m=2, **tma), SM90)
-    knobs = Knobs(16, 1, 1, 128, 4, split_k=3, split_wait=True, tail_tiles=64, staged_store=True, **tma)
-    assert stream_wgmma.check(problem, knobs, SM90) is None and knobs.name.endswith("_wait_tail64")
-    # staged_store stays split_k 1's (or the whole tiles') store
-    assert "staged_store" in stream_wgmma.check(
-        problem, Knobs(16, 1, 1, 128, 4, split_k=3, split_wait=True, staged_store=True, **tma), SM90)
 
 
 def test_split_wait_is_refused_where_it_cannot_apply():
@@ -637,7 +593,7 @@ def test_staged_store_leaves_in_16_byte_chunks(compiled):
     at their own named barrier (the producer warp does not come), and C is written with 16-byte
     stores only; without it each thread stores its fragment's 2-byte elements (split_k 1) to C."""
     _, knobs, src, ptx = compiled
-    if knobs.split_k > 1 and not knobs.tail_tiles or knobs.k_split:
+    if knobs.split_k > 1 or knobs.k_split:
         assert not knobs.staged_store
         return
     wide, narrow = count(r"st\.global\.v4\.(u|b)32", ptx), count(r"st\.global\.(u|b)16", ptx)
@@ -664,9 +620,7 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
         return
     trips = re.search(r"for \(int (t0\w*) = 0; \1 < (\d+); \+\+\1\)", loop)
     per_trip = math.lcm(2, knobs.stages)
-    # (the first pipeline: with tail_tiles the whole tiles', all k-tiles)
-    first = knobs.k_tiles(problem) // (1 if knobs.tail_tiles else knobs.split_k)
-    assert trips and int(trips.group(2)) == first // per_trip
+    assert trips and int(trips.group(2)) == problem.k // knobs.block_k // knobs.split_k // per_trip
     assert re.search(rf"for \(int (r\w*) = 0; \1 < {per_trip}; \+\+\1\)", loop)
     assert waits and all("t0" not in index for index in waits), waits
 
@@ -681,8 +635,6 @@ def test_lead_k_tiles_past_three_run_as_a_rolled_loop(compiled):
         assert not rolled
         return
     splits = {knobs.k_tiles(problem) // knobs.split_k, -(-knobs.k_tiles(problem) // knobs.split_k)}
-    if knobs.tail_tiles:
-        splits.add(knobs.k_tiles(problem))      # the whole tiles' pipeline
     leads = sorted(k % math.lcm(2, knobs.stages) for k in splits)
     assert sorted(int(trips) for _, trips in rolled) == [lead // 2 for lead in leads if lead >= 4]
     for name, _ in rolled:      # (each k-tile's stage from the trip number, at run time)
@@ -758,9 +710,8 @@ def test_uneven_splits_run_one_pipeline_per_count(compiled):
     problem, knobs, src, _ = compiled
     extra = knobs.longer_splits(problem)
     # (split_wait: the last ones, see test_split_wait_has_the_last_split_read_the_others_slots)
-    # (tail_tiles: the split index is computed, see test_tail_tiles_split_only_the_last_n_tiles)
-    split = "bz" if knobs.tail_tiles else "((int)blockIdx.z)"
-    branch = f"if ({knobs.split_k - extra} <= {split}) {{" if knobs.split_wait else f"if ({split} < {extra}) {{"
+    branch = f"if ({knobs.split_k - extra} <= ((int)blockIdx.z)) {{" if knobs.split_wait else \
+        f"if (((int)blockIdx.z) < {extra}) {{"
     assert (branch in src) == bool(extra)
 
 

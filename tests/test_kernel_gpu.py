@@ -263,13 +263,6 @@ SPLIT_WAIT = ("swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl_rot", "swg_m1
               "swg_m64_tma_release_producer_split2")
 STREAM_WGMMA_KNOBS.update({f"{name}_wait": dataclasses.replace(STREAM_WGMMA_KNOBS[name], split_wait=True)
                            for name in SPLIT_WAIT})
-# tail_tiles (session 31): whole tiles but the last few N tiles, which split_wait splits: gate_up_proj
-# 16's form (3 uneven splits, the staged store of the whole tiles) and 2 even splits at block_k 64
-TAIL = {"swg_m16_k128_producer_split6_uneven_s4_sacc_lag_pdl_rot_wait": dict(split_k=3, staged_store=True,
-                                                                            tail_tiles=5),
-        "swg_m16_tma_producer_pdl_split4_wait": dict(split_k=2, tail_tiles=3)}
-STREAM_WGMMA_KNOBS.update({f"{name}_tail": dataclasses.replace(STREAM_WGMMA_KNOBS[name], **knobs)
-                           for name, knobs in TAIL.items()})
 SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_mma", kb) for name, kb in STREAM_KNOBS.items()},
              **{name: Schedule("hopper_wgmma", kb) for name, kb in WGMMA_KNOBS.items()},

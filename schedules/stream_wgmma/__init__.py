@@ -94,9 +94,6 @@ AXES = {
     # k-loop: a same-run variant of the workspace winners at M = 16-64, 0.94x at down_proj 16, 0.95x at
     # o_proj 32, 0.99x at down_proj 32 (session 30, perf-notes v56); not yet in the searched space.
     "split_wait": (False,),
-    # Whole tiles but the last T N tiles, which split_wait splits: balances the last round of blocks
-    # over the SMs (gate_up_proj 16). Session 31: a knob, measured with `gen sweep` first.
-    "tail_tiles": (0,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.

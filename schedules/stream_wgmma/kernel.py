@@ -726,43 +726,12 @@ def build(problem: Problem, knobs: Knobs):
                 T.call_extern("handle", "tm_prefetch_l2",
                               T.access_ptr(S[(k0 + lane - rows) * bk // group, bx * bn], "r"), 2 * bn)
 
-    # tail_tiles: the first N tiles run whole, one block each; the last `tail` are split in split_k
-    # (through split_wait's slots), their splits side by side along the grid's y after the whole tiles,
-    # so that a tile's waiting split still launches after its others.
-    tail = kb.tail_tiles
-    whole_n = grid_n - tail
-
-    @T.macro
-    def split_store(acc, C_s, C, S, ws, counters, by, bx, bz, tx, wg, wq, lane):
-        """A split's partial tile, through C_s, into the workspace (or its cluster's shared memory)."""
-        # TileLang may place C_s over the activation stages, which the other warpgroup's last wgmmas
-        # can still be reading.
-        T.sync_threads()
-        if producer:
-            if not in_producer_warp():
-                acc_to_shared(acc, C_s, wg, wq, lane)
-        else:
-            acc_to_shared(acc, C_s, wg, wq, lane)
-        T.sync_threads()
-        if kb.split_wait:
-            store_waiting(C_s, C, S, ws, m, by, bx, bz, tx)
-        else:
-            store(C_s, C, S, ws, counters, m, by, bx, tx)
-
     @T.macro
     def body(A, B, S, C, ws, counters):
         # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
-        with T.Kernel(T.ceildiv(m, bm), whole_n + tail * kb.split_k if tail else grid_n, 1 if tail else kb.split_k,
-                      threads=threads, prelude=prelude,
-                      cluster_dims=(1, 1, kb.split_k) if cluster else None) as (grid_y, grid_x, grid_z):
-            whole = grid_x < whole_n    # (tail_tiles) a whole tile's block
-            bz = grid_z
-            if tail:
-                part = T.max(grid_x - whole_n, 0)
-                by = grid_y
-                bx = T.alloc_var("int32", init=T.if_then_else(whole, grid_x, whole_n + T.truncdiv(part, kb.split_k)))
-                bz = T.alloc_var("int32", init=T.if_then_else(whole, 0, T.truncmod(part, kb.split_k)))
-            elif kb.panel_m:
+        with T.Kernel(T.ceildiv(m, bm), grid_n, kb.split_k, threads=threads, prelude=prelude,
+                      cluster_dims=(1, 1, kb.split_k) if cluster else None) as (grid_y, grid_x, bz):
+            if kb.panel_m:
                 # Blocks launch in blockIdx order (x fastest): the launch index picks the tile, once
                 # per block (as inline expressions the epilogue recomputed the divisions per store).
                 m_tiles = T.ceildiv(m, bm)
@@ -792,18 +761,6 @@ def build(problem: Problem, knobs: Knobs):
             if kb.setmaxnreg:    # (split_k 1: the epilogue is the consumers' own, inside)
                 pipeline_tma_setmaxnreg(A, B, S, C, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, by, bx, tx,
                                         wg, wq, lane, Y_s)
-            elif tail:
-                # A copy of the pipeline per count (whole, and the splits' one or two), so that each
-                # loop's trip count stays a constant.
-                if whole:
-                    pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, 0, by, bx, tx, wg, wq,
-                                 lane, kb.k_tiles(problem))
-                elif extra and bz >= short:
-                    pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                                 lane, trips + 1)
-                else:
-                    pipeline_tma(A, B, S, X_s, W_s, S_s, full, empty, w, sc, a, acc, desc, k0, by, bx, tx, wg, wq,
-                                 lane, trips)
             elif tma and extra:
                 # Two copies of the pipeline, one per count, so that each loop's trip count stays a constant.
                 if (bz >= short) if kb.split_wait else (bz < extra):
@@ -827,16 +784,21 @@ def build(problem: Problem, knobs: Knobs):
             else:
                 finish_sums(acc, sc)
 
-            if tail:
+            if kb.split_k > 1:
                 C_s = T.alloc_shared((bm, bn), "float32")
-                if whole:
+                # TileLang may place C_s over the activation stages, which the other warpgroup's
+                # last wgmmas can still be reading.
+                T.sync_threads()
+                if producer:
                     if not in_producer_warp():
-                        store_sums(acc, Y_s, C, S, by, bx, tx, wg, wq, lane)
+                        acc_to_shared(acc, C_s, wg, wq, lane)
                 else:
-                    split_store(acc, C_s, C, S, ws, counters, by, bx, bz, tx, wg, wq, lane)
-            elif kb.split_k > 1:
-                C_s = T.alloc_shared((bm, bn), "float32")
-                split_store(acc, C_s, C, S, ws, counters, by, bx, bz, tx, wg, wq, lane)
+                    acc_to_shared(acc, C_s, wg, wq, lane)
+                T.sync_threads()
+                if kb.split_wait:
+                    store_waiting(C_s, C, S, ws, m, by, bx, bz, tx)
+                else:
+                    store(C_s, C, S, ws, counters, m, by, bx, tx)
             elif kb.setmaxnreg:
                 pass
             elif kb.k_split:

@@ -99,11 +99,6 @@ class Knobs:
     its k-loop the last split reads the slots (again where a value has not landed yet), adds them to
     its own tile, zeroes them and stores (epilogue.SPLIT_WAIT_SUM); uneven splits give the extra
     k-tiles to the last splits, so that the waiting one, launched last, also has the most to do.
-    tail_tiles = T > 0 (with split_wait) splits only the last T N tiles (of each M tile) in split_k; the
-    others run whole, one block each, with split_k 1's epilogue. A grid of whole tiles that leaves
-    some SMs one block more than others (gate_up_proj 16: 344 tiles, 3 blocks on 80 SMs, 2 on the
-    rest) ends when those SMs do; splitting the tiles past the last full round of SMs into parts of
-    a third spreads that round's work over every SM (stream-K's balance with whole tiles kept whole).
     """
 
     block_m: int = 128
@@ -134,7 +129,6 @@ class Knobs:
     max_blocks: int = 0
     rotate: bool = False
     split_wait: bool = False
-    tail_tiles: int = 0
 
     @property
     def block_n(self) -> int:
@@ -196,7 +190,7 @@ class Knobs:
                  (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
                  ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate),
-                 ("_wait", self.split_wait), (f"_tail{self.tail_tiles}", self.tail_tiles))
+                 ("_wait", self.split_wait))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -338,12 +332,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return ("split_wait has the last split of a tile read the others' workspace slots: it is wired into "
                 "split_k > 1 through the workspace (no cluster_reduce) with the producer warp's tma pipeline, "
                 "and no persistent loop, stream_k, setmaxnreg or k_split")
-    if kb.tail_tiles < 0 or kb.tail_tiles > problem.n // kb.block_n:
-        return f"tail_tiles={kb.tail_tiles}: 0 (every tile split alike) up to the {problem.n // kb.block_n} N tiles"
-    if kb.tail_tiles and not kb.split_wait:
-        return "tail_tiles splits the last N tiles through split_wait's workspace slots: it needs split_wait"
-    if kb.tail_tiles and kb.panel_m:
-        return "tail_tiles orders the grid's N tiles whole first, then the tail's splits: no panel_m"
     mine = -(-kb.block_m * kb.block_n // 4 // kb.threads)
     if kb.split_wait and (kb.split_k - 1) * mine > 64:
         return (f"split_wait's last split keeps a bit per slot and 4-column chunk of a thread, at most 64: "
@@ -351,10 +339,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
                 f"{kb.threads} threads)")
     if kb.persistent and kb.k_tiles(problem) % 2:
         return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
-    if kb.staged_store and not (kb.tma and (kb.split_k == 1 or kb.tail_tiles) and not kb.k_split and
-                                not kb.persistent):
-        return ("staged_store is wired into the tma pipeline with split_k=1 (or tail_tiles' whole tiles) only "
-                "(split-K tiles meet in the common epilogue; no k_split, no persistent loop)")
+    if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
+        return ("staged_store is wired into the tma pipeline with split_k=1 only (split-K tiles meet in the common "
+                "epilogue; no k_split, no persistent loop)")
     if kb.smem_weights and kb.ahead != 1:
         return "smem_weights keeps the weights in the stages: ahead must be 1"
     if kb.prefetch < 1:
