@@ -329,6 +329,10 @@ KNOB_FACTORS = {
         # Session 19 (v44): medians of the pairs at M = 16-32, 64 and 128-256 (every block_k 128
         # winner with and without the ring); unmeasured above.
         ("ring", 8): ((32, 1.04), (64, 1.01), (256, 0.98), (None, 1.0)),
+        # Session 31 (v57): the workspace splits with split_wait over the same kernels with the
+        # counter, same run: 8 pairs at M = 16-64, 0.87-0.99, median 0.92. Above M = 64 no winner
+        # splits through the workspace, so no pair: level.
+        "split_wait": ((64, 0.92), (None, 1.0)),
     },
 }
 

@@ -715,6 +715,29 @@ def test_uneven_splits_run_one_pipeline_per_count(compiled):
     assert (branch in src) == bool(extra)
 
 
+def test_split_wait_twins_are_the_product_over_its_axis(monkeypatch):
+    # space() adds split_wait to the workspace splits instead of enumerating the product over the axis
+    # (twice the points for check() to refuse): the same points either way, here on a narrowed grid.
+    from schedules.knob_space import valid_points
+    down = Problem(4096, 11008, 128)
+    narrow = {"block_m": (16, 64), "groups": (1, 2), "block_k": (128,), "stages": (4, 6),
+              "split_k": (1, 2, 6), "release_barriers": (True,), "producer_warp": (False, True),
+              "cluster_reduce": (False, True), "pdl": (False, True), "early_start": (0,), "panel_m": (0,),
+              "stage_unroll": (True,), "ring": (0,), "fold_lag": (False,)}
+    for name, values in narrow.items():
+        monkeypatch.setitem(stream_wgmma.AXES, name, values)
+    product = [kb for kb in valid_points(stream_wgmma.AXES, stream_wgmma.from_axes, stream_wgmma.check, down, SM90)
+               if not (kb.longer_splits(down) and kb.cluster_reduce)]
+    space = stream_wgmma.space(down, SM90)
+    assert sorted(kb.name for kb in space) == sorted(kb.name for kb in product)
+    waiting = [kb for kb in space if kb.split_wait]
+    assert waiting and all(kb.split_k > 1 and not kb.cluster_reduce and kb.producer_warp for kb in waiting)
+    monkeypatch.setitem(stream_wgmma.AXES, "split_wait", (False,))
+    assert not any(kb.split_wait for kb in stream_wgmma.space(down, SM90))
+    monkeypatch.setitem(stream_wgmma.AXES, "split_wait", (True,))
+    assert stream_wgmma.space(down, SM90) == sorted(waiting, key=space.index)
+
+
 def test_the_search_space_keeps_uneven_splits_out_of_clusters():
     # Uneven splits are valid with the producer warp. The searched space holds them only through the
     # workspace (down_proj 16's winner: 86 k-tiles of 128 in 6 splits, v52); in a cluster only even

@@ -2,6 +2,8 @@
 from shared memory (sm_90a; see kernel.py for the why). Reads marlin_mma's packed layout."""
 from __future__ import annotations
 
+import dataclasses
+
 from ..arch import Arch
 from ..knob_space import positional, valid_points
 from ..problem import Problem
@@ -92,8 +94,10 @@ AXES = {
     "rotate": (True,),
     # The splits but the last leaving their tiles in workspace slots, the last reading them after its
     # k-loop: a same-run variant of the workspace winners at M = 16-64, 0.94x at down_proj 16, 0.95x at
-    # o_proj 32, 0.99x at down_proj 32 (session 30, perf-notes v56); not yet in the searched space.
-    "split_wait": (False,),
+    # o_proj 32, 0.99x at down_proj 32 (session 30, perf-notes v56); qkv_proj 16's split pair through
+    # the workspace level with the cluster pair (9.08 / 9.05 us); no M >= 128 winner took it (session
+    # 31, perf-notes v57). A variant axis: the first round keeps one of each pair.
+    "split_wait": (False, True),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.
@@ -110,9 +114,16 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
     perf-notes v49): a grid of clusters of 3 or more blocks runs on 124 of the H200's 132 SMs and
     holds fewer clusters at once than its blocks per SM suggest (64 clusters of 6 at 3 blocks per SM
     take two waves, v52); through the workspace down_proj 16's 86 k-tiles in 6 splits of 15 and 14
-    won (v52). `gen sweep` and `--variants` still reach every valid point."""
-    return [kb for kb in valid_points(AXES, from_axes, check, problem, arch)
-            if not (kb.longer_splits(problem) and kb.cluster_reduce)]
+    won (v52). `gen sweep` and `--variants` still reach every valid point.
+    split_wait applies only to splits through the workspace, so its True values are those points'
+    twins, not a product over the axis (which would double the enumeration for points check() refuses:
+    ~20 s a shape on one core)."""
+    waits = AXES["split_wait"]
+    points = valid_points({**AXES, "split_wait": (False,)}, from_axes, check, problem, arch)
+    twins = [dataclasses.replace(kb, split_wait=True) for kb in points if kb.split_k > 1 and kb.uses_workspace] \
+        if True in waits else []
+    points = (points if False in waits else []) + [kb for kb in twins if check(problem, kb, arch) is None]
+    return [kb for kb in points if not (kb.longer_splits(problem) and kb.cluster_reduce)]
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
