@@ -246,10 +246,17 @@ KNOB_FACTORS = {
         "sum_slices": ((None, 0.95),),
         "pdl": ((None, 0.98),),
         # Session 8 (v28): median of 60 pairs at M = 1-32 (0.94-1.46x); worst where one wave of blocks
-        # fills the GPU (the next kernel's early blocks crowd the SMs that free first).
-        "early_start": ((None, 1.06),),
+        # fills the GPU (the next kernel's early blocks crowd the SMs that free first). Session 31
+        # (v57): the committed table's pairs since then (stream_mma with and without early_start, the
+        # other knobs equal): with late_trigger 0.943 (25 pairs) up to M = 8 and 0.99 (25) at M = 16-32,
+        # without it 0.95 (3) and 0.973 (14). With 1.06 and 0.96 the cold tune's first round kept the
+        # early_start-free variant of every stream_mma point, and its M = 1-4 winners at o / down
+        # were stream_wgmma kernels 3-5 % slower than the table's stream_mma ones (es2, lt). Refitted
+        # below M = 32 (`gen modelcheck`, the committed and the cold table: stream_mma's first pick
+        # 1.126 -> 1.087x of the measured best, best of its top 6 1.044 -> 1.005).
+        "early_start": ((8, 0.95), (32, 0.975), (None, 1.06)),
         # Session 9 (v30): with early_start, 13 pairs at M = 1-8 against early_start alone.
-        "late_trigger": ((None, 0.96),),
+        "late_trigger": ((8, 0.99), (32, 1.015), (None, 0.96)),
         # Session 22 (v47): same-run pairs with the fold without lag, 13 at M = 1-16 (median 1.02,
         # 0.99-1.09) and 2 at M = 32 (o_proj: 0.94 at ahead 4, 0.90 at ahead 2).
         "fold_lag": ((16, 1.02), (None, 0.93)),

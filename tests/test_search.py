@@ -104,6 +104,19 @@ def test_first_round_keeps_the_ring_variant_where_it_was_measured_faster():
     assert Schedule("stream_wgmma", replace(ringed.knobs, ring=0)) in s.neighbours(ringed, QKV, H200)
 
 
+def test_first_round_keeps_stream_mmas_early_start_variant_up_to_m_8():
+    s = _search()
+    # early_start with late_trigger measured 0.94x of neither up to M = 8 (perf-notes v57): the first
+    # round's stream_mma points there keep it (with 1.06 / 0.96 they all went without, and the cold
+    # tune never measured the table's M = 1-8 winners); from M = 64 on the session-8 penalty stays.
+    kept = [x for x in s.first_round_ranking(QKV, 1, H200, _spec(), families=("stream_mma",))
+            if x.knobs.pdl or x.knobs.cluster_reduce]
+    assert kept and all(x.knobs.early_start and x.knobs.late_trigger for x in kept[:12])
+    late = [x for x in s.first_round_ranking(QKV, 64, H200, _spec(), families=("stream_mma",))
+            if x.knobs.pdl or x.knobs.cluster_reduce]
+    assert late and not any(x.knobs.early_start for x in late[:12])
+
+
 def test_compile_jobs_are_deduplicated_across_buckets():
     s = _search()
     small = s.plan([(QKV, b) for b in (1, 2)], H200, _spec(), top=4)
