@@ -166,7 +166,7 @@ def _launcher(device: torch.device, problem: Problem, layout: str, bucket: int) 
         with _LOCK:   # one thread resolves and compiles; the others then find it
             launcher = _LAUNCHERS.get(key)
             if launcher is None:
-                from gen.compile import compile_schedule
+                from runtime.kernels import compile_schedule
                 from schedules.arch import current_arch
 
                 schedule = schedule_for(problem, bucket, device, layout)
@@ -221,7 +221,7 @@ def precompile(problems: Iterable[Problem], ms: Iterable[int], device=None, layo
                workers: int | None = None) -> dict:
     """Compile, in parallel, every kernel the op will run for `problems` at the M values `ms`, so
     that first calls only load them from the compiled cache. Returns {(problem, schedule): error or None}."""
-    from gen.compile import compile_many
+    from runtime.kernels import compile_many
     from schedules.arch import current_arch
 
     device = _cuda_device(device)

@@ -309,7 +309,7 @@ def atomic_write(path: Path, text: str) -> None:
 
 def tables_dir() -> Path:
     """The folder of the tuned tables, one JSON file per GPU: cache_root()/tuned."""
-    from gen.compile import cache_root
+    from runtime.kernels import cache_root
 
     return cache_root() / "tuned"
 

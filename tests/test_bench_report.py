@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gen import bench, report
+from gen.bench import command as bench
+from gen.bench import contenders, report
 
 SAMPLE = Path(__file__).parent / "data" / "bench_sample.json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -227,11 +228,11 @@ def _cpu_layer():
     torch.manual_seed(0)
     codes = torch.randint(0, 16, (256, 64), dtype=torch.uint8)
     scales = (0.005 + 0.01 * torch.rand(2, 64)).to(torch.float16)
-    return bench.LayerWeights("t", 256, 64, 128, codes, scales)
+    return contenders.LayerWeights("t", 256, 64, 128, codes, scales)
 
 
 def _measure(contender, w, x, monkeypatch, timed: list):
-    from gen import measure
+    from gen import timing as measure
     from schedules.quant import reference_matmul
 
     monkeypatch.setattr(measure, "time_calls", lambda calls, replays: timed.append(len(calls)) or 12.5)
@@ -242,7 +243,7 @@ def _measure(contender, w, x, monkeypatch, timed: list):
 def test_a_correct_kernel_is_checked_then_timed(monkeypatch):
     w, timed = _cpu_layer(), []
     x = torch.randn(4, 256, dtype=torch.float16)
-    right = bench.Contender(lambda x: [lambda: (x.float() @ bench_dequant(w)).half()] * 3, exact=True)
+    right = contenders.Contender(lambda x: [lambda: (x.float() @ bench_dequant(w)).half()] * 3, exact=True)
     row = _measure(right, w, x, monkeypatch, timed)
     assert timed == [3]
     assert row["us"] == 12.5 and row["rel_err"] < 1e-3
@@ -254,7 +255,7 @@ def test_a_correct_kernel_is_checked_then_timed(monkeypatch):
 def test_a_wrong_kernel_is_never_timed(monkeypatch):
     w, timed = _cpu_layer(), []
     x = torch.randn(4, 256, dtype=torch.float16)
-    wrong = bench.Contender(lambda x: [lambda: -(x.float() @ bench_dequant(w)).half()], exact=True)
+    wrong = contenders.Contender(lambda x: [lambda: -(x.float() @ bench_dequant(w)).half()], exact=True)
     row = _measure(wrong, w, x, monkeypatch, timed)
     assert timed == [] and row["us"] is None and "wrong result" in row["error"]
     assert row["rel_err"] == pytest.approx(2.0, rel=1e-3)   # -out is off by twice the reference
@@ -266,12 +267,33 @@ def test_a_kernel_that_raises_is_a_result_not_a_crash(monkeypatch):
     def broken(x):
         raise RuntimeError("no kernel for this shape\nCUDA error: invalid argument")
 
-    row = _measure(bench.Contender(broken, exact=True), w, torch.randn(1, 256, dtype=torch.float16), monkeypatch, timed)
+    row = _measure(contenders.Contender(broken, exact=True), w, torch.randn(1, 256, dtype=torch.float16), monkeypatch, timed)
     assert row == {"us": None, "error": "RuntimeError: no kernel for this shape"}
 
 
+def test_fp16_is_the_shared_baseline_over_weight_copies(monkeypatch):
+    """gen bench's FP16 contender is gen.timing.Fp16Baseline, the baseline `gen tune` times too: one
+    torch.matmul per weight copy (as many as copies_for the weight's bytes, each its own tensor) on
+    the dequantized weights, into a fresh output or into the one given."""
+    from gen import timing
+    from schedules.quant import reference_matmul, relative_error
+
+    sizes = []
+    monkeypatch.setattr(timing, "copies_for", lambda nbytes: sizes.append(nbytes) or 3)
+    w = _cpu_layer()
+    x = torch.randn(4, 256, dtype=torch.float16)
+    calls = contenders.fp16_contender(w).calls(x)
+    assert sizes == [256 * 64 * 2] and len(calls) == 3
+    assert len({call.args[1].data_ptr() for call in calls}) == 3
+    for call in calls:
+        assert relative_error(call(), reference_matmul(x, w.codes, w.scales)) < 1e-3
+    out = torch.empty(4, 64, dtype=torch.float16)
+    baseline = timing.Fp16Baseline(w.codes, w.scales)
+    assert baseline.calls(x, out)[2]() is out and torch.equal(out, calls[0]())
+
+
 def test_rounds_take_turns_and_the_median_counts(monkeypatch):
-    from gen import measure
+    from gen import timing as measure
     from schedules.quant import reference_matmul
 
     w, x = _cpu_layer(), torch.randn(4, 256, dtype=torch.float16)
@@ -283,8 +305,8 @@ def test_rounds_take_turns_and_the_median_counts(monkeypatch):
         def __call__(self):
             return (self.x.float() @ bench_dequant(w)).half()
 
-    contenders = {k: bench.Contender(lambda x, k=k: [Tagged(k, x)], exact=True)
-                  for k in ("tilemarlin", "fp16", "humming")}
+    kernels = {k: contenders.Contender(lambda x, k=k: [Tagged(k, x)], exact=True)
+               for k in ("tilemarlin", "fp16", "humming")}
     script = {"tilemarlin": iter([10.0, 30.0, 20.0]), "fp16": iter([5.0, 4.0, 6.0]),
               "humming": iter([7.0, RuntimeError("lost the context\nmore")])}
     turns = []
@@ -297,7 +319,7 @@ def test_rounds_take_turns_and_the_median_counts(monkeypatch):
         return value
 
     monkeypatch.setattr(measure, "time_calls", fake_time_calls)
-    rows = bench._measure_points(contenders, x, lambda: reference_matmul(x, w.codes, w.scales), w, 4, rounds=3)
+    rows = bench._measure_points(kernels, x, lambda: reference_matmul(x, w.codes, w.scales), w, 4, rounds=3)
     # each round starts one kernel later; a kernel that fails to time drops out with its error
     assert turns == ["tilemarlin", "fp16", "humming", "fp16", "humming", "tilemarlin", "tilemarlin", "fp16"]
     assert rows["tilemarlin"]["us"] == 20.0 and rows["tilemarlin"]["us_rounds"] == [10.0, 30.0, 20.0]
@@ -340,14 +362,14 @@ def test_a_small_bench_on_the_gpu(tmp_path):
 
 
 def test_between_times_each_call_after_the_producer_and_takes_the_producers_time_off(monkeypatch):
-    from gen import measure
+    from gen import timing as measure
     from schedules.quant import reference_matmul
 
     w, x = _cpu_layer(), torch.randn(4, 256, dtype=torch.float16)
     before = x.clone()
     seen = []
     kernel_call = lambda: seen.append("gemm") or (x.float() @ bench_dequant(w)).half()   # noqa: E731
-    contender = bench.Contender(lambda x: [kernel_call] * 2, exact=True)
+    contender = contenders.Contender(lambda x: [kernel_call] * 2, exact=True)
     producer_times, kernel_times, timed = iter([2.0, 3.0]), iter([12.0, 14.0]), []
 
     def fake_time_calls(calls, replays):
@@ -377,11 +399,11 @@ def test_sustain_and_between_are_refused_together(capsys):
 
 
 def test_sustain_times_each_round_for_that_long_and_keeps_energy_and_clock(monkeypatch):
-    from gen import measure
+    from gen import timing as measure
     from schedules.quant import reference_matmul
 
     w, x = _cpu_layer(), torch.randn(4, 256, dtype=torch.float16)
-    contender = bench.Contender(lambda x: [lambda: (x.float() @ bench_dequant(w)).half()] * 2, exact=True)
+    contender = contenders.Contender(lambda x: [lambda: (x.float() @ bench_dequant(w)).half()] * 2, exact=True)
     runs = iter([{"us": 10.0, "mj_per_call": 7.0, "sm_mhz": 1410.0}, {"us": 12.0, "mj_per_call": 9.0, "sm_mhz": 1500.0},
                  {"us": 11.0, "mj_per_call": 8.0, "sm_mhz": 1440.0}])
     asked = []
@@ -453,7 +475,7 @@ class FakeNvmlLibrary:
 
 
 def test_nvml_reads_the_energy_counter_and_the_sm_clock():
-    from gen.energy import Nvml
+    from gen.bench.energy import Nvml
 
     lib = FakeNvmlLibrary(energies=(1000, 1000, 1600))
     nvml = Nvml("GPU-1234", library=lib)     # opening reads the counter once
@@ -465,7 +487,7 @@ def test_nvml_reads_the_energy_counter_and_the_sm_clock():
 def test_nvml_that_cannot_load_or_count_says_so(monkeypatch):
     import ctypes
 
-    from gen import energy
+    from gen.bench import energy
 
     def no_library(name):
         raise OSError(f"{name}: cannot open shared object file")
@@ -482,7 +504,8 @@ def test_nvml_that_cannot_load_or_count_says_so(monkeypatch):
 
 @pytest.mark.gpu
 def test_a_sustained_timing_on_the_gpu_reads_time_energy_and_clock():
-    from gen import energy, measure
+    from gen.bench import energy
+    from gen import timing as measure
 
     a = torch.randn(256, 4096, dtype=torch.float16, device="cuda")
     b = torch.randn(4096, 4096, dtype=torch.float16, device="cuda")

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from gen import sweep
-from gen.search import BucketSearch, Result
-from gen.tune import Target, format_table
+from gen.dev import sweep
+from gen.tune.command import format_table
+from gen.tune.options import Target
+from gen.tune.search import BucketSearch, Result
 from schedules import marlin_mma, stream_mma
 from schedules.problem import Problem
 from schedules.registry import Schedule
@@ -92,7 +93,7 @@ def test_sweep_times_a_small_grid_end_to_end(capsys, tmp_path, monkeypatch):
 
 
 def test_gen_compile_parses_knobs_the_same_way():
-    from gen.compile_cmd import parse_knobs
+    from gen.dev.compile_cmd import parse_knobs
 
     assert parse_knobs(stream_mma, "warps=8,fold_zero_point=yes") == stream_mma.Knobs(warps=8, fold_zero_point=True)
     for bad in ("warps=eight", "fold_zero_point=maybe", "wraps=4", "warps"):
@@ -105,7 +106,7 @@ def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch)
     sweep stopped by a time limit or a broken GPU still leaves its measurements."""
     import torch
 
-    from gen import search
+    from gen.tune import measuring
     from runtime.table import GpuKey
     from schedules.arch import get_arch
     from schedules.cost import GpuSpec
@@ -121,14 +122,14 @@ def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch)
             progress(job, None)
         return {}
 
-    monkeypatch.setattr("gen.compile.compile_many", compile_many)
+    monkeypatch.setattr("runtime.kernels.compile_many", compile_many)
     out_json = tmp_path / "sweep.json"
 
     def measure(problem, arch, mine, progress=None, on_bucket=None, between=False):
         assert between                   # --between is passed on to the measuring
         if problem.n == 1024:
             assert len(json.loads(out_json.read_text())) == 2     # the first layer's buckets are on disk already
-            raise search.MeasureError("the GPU fell off the bus")
+            raise measuring.MeasureError("the GPU fell off the bus")
         for x in mine:
             x.fp16_us = 9.0
             for r in x.results:
@@ -136,7 +137,7 @@ def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch)
                 progress(r)
             on_bucket(x)
 
-    monkeypatch.setattr(search, "measure_problem", measure)
+    monkeypatch.setattr(measuring, "measure_problem", measure)
     rc, _, err = call(capsys, "--family", "stream_mma", "--knobs", "warps=4,8 unroll=4", "--shapes", "4096x4096,4096x1024",
                       "--ms", "1,16", "--json", str(out_json), "--between")
     assert rc == 1 and "fell off the bus" in err

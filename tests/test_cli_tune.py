@@ -5,9 +5,10 @@ import itertools
 
 import pytest
 
-from gen.search import DEFAULT_TOP
-
-from gen import cache_cmd, tune
+from gen.tune import cache_cmd
+from gen.tune import command as tune
+from gen.tune import options
+from gen.tune.search import DEFAULT_TOP
 from runtime.table import BUCKETS, GpuKey, TunedTable, table_path
 from schedules.arch import get_arch
 from schedules.cost import GpuSpec
@@ -43,29 +44,29 @@ def cache_dir(tmp_path, monkeypatch):
 def test_tune_defaults():
     args = parse("tune", "--model", "llama-2-7b")
     assert (args.tp, args.group, args.dtype, args.top, args.force, args.dry_run) == (1, 128, "float16", DEFAULT_TOP, False, False)
-    assert tune.parse_buckets(args.buckets) == list(BUCKETS)
+    assert options.parse_buckets(args.buckets) == list(BUCKETS)
 
 
 def test_targets_merge_layers_that_share_a_problem():
-    targets = tune.targets_from_args(parse("tune", "--model", "llama-2-7b", "--shapes", "4096x4096,1024x256"))
+    targets = options.targets_from_args(parse("tune", "--model", "llama-2-7b", "--shapes", "4096x4096,1024x256"))
     assert [t.label for t in targets] == ["qkv_proj", "o_proj,4096x4096", "gate_up_proj", "down_proj", "1024x256"]
     assert targets[0].problem == Problem.make(n=12288, k=4096, group=128)
-    cw = tune.targets_from_args(parse("tune", "--shapes", "1024x256", "--group", "-1", "--dtype", "bfloat16"))
+    cw = options.targets_from_args(parse("tune", "--shapes", "1024x256", "--group", "-1", "--dtype", "bfloat16"))
     assert cw[0].problem == Problem(n=256, k=1024, group=1024, dtype="bfloat16")
 
 
 def test_target_errors_name_the_layer():
     with pytest.raises(ValueError, match="down_proj .*2752x4096.* group size 128"):
-        tune.targets_from_args(parse("tune", "--model", "llama-2-7b", "--tp", "4"))
+        options.targets_from_args(parse("tune", "--model", "llama-2-7b", "--tp", "4"))
     with pytest.raises(ValueError, match="--model"):
-        tune.targets_from_args(parse("tune"))
+        options.targets_from_args(parse("tune"))
 
 
 def test_parse_buckets():
-    assert tune.parse_buckets("16,1,16") == [1, 16]
+    assert options.parse_buckets("16,1,16") == [1, 16]
     for bad in ("3", "1,x", ",", "8192"):
         with pytest.raises(ValueError, match="--buckets"):
-            tune.parse_buckets(bad)
+            options.parse_buckets(bad)
 
 
 def test_bad_arguments_exit_2(capsys):
@@ -80,7 +81,7 @@ def test_bad_arguments_exit_2(capsys):
 
 
 def test_resume_skips_tuned_buckets():
-    targets = tune.targets_from_args(parse("tune", "--shapes", "1024x256,4096x4096"))
+    targets = options.targets_from_args(parse("tune", "--shapes", "1024x256,4096x4096"))
     table = TunedTable(GPU)
     table.record(targets[0].problem, 16, SCHEDULE, 3.0)
     pending = tune.pending_pairs(targets, [1, 16], table, force=False)
@@ -91,7 +92,7 @@ def test_resume_skips_tuned_buckets():
 
 
 def test_a_forced_run_resumes_only_the_same_buckets(tmp_path):
-    targets = tune.targets_from_args(parse("tune", "--shapes", "1024x256,4096x4096"))
+    targets = options.targets_from_args(parse("tune", "--shapes", "1024x256,4096x4096"))
     table_path = tmp_path / "gpu.json"
     pairs = [(t.problem, b) for t in targets for b in (1, 16)]
     run = tune.ForcedRun.resume(table_path, pairs)
@@ -117,7 +118,7 @@ def test_axes_override_the_searched_values_for_one_run():
     spec = GpuSpec.for_arch(get_arch("sm_90a"))
     o_proj = Problem.make(n=4096, k=4096)
     before = dict(stream_wgmma.AXES)
-    axes = tune.parse_axes("stream_wgmma.k_split=0,1 stream_wgmma.block_k=64")
+    axes = options.parse_axes("stream_wgmma.k_split=0,1 stream_wgmma.block_k=64")
     assert axes == {"stream_wgmma": {"k_split": (False, True), "block_k": (64,)}}
     def k_split(ranked):
         return [s for s in ranked if s.family == "stream_wgmma" and s.knobs.k_split]
@@ -127,7 +128,7 @@ def test_axes_override_the_searched_values_for_one_run():
 
     assert not k_split(rank(o_proj, 128, get_arch("sm_90a"), spec))
     assert deep(rank(o_proj, 128, get_arch("sm_90a"), spec))
-    with tune.searched_axes(axes):
+    with options.searched_axes(axes):
         ranked = rank(o_proj, 128, get_arch("sm_90a"), spec)
         assert k_split(ranked) and not deep(ranked)
         assert list(stream_wgmma.AXES) == list(before)           # same axes, same order
@@ -138,19 +139,19 @@ def test_axes_override_the_searched_values_for_one_run():
                            ("stream_wgmma.block_k=big", "integers"),
                            ("stream_mma.warps=4 stream_mma.warps=8", "twice")):
         with pytest.raises(ValueError, match=fragment):
-            tune.parse_axes(text)
+            options.parse_axes(text)
 
 
 def test_variants_name_any_knob_of_a_family():
-    changes = tune.parse_variants("stream_mma.sum_slices=1 stream_mma.pdl=0,1 stream_wgmma.k_split=1")
+    changes = options.parse_variants("stream_mma.sum_slices=1 stream_mma.pdl=0,1 stream_wgmma.k_split=1")
     assert changes == {"stream_mma": [{"sum_slices": True, "pdl": False}, {"sum_slices": True, "pdl": True}],
                        "stream_wgmma": [{"k_split": True}]}
-    assert tune.parse_variants(None) == {}
+    assert options.parse_variants(None) == {}
     for text, fragment in (("stream_mma.pdl", "expected family.knob"), ("nope.x=1", "nope"),
                            ("stream_wgmma.colour=1", "no knob 'colour'"), ("stream_mma.pdl=maybe", "flag"),
                            ("stream_mma.pdl=0 stream_mma.pdl=1", "twice")):
         with pytest.raises(ValueError, match=fragment):
-            tune.parse_variants(text)
+            options.parse_variants(text)
 
 
 def test_variants_need_force(capsys):
@@ -257,7 +258,7 @@ def test_a_bad_seed_file_is_an_error_that_names_it(capsys, tmp_path):
 
 
 def test_another_tuned_table_seeds_its_recorded_candidates(tmp_path):
-    from gen.search import add_seeds, plan
+    from gen.tune.search import add_seeds, plan
     from schedules import stream_mma
 
     qkv = Problem.make(n=12288, k=4096)
@@ -269,7 +270,7 @@ def test_another_tuned_table_seeds_its_recorded_candidates(tmp_path):
     other.record(qkv, 16, slow, 30.0)           # an entry without recorded timings seeds its winner
     path = tmp_path / "cold.json"
     other.save(path)
-    records = tune.load_seeds(str(path))
+    records = options.load_seeds(str(path))
     assert [(r["m"], len(r["results"])) for r in records] == [(1, 2), (16, 1)]
     searches = plan([(qkv, 1), (qkv, 16)], get_arch("sm_90a"), GpuSpec.for_arch(get_arch("sm_90a")), top=1)
     assert add_seeds(searches, records, get_arch("sm_90a"), GpuSpec.for_arch(get_arch("sm_90a")), per_bucket=1) == 2
@@ -277,7 +278,7 @@ def test_another_tuned_table_seeds_its_recorded_candidates(tmp_path):
     broken = tmp_path / "broken.json"
     broken.write_text('{"format": "tilemarlin-tuned-table", "schema": 0}')
     with pytest.raises(ValueError, match="broken.json: table schema 0"):
-        tune.load_seeds(str(broken))
+        options.load_seeds(str(broken))
 
 
 def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch):
@@ -288,7 +289,7 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
 
     import torch
 
-    from gen import search
+    from gen.tune import measuring, search
 
     h200 = get_arch("sm_90a")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -313,8 +314,8 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
                     progress(r)
             on_bucket(x)
 
-    monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)
-    monkeypatch.setattr(search, "measure_problem", fake_measure)
+    monkeypatch.setattr("runtime.kernels.compile_many", fake_compile_many)
+    monkeypatch.setattr(measuring, "measure_problem", fake_measure)
     rc, out, err = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--top", "4",
                         "--refine", "2", "--force")
     assert rc == 0, err
@@ -354,7 +355,7 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
         harnesses.append(between)
         fake_measure(problem, arch, mine, progress, on_bucket)
 
-    monkeypatch.setattr(search, "measure_problem", measure_between)
+    monkeypatch.setattr(measuring, "measure_problem", measure_between)
     rc, out, err = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--top", "2",
                         "--refine", "0", "--between")
     assert rc == 0 and "4 to tune" in out and "--between" in out, err
@@ -369,7 +370,7 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
     rc, out, _ = call(capsys, "tune", "--shapes", "4096x4096", "--buckets", "1", "--top", "1", "--refine", "0")
     assert rc == 0 and "1 to tune" in out and not harnesses[-1]
     assert TunedTable.load(table_path(GPU), GPU).entry(Problem.make(n=4096, k=4096), 1).harness == "replay"
-    monkeypatch.setattr(search, "measure_problem", fake_measure)
+    monkeypatch.setattr(measuring, "measure_problem", fake_measure)
     # Every new candidate faster than all before: each round moves every winner, so the rounds go on
     # to the last one that the time budget allows.
     ticks = itertools.count()
@@ -383,7 +384,7 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
                     progress(r)
             on_bucket(x)
 
-    monkeypatch.setattr(search, "measure_problem", faster_each_time)
+    monkeypatch.setattr(measuring, "measure_problem", faster_each_time)
     for budget, rounds in (("1e6", 1 + search.REFINE_ROUNDS), ("1e-6", 2)):
         compiled.clear()
         rc, out, err = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--top", "4",
@@ -394,9 +395,9 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
 
 
 def test_a_round_is_expected_to_cost_a_fixed_part_and_a_part_per_candidate():
-    from gen.tune import ROUND_FIXED_S, expected_round_s
+    from gen.tune.rounds import ROUND_FIXED_S, expected_round_s
 
-    # The H200's cold tune of session 16: 312 then 216 candidates took 121 and 99 s; the line through
+    # A cold tune on the H200: 312 then 216 candidates took 121 and 99 s; the line through
     # them says 72 candidates take ~66 s (they took 56), where the last round's seconds per candidate
     # said 33 and let the round start 37 s before a budget it then overran by 19.
     assert expected_round_s([(312, 121.0), (216, 99.0)], 72) == pytest.approx(49.5 + 72 * 22 / 96)

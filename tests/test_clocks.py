@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gen import bench, report
-from gen.clocks import TIMESTAMP, ClockLog, Sample, parse_line, summarize
+from gen.bench import command as bench
+from gen.bench import report
+from gen.bench.clocks import TIMESTAMP, ClockLog, Sample, parse_line, summarize
 
 SAMPLE = Path(__file__).parent / "data" / "bench_sample.json"
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from gen.compile import compile_schedule
+from runtime.kernels import compile_schedule
 from schedules.arch import get_arch
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gen.compile import compile_schedule
+from runtime.kernels import compile_schedule
 from schedules import stream_mma
 from schedules.arch import SM90_SHARED_PER_SM, get_arch
 from schedules.problem import Problem

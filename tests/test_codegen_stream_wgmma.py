@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from gen.compile import compile_schedule
+from runtime.kernels import compile_schedule
 from schedules import stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem

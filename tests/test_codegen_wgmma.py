@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from gen.compile import compile_schedule
+from runtime.kernels import compile_schedule
 from schedules import hopper_wgmma
 from schedules.arch import get_arch
 from schedules.hopper_wgmma import Knobs, check

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from gen.compile import compile_many, compile_schedule
+from runtime.kernels import compile_many, compile_schedule
 from schedules import hopper_wgmma, stream_mma, stream_wgmma
 from schedules.arch import current_arch, get_arch
 from schedules.marlin_mma import Knobs

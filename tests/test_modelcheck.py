@@ -5,7 +5,7 @@ import json
 import pytest
 
 from gen.cli import main
-from gen.modelcheck import load_timings, ranking_quality
+from gen.dev.modelcheck import load_timings, ranking_quality
 from runtime.table import GpuKey, TunedTable
 from schedules.arch import get_arch
 from schedules.cost import GpuSpec, estimate_us, rank
@@ -67,8 +67,8 @@ def test_cli_prints_per_family_and_rejects_bad_input(tmp_path, capsys):
 
 
 def test_reach_tells_which_winners_a_cold_tune_would_measure(tmp_path, capsys):
-    from gen.modelcheck import first_round_reach
-    from gen.search import first_round_ranking
+    from gen.dev.modelcheck import first_round_reach
+    from gen.tune.search import first_round_ranking
     from schedules import stream_wgmma
     from schedules.registry import Schedule
 

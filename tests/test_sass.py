@@ -2,7 +2,7 @@
 cuobjdump and nvdisasm are on PATH (they are not part of the install: see gen/sass.py)."""
 import pytest
 
-from gen import sass
+from gen.dev import sass
 
 # A loop of cuobjdump -sass (sm_90a): two loads tracked on sb5, a consumer that waits for sb5 (wait
 # mask bit 5) three instructions after the second load, and the backward branch.
@@ -67,7 +67,7 @@ needs_tools = pytest.mark.skipif(bool(sass.missing_tools()), reason="ptxas, cuob
                           smem_weights=True, tma=True)),
 ])
 def test_async_weight_paths_leave_no_global_load_in_the_main_loop(family, knobs, tmp_path):
-    from gen.compile import compile_schedule
+    from runtime.kernels import compile_schedule
     from schedules.arch import get_arch
     from schedules.problem import Problem
     from schedules.registry import Schedule, family as family_named
@@ -82,7 +82,7 @@ def test_async_weight_paths_leave_no_global_load_in_the_main_loop(family, knobs,
 
 @needs_tools
 def test_ptxas_findings_name_registers_and_serialized_wgmmas(tmp_path):
-    from gen.compile import compile_schedule
+    from runtime.kernels import compile_schedule
     from schedules.arch import get_arch
     from schedules.problem import Problem
     from schedules.registry import Schedule
@@ -119,7 +119,7 @@ def test_conversions_before_the_last_wgmma_wait_are_found():
                          tma=True, release_barriers=True, producer_warp=True, staged_store=True)),
 ])
 def test_the_sums_are_converted_after_the_last_wgmma_wait(shape, knobs, tmp_path):
-    from gen.compile import compile_schedule
+    from runtime.kernels import compile_schedule
     from schedules import stream_wgmma
     from schedules.arch import get_arch
     from schedules.problem import Problem

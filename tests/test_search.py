@@ -1,8 +1,8 @@
 """The search without a GPU: planning, deduplicated compile jobs, failure bookkeeping, and the
 measuring-process protocol (crashes, hangs, lost CUDA contexts) driven by fake measuring children.
 
-gen.search is imported inside the tests, not here: each fake child is spawned from this module and
-should start in a fraction of a second, without importing TileLang.
+gen.tune.search and gen.tune.measuring are imported inside the tests, not here: each fake child is
+spawned from this module and should start in a fraction of a second, without importing TileLang.
 """
 import os
 import time
@@ -17,9 +17,15 @@ QKV = Problem.make(n=12288, k=4096)
 
 
 def _search():
-    import gen.search
+    import gen.tune.search
 
-    return gen.search
+    return gen.tune.search
+
+
+def _measuring():
+    import gen.tune.measuring
+
+    return gen.tune.measuring
 
 
 def _spec():
@@ -76,8 +82,8 @@ def test_first_round_spends_no_places_on_variants_of_one_kernel():
     assert picked
     rest = lambda sch: replace(sch.knobs, sum_slices=False, pdl=False)
     assert len({rest(sch) for sch in picked}) == len(picked)
-    # the better-ranked variant goes in (both measured faster, perf-notes v25); the second round's
-    # neighbours move the variant axes like any other
+    # the better-ranked variant goes in (both measured faster, docs/performance.md "sum_slices"); the
+    # second round's neighbours move the variant axes like any other
     best = picked[0]
     assert best.knobs.sum_slices
     moved = s.neighbours(best, QKV, H200)
@@ -92,7 +98,7 @@ def test_first_round_keeps_the_ring_variant_where_it_was_measured_faster():
     s = _search()
     # ring (the wgmmas a k-step at a time) is a variant axis: one of its values per kernel goes in,
     # the one its measured factor favours (D = 8 0.95-0.98x at M = 128-256, slower at M = 16-32,
-    # perf-notes v44); a block_k 64 kernel has 4 k-steps, which 8 does not divide
+    # docs/performance.md "ring"); a block_k 64 kernel has 4 k-steps, which 8 does not divide
     for m, ring in ((16, 0), (128, 8)):
         kept = [x for x in s.first_round_ranking(QKV, m, H200, _spec())
                 if x.family == "stream_wgmma" and x.knobs.block_k == 128 and x.knobs.tma and x.knobs.overlap]
@@ -106,9 +112,10 @@ def test_first_round_keeps_the_ring_variant_where_it_was_measured_faster():
 
 def test_first_round_keeps_stream_mmas_early_start_variant_up_to_m_8():
     s = _search()
-    # early_start with late_trigger measured 0.94x of neither up to M = 8 (perf-notes v57): the first
-    # round's stream_mma points there keep it (with 1.06 / 0.96 they all went without, and the cold
-    # tune never measured the table's M = 1-8 winners); from M = 64 on the session-8 penalty stays.
+    # early_start with late_trigger measured 0.94x of neither up to M = 8 (docs/performance.md
+    # "late_trigger"): the first round's stream_mma points there keep it (with factors of 1.06 / 0.96
+    # they all went without, and a cold tune never measured the table's M = 1-8 winners); from M = 64
+    # on, the model's penalty for early_start stays.
     kept = [x for x in s.first_round_ranking(QKV, 1, H200, _spec(), families=("stream_mma",))
             if x.knobs.pdl or x.knobs.cluster_reduce]
     assert kept and all(x.knobs.early_start and x.knobs.late_trigger for x in kept[:12])
@@ -119,12 +126,13 @@ def test_first_round_keeps_stream_mmas_early_start_variant_up_to_m_8():
 
 def test_compile_jobs_are_deduplicated_across_buckets():
     s = _search()
+    meas = _measuring()
     small = s.plan([(QKV, b) for b in (1, 2)], H200, _spec(), top=4)
     # same padded tiles (8 and 16 rows): the same selection, compiled once
     assert [r.schedule for r in small[0].results] == [r.schedule for r in small[1].results]
-    assert len(s.compile_jobs(small)) == len(small[0].results)
+    assert len(meas.compile_jobs(small)) == len(small[0].results)
     everything = s.plan([(QKV, b) for b in (1, 16, 256, 4096)], H200, _spec(), top=4)
-    jobs = s.compile_jobs(everything)
+    jobs = meas.compile_jobs(everything)
     assert len(jobs) == len(set(jobs)) < sum(len(x.results) for x in everything)
     assert set(jobs) == {(QKV, r.schedule) for x in everything for r in x.results}
 
@@ -260,6 +268,7 @@ def test_neighbours_take_turns_structural_axis_first_then_a_variant_axis():
 
 def test_refinement_adds_neighbours_of_the_fastest_and_the_winners_beside():
     s = _search()
+    meas = _measuring()
     searches = s.plan([(QKV, b) for b in (1, 2, 4)], H200, _spec(), top=3)
     one, two, four = searches
     for x, times in ((one, (9.0, 7.0, 8.0)), (two, (6.0, 9.0, 9.5)), (four, None)):
@@ -279,12 +288,13 @@ def test_refinement_adds_neighbours_of_the_fastest_and_the_winners_beside():
     assert set(fresh[1]) - {two.winner().schedule} <= set(s.neighbours(best, QKV, H200)) | \
         set(s.neighbours(sorted((r for r in one.results if r.us), key=lambda r: r.us)[1].schedule, QKV, H200))
     assert all(r.us is None and r.error is None for r in one.results[3:])
-    assert {job for job in s.compile_jobs(searches)} == {(QKV, sch) for v in fresh.values() for sch in v}
+    assert {job for job in meas.compile_jobs(searches)} == {(QKV, sch) for v in fresh.values() for sch in v}
     assert s.add_refinements(searches, H200, _spec(), per_bucket=0) == 0
 
 
 def test_refinement_reaches_winners_two_buckets_away_nearest_first():
-    # o_proj's M = 4 winner (warps' cp.async slots) also won M = 1 once measured there (perf-notes v35)
+    # o_proj's M = 4 winner (warps' cp.async slots) also won M = 1 once measured there
+    # (docs/performance.md, "Refinement rounds")
     s = _search()
     searches = s.plan([(QKV, b) for b in (1, 2, 4, 8)], H200, _spec(), top=4)
     planned = {r.schedule for x in searches for r in x.results}
@@ -335,27 +345,29 @@ def test_a_local_round_measures_the_other_layers_winners_at_the_same_m_and_only_
 
 def test_round_two_measures_only_the_new_candidates():
     s = _search()
+    meas = _measuring()
     x = _bucket(s, 1, ["ok:5", "ok:4"])
-    s.measure_problem(QKV, H200, [x], child_main=fake_child)
+    meas.measure_problem(QKV, H200, [x], child_main=fake_child)
     x.results.append(s.Result("ok:3", 1.0))    # a second-round candidate; the parent must not resend the others
     x.results[0].schedule = x.results[1].schedule = "measured already"
     done = []
-    s.measure_problem(QKV, H200, [x], on_bucket=done.append, child_main=fake_child)
+    meas.measure_problem(QKV, H200, [x], on_bucket=done.append, child_main=fake_child)
     assert [r.us for r in x.results] == [5.0, 4.0, 3.0] and done == [x] and x.winner().us == 3.0
 
 
 def test_the_harness_reaches_the_measuring_child():
     s = _search()
+    meas = _measuring()
     for between, fp16_us in ((False, 10.0), (True, 11.0)):
         x = _bucket(s, 1, ["ok:5"])
-        s.measure_problem(QKV, H200, [x], child_main=fake_child, between=between)
+        meas.measure_problem(QKV, H200, [x], child_main=fake_child, between=between)
         assert x.fp16_us == fp16_us and x.results[0].us == 5.0
 
 
 def test_between_times_each_call_after_the_producer_less_the_producers_own_time(monkeypatch):
     import torch
 
-    from gen import measure
+    from gen import timing as measure
 
     x = torch.ones(3, 8, dtype=torch.float16)
     seen = []
@@ -377,6 +389,7 @@ def test_between_times_each_call_after_the_producer_less_the_producers_own_time(
 
 def test_compile_failures_become_results(monkeypatch):
     s = _search()
+    meas = _measuring()
     searches = s.plan([(QKV, 1), (QKV, 16)], H200, _spec(), top=3)
     broken = searches[0].results[1].schedule
     seen = []
@@ -385,10 +398,10 @@ def test_compile_failures_become_results(monkeypatch):
         seen.extend(jobs)
         return {job: ("nvcc: out of registers" if job[1] == broken else None) for job in jobs}
 
-    monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)
+    monkeypatch.setattr("runtime.kernels.compile_many", fake_compile_many)
     distinct = {r.schedule for x in searches for r in x.results}
     assert len(distinct) < 6                     # the buckets share candidates, compiled once
-    assert s.compile_candidates(searches, H200) == len(distinct) == len(seen)
+    assert meas.compile_candidates(searches, H200) == len(distinct) == len(seen)
     for x in searches:
         for r in x.results:
             assert r.error == ("compile: nvcc: out of registers" if r.schedule == broken else None)
@@ -448,11 +461,12 @@ def _bucket(s, bucket, whats):
 
 def test_measure_survives_crashes_and_lost_contexts():
     s = _search()
+    meas = _measuring()
     first = _bucket(s, 1, ["ok:5", "crash", "ok:3"])
     second = _bucket(s, 16, ["lost", "ok:7", "wrong", "never compiled"])
     second.results[3].error = "compile: boom"
     done, measured = [], []
-    s.measure_problem(QKV, H200, [first, second], progress=measured.append, on_bucket=done.append,
+    meas.measure_problem(QKV, H200, [first, second], progress=measured.append, on_bucket=done.append,
                       child_main=fake_child)
 
     assert [r.us for r in first.results] == [5.0, None, 3.0]
@@ -468,26 +482,29 @@ def test_measure_survives_crashes_and_lost_contexts():
 
 def test_measure_kills_a_hung_candidate():
     s = _search()
+    meas = _measuring()
     x = _bucket(s, 1, ["hang", "ok:2"])
-    s.measure_problem(QKV, H200, [x], child_main=fake_child, stall_timeout_s=8)
+    meas.measure_problem(QKV, H200, [x], child_main=fake_child, stall_timeout_s=8)
     assert x.results[0].error.startswith("hung: no progress for 8 s")
     assert x.winner().us == 2.0
 
 
 def test_measure_reports_a_child_that_cannot_start():
     s = _search()
-    with pytest.raises(s.MeasureError, match="no CUDA device"):
-        s.measure_problem(QKV, H200, [_bucket(s, 1, ["ok:1"])], child_main=fatal_child)
-    with pytest.raises(s.MeasureError, match="before any candidate finished"):
-        s.measure_problem(QKV, H200, [_bucket(s, 1, ["ok:1"])], child_main=dying_child)
+    meas = _measuring()
+    with pytest.raises(meas.MeasureError, match="no CUDA device"):
+        meas.measure_problem(QKV, H200, [_bucket(s, 1, ["ok:1"])], child_main=fatal_child)
+    with pytest.raises(meas.MeasureError, match="before any candidate finished"):
+        meas.measure_problem(QKV, H200, [_bucket(s, 1, ["ok:1"])], child_main=dying_child)
 
 
 def test_measure_skips_buckets_with_nothing_compiled():
     s = _search()
+    meas = _measuring()
     x = _bucket(s, 1, ["never compiled"])
     x.results[0].error = "compile: boom"
     done = []
-    s.measure_problem(QKV, H200, [x], on_bucket=done.append, child_main=dying_child)  # no child needed
+    meas.measure_problem(QKV, H200, [x], on_bucket=done.append, child_main=dying_child)  # no child needed
     assert done == [x] and x.winner() is None
 
 
@@ -497,10 +514,11 @@ def test_real_child_without_a_gpu_reports_why():
     if torch.cuda.is_available():
         pytest.skip("exercises the measuring process on a machine without CUDA")
     s = _search()
+    meas = _measuring()
     small = Problem.make(n=256, k=1024)
     searches = s.plan([(small, 1)], H200, _spec(), top=1)
-    with pytest.raises(s.MeasureError, match="no CUDA device is visible"):
-        s.measure_problem(small, H200, searches)
+    with pytest.raises(meas.MeasureError, match="no CUDA device is visible"):
+        meas.measure_problem(small, H200, searches)
 
 
 def test_timings_are_plain_json():
@@ -522,6 +540,7 @@ def test_a_problem_is_measured_while_the_next_one_compiles(monkeypatch):
     import threading
 
     s = _search()
+    meas = _measuring()
     searches = s.plan([(QKV, 1), (QKV, 16), (O_PROJ, 1)], H200, _spec(), top=3)
     broken = searches[0].results[0].schedule
     qkv_measuring = threading.Event()
@@ -550,9 +569,9 @@ def test_a_problem_is_measured_while_the_next_one_compiles(monkeypatch):
         if problem == QKV:
             qkv_measuring.set()
 
-    monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)
+    monkeypatch.setattr("runtime.kernels.compile_many", fake_compile_many)
     compiled, measured, finished = [], [], []
-    s.compile_and_measure(searches, H200, compiled=lambda job, err: compiled.append(job),
+    meas.compile_and_measure(searches, H200, compiled=lambda job, err: compiled.append(job),
                           progress=measured.append, on_bucket=finished.append, measure=fake_measure)
     assert sorted(compiled, key=str) == sorted({(x.problem, r.schedule) for x in searches for r in x.results}, key=str)
     assert len(measured) == sum(len(x.results) for x in searches) - 1
@@ -562,12 +581,13 @@ def test_a_problem_is_measured_while_the_next_one_compiles(monkeypatch):
     # nothing new to compile: every problem is measured anyway (its buckets are reported finished)
     events.clear()
     finished.clear()
-    s.compile_and_measure(searches, H200, on_bucket=finished.append, measure=fake_measure)
+    meas.compile_and_measure(searches, H200, on_bucket=finished.append, measure=fake_measure)
     assert sorted(events, key=str) == sorted([("measure", O_PROJ), ("measure", QKV)], key=str) and len(finished) == 3
 
 
 def test_a_measuring_failure_is_raised_once_the_compiles_are_done(monkeypatch):
     s = _search()
+    meas = _measuring()
     searches = s.plan([(QKV, 1), (O_PROJ, 1)], H200, _spec(), top=2)
     compiled = []
 
@@ -577,12 +597,12 @@ def test_a_measuring_failure_is_raised_once_the_compiles_are_done(monkeypatch):
         return {}
 
     def no_gpu(problem, arch, mine, progress=None, on_bucket=None, **_):
-        raise s.MeasureError("no CUDA device")
+        raise meas.MeasureError("no CUDA device")
 
-    monkeypatch.setattr("gen.compile.compile_many", fake_compile_many)
-    with pytest.raises(s.MeasureError, match="no CUDA"):
-        s.compile_and_measure(searches, H200, compiled=lambda job, err: compiled.append(job), measure=no_gpu)
-    assert len(compiled) == len(s.compile_jobs(searches))
+    monkeypatch.setattr("runtime.kernels.compile_many", fake_compile_many)
+    with pytest.raises(meas.MeasureError, match="no CUDA"):
+        meas.compile_and_measure(searches, H200, compiled=lambda job, err: compiled.append(job), measure=no_gpu)
+    assert len(compiled) == len(meas.compile_jobs(searches))
 
 
 def test_families_far_out_of_reach_are_not_measured():

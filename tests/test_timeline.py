@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from gen.timeline import RING, compile_stamped, most_at_once, stamp_source, summarize
+from gen.dev.timeline import RING, compile_stamped, most_at_once, stamp_source, summarize
 from schedules import stream_mma, stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
@@ -61,7 +61,7 @@ def test_a_kernel_without_a_wait_is_past_it_at_entry_and_blocks_past_the_buffer_
 def test_stamps_leave_the_registers_and_so_the_blocks_per_sm_as_they_were(tmp_path):
     # down_proj 16's table form sits at 128 registers, the most that lets 3 blocks of 160 threads share
     # an SM; stamps held in registers took it to 134 and to 2 blocks per SM (a second wave, v55)
-    from gen.compile import compile_schedule
+    from runtime.kernels import compile_schedule
     from schedules.registry import Schedule
     from tests.test_codegen_stream import ptxas_output
 

@@ -7,8 +7,8 @@ import argparse
 import pytest
 import torch
 
-from gen import tune
-from gen.search import REFINE_ROUNDS
+from gen.tune import command as tune
+from gen.tune.search import REFINE_ROUNDS
 from runtime.table import GpuKey, TunedTable, table_path
 from schedules.problem import Problem
 
@@ -29,7 +29,7 @@ def call(capsys, argv):
 
 def run_kernel(problem, schedule, m):
     """The relative error of `schedule`'s kernel at M = m against the fp32 reference."""
-    from gen.compile import compile_schedule
+    from runtime.kernels import compile_schedule
     from schedules.arch import current_arch
     from schedules.quant import reference_matmul, relative_error, torch_dtype
 

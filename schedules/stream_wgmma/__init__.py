@@ -8,8 +8,24 @@ from ..arch import Arch
 from ..knob_space import positional, valid_points
 from ..problem import Problem
 from .. import marlin_mma
-from .kernel import PASS_CONFIGS, build
 from .knobs import Knobs, check
+
+
+# The TileLang pass configs the kernels compile with.
+PASS_CONFIGS = {
+    # Hand-written pipeline: no warp specialization, no TMA lowering, every barrier explicit.
+    "tl.disable_warp_specialized": True,
+    "tl.disable_tma_lower": True,
+    "tl.disable_thread_storage_sync": True,
+}
+
+
+def build(problem: Problem, knobs: Knobs):
+    """The kernel's TileLang prim_func. TileLang is imported here, when a kernel is built, and never
+    when a stored kernel is loaded and served."""
+    from .kernel import build as build_prim_func
+
+    return build_prim_func(problem, knobs)
 
 NAME = "stream_wgmma"
 LAYOUT = marlin_mma.LAYOUT

@@ -200,10 +200,10 @@ def run(args) -> int:
     from schedules.arch import current_arch
     from schedules.registry import Schedule, family
 
-    from .compile_cmd import parse_knobs
-    from .measure import time_calls
-    from .models import parse_shapes
-    from .search import Bench
+    from gen.dev.compile_cmd import parse_knobs
+    from gen.timing import time_calls
+    from gen.models import parse_shapes
+    from gen.tune.measuring import Bench
 
     (layer,) = parse_shapes(args.shape)
     problem = op.problem_of(layer.n, layer.k, args.group, args.dtype)

@@ -14,7 +14,7 @@ tune or a sweep: a change to cost.py is better when these ratios fall.
 
 --reach asks the other question, whether a cold tune would find a table's winners at all: for every
 entry, is its winner (up to the family's variant axes, which the first round does not spread over)
-among the first round's candidates (gen.search.plan with --top), and where does the model rank it
+among the first round's candidates (gen.tune.search.plan with --top), and where does the model rank it
 within its family? A winner outside the knob space (reached by `gen tune --variants`) has no rank.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def ranking_quality(groups: dict, arch, gpu, top: int, family: str | None = None
     has `min_timings` of them."""
     from schedules.cost import estimate_us
 
-    from .search import top_of_each_family
+    from gen.tune.search import top_of_each_family
 
     first, best_of_top, logs = [], [], []
     for (problem, m), timed in groups.items():
@@ -126,7 +126,7 @@ def first_round_reach(table_path: str, arch, gpu, top: int) -> list[Reach]:
     from schedules.problem import Problem
     from schedules.registry import Schedule
 
-    from .search import first_round_ranking, top_of_each_family, without_variants
+    from gen.tune.search import first_round_ranking, top_of_each_family, without_variants
 
     try:
         with open(table_path) as f:
@@ -164,8 +164,8 @@ def run(args) -> int:
     from schedules.arch import get_arch
     from schedules.cost import GpuSpec
 
-    from .search import DEFAULT_TOP
-    from .tune import format_table
+    from gen.tune.search import DEFAULT_TOP
+    from gen.tune.command import format_table
 
     try:
         top = args.top if args.top is not None else (DEFAULT_TOP if args.reach else 6)
@@ -201,7 +201,7 @@ def run(args) -> int:
 
 def print_reach(reach: list[Reach], top: int) -> int:
     """The entries whose winner the first round misses, and how many it measures."""
-    from .tune import format_table
+    from gen.tune.command import format_table
 
     missed = [r for r in reach if not r.in_first_round]
     print(f"a cold tune's first round (top {top}) measures {len(reach) - len(missed)} of {len(reach)} winners "

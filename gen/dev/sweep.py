@@ -64,7 +64,7 @@ def parse_grid(family, text: str) -> list:
 def run(args) -> int:
     from schedules.registry import family as family_named
 
-    from .tune import parse_buckets, targets_from_args
+    from gen.tune.options import parse_buckets, targets_from_args
 
     try:
         fam = family_named(args.family)
@@ -88,8 +88,10 @@ def sweep_on_gpu(args, fam, grid, targets, ms) -> int:
     from schedules.cost import GpuSpec, estimate_us
     from schedules.registry import Schedule
 
-    from .search import BucketSearch, MeasureError, Result
-    from .tune import compile_and_measure_with_progress, format_table
+    from gen.tune.command import format_table
+    from gen.tune.measuring import MeasureError
+    from gen.tune.rounds import compile_and_measure_with_progress
+    from gen.tune.search import BucketSearch, Result
 
     arch, gpu = current_arch(), GpuSpec.current()
     searches, invalid = [], 0

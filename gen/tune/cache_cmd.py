@@ -60,10 +60,10 @@ def _folder_size(folder: Path) -> tuple[int, int]:
 
 
 def list_cache(args, paths: list[Path]) -> int:
-    from gen.compile import kernel_dir
+    from runtime.kernels import kernel_dir
     from runtime.table import tables_dir
 
-    from .tune import format_table
+    from gen.tune.command import format_table
 
     rows = []
     for path in paths:
@@ -80,7 +80,7 @@ def list_cache(args, paths: list[Path]) -> int:
 
 
 def show_tables(args, paths: list[Path]) -> int:
-    from .tune import format_table
+    from gen.tune.command import format_table
 
     if not paths:
         print("no tuned tables")
@@ -106,7 +106,7 @@ def show_tables(args, paths: list[Path]) -> int:
 def clear(args, paths: list[Path]) -> int:
     from filelock import FileLock
 
-    from gen.compile import kernel_dir
+    from runtime.kernels import kernel_dir
 
     both = not args.tables and not args.kernels
     if args.tables or both:

@@ -27,7 +27,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from .models import parse_shapes
+    from gen.models import parse_shapes
 
     if args.read_ncu:
         return _read_ncu(args.read_ncu, args.top)
@@ -65,7 +65,7 @@ def run(args) -> int:
 
 
 def _read_ncu(path: str, top: int) -> int:
-    from .ncu_source import read, summary
+    from gen.dev.ncu_source import read, summary
 
     try:
         lines = read(path)

@@ -12,39 +12,25 @@ winners of nearby buckets and of the other layers, until the winners stop moving
 """
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
-import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.table import BETWEEN, BUCKETS, FORMAT as TABLE_FORMAT, REPLAY, TableError, TunedTable
+from runtime.table import BETWEEN, BUCKETS, REPLAY
 from schedules.problem import SUPPORTED_DTYPES, Problem
 
-from .search import DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS
+from gen.tune.measuring import MeasureError
+from gen.tune.options import (Target, load_seeds, parse_axes, parse_buckets, parse_families, parse_variants,
+                              searched_axes, targets_from_args)
+from gen.tune.rounds import compile_and_measure_with_progress, compile_with_progress, local_rounds
+from gen.tune.search import (DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS, achieved_gbps, add_incumbents, add_seeds,
+                             add_variants, plan)
 
-# Issue 3 asks a cold `gen tune --model llama-2-7b` to finish within 10 minutes on the H200: planning
-# and rounds one and two took ~430 s there (perf-notes v37), so later rounds get what is left of 520 s.
+# A cold `gen tune --model llama-2-7b` must finish within 10 minutes on the H200 (docs/performance.md,
+# "The cold tune's time"): planning and rounds one and two take ~430 s there, so later rounds get what
+# is left of 520 s.
 DEFAULT_TIME_BUDGET_S = 520.0
-# A local round costs about this much besides its candidates' compiles and timings (the H200's cold
-# tune in session 16: rounds of 312, 216 and 72 candidates took 121, 99 and 56 s, ~36 s + 0.27 s per
-# candidate; scaling the last round's seconds per candidate sent round four past the budget).
-ROUND_FIXED_S = 30.0
-
-
-@dataclass
-class Target:
-    """One problem to tune and the layers that share it."""
-
-    problem: Problem
-    layers: list[str]
-
-    @property
-    def label(self) -> str:
-        return ",".join(self.layers)
 
 
 def register(subparsers) -> None:
@@ -90,113 +76,6 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def targets_from_args(args) -> list[Target]:
-    """The distinct problems of --model and --shapes, each with the names of its layers."""
-    from .models import model_layers, parse_shapes
-
-    if not args.model and not args.shapes:
-        raise ValueError("say what to tune: --model NAME|PATH/config.json and/or --shapes KxN,...")
-    layers = (model_layers(args.model, tp=args.tp) if args.model else []) + \
-        (parse_shapes(args.shapes) if args.shapes else [])
-    targets: dict[Problem, Target] = {}
-    for layer in layers:
-        try:
-            problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)
-        except ValueError as exc:
-            raise ValueError(f"layer {layer.name} ({layer.shape}): {exc}") from None
-        targets.setdefault(problem, Target(problem, [])).layers.append(layer.name)
-    return list(targets.values())
-
-
-def parse_families(text: str | None) -> list[str] | None:
-    """The --families list (None: registry.SEARCHED); an unknown name is an error that lists the known ones."""
-    from schedules.registry import family
-
-    if not text:
-        return None
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    for name in names:
-        family(name)
-    return names
-
-
-def parse_knob_values(text: str | None, flag: str, searched_only: bool) -> dict[str, dict[str, tuple]]:
-    """"family.knob=v1,v2 ..." (--axes, --variants) -> {family: {knob: values}}. With `searched_only`
-    the knob must be one of the family's AXES. An unknown family, knob or value is an error naming it."""
-    from schedules.knob_space import knob_value
-    from schedules.registry import family
-
-    values: dict[str, dict[str, tuple]] = {}
-    for item in (text or "").split():
-        key, sep, listed = item.partition("=")
-        family_name, dot, knob = key.partition(".")
-        if not (sep and dot and listed):
-            raise ValueError(f"bad {flag} item {item!r}: expected family.knob=value[,value...]")
-        module = family(family_name)
-        if searched_only and knob not in module.AXES:
-            raise ValueError(f"{family_name} has no searched axis {knob!r}; its axes: {', '.join(module.AXES)}")
-        if knob in values.get(family_name, {}):
-            raise ValueError(f"{flag} names {key} twice")
-        values.setdefault(family_name, {})[knob] = tuple(knob_value(module.Knobs, knob, v) for v in listed.split(","))
-    return values
-
-
-def parse_axes(text: str | None) -> dict[str, dict[str, tuple]]:
-    """--axes "family.knob=v1,v2 ...": the values that replace those axes of the families' AXES for
-    this run, so that a prepared knob can be searched (checked against the reference and timed like
-    any candidate) without editing the code."""
-    return parse_knob_values(text, "--axes", searched_only=True)
-
-
-def parse_variants(text: str | None) -> dict[str, list[dict]]:
-    """--variants "family.knob=v1,v2 ...": per family, the knob changes to apply to its winners (every
-    combination of the values named); any knob of the family, searched or not."""
-    values = parse_knob_values(text, "--variants", searched_only=False)
-    return {name: [dict(zip(knobs, combo)) for combo in itertools.product(*knobs.values())]
-            for name, knobs in values.items()}
-
-
-@contextlib.contextmanager
-def searched_axes(overrides: dict[str, dict[str, tuple]]):
-    """The families' AXES with `overrides` (parse_axes) in place for the duration of a tune: the plan,
-    the cost model's candidate lists and the second round's neighbours all read them there."""
-    from schedules.registry import family
-
-    from .search import use_axes
-
-    saved = {name: dict(family(name).AXES) for name in overrides}
-    try:
-        use_axes({name: {**saved[name], **axes} for name, axes in overrides.items()})
-        yield
-    finally:
-        use_axes(saved)
-
-
-def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
-    if not text:
-        return list(BUCKETS)
-    try:
-        buckets = sorted({int(b) for b in text.split(",") if b.strip()})
-    except ValueError:
-        raise ValueError(f"bad {flag} {text!r}: expected comma-separated integers") from None
-    bad = [b for b in buckets if b not in BUCKETS]
-    if bad or not buckets:
-        raise ValueError(f"{flag} must be bucket edges, one or more of {','.join(map(str, BUCKETS))}; got {text!r}")
-    return buckets
-
-
-def with_earlier_timings(timings: list[dict], earlier) -> list[dict]:
-    """This run's timings of a bucket, then the timings that the bucket's table entry (`earlier`, an
-    Entry or None) holds for kernels this run did not time, marked "earlier_run": a forced re-tune
-    adds to a bucket's record instead of erasing it. The winner is chosen from this run's alone (times
-    from another run are not comparable to a few per cent)."""
-    if earlier is None:
-        return timings
-    timed = {json.dumps(t.get("schedule"), sort_keys=True) for t in timings}
-    return timings + [dict(t, earlier_run=True) for t in earlier.all_timings
-                      if json.dumps(t.get("schedule"), sort_keys=True) not in timed]
-
-
 def run(args) -> int:
     try:
         targets = targets_from_args(args)
@@ -237,28 +116,16 @@ def _run(args, targets: list[Target], buckets: list[int]) -> int:
     return tune_on_gpu(args, targets, buckets)
 
 
-def load_seeds(path: str) -> list[dict]:
-    """The records of a `gen sweep --json` file, or of a tuned table (another run's or machine's: each
-    entry's recorded timings as a sweep record at the bucket's edge), for --seed; a missing or
-    unreadable file, or one that is neither, is a ValueError that says so."""
-    try:
-        with open(path) as f:
-            records = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"--seed {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--seed {path} is not JSON ({exc})") from None
-    if isinstance(records, dict) and records.get("format") == TABLE_FORMAT:
-        try:
-            table = TunedTable.from_json(records)
-        except TableError as exc:
-            raise ValueError(f"--seed {path}: {exc}") from None
-        return [{"problem": e["problem"], "m": e["bucket"],
-                 "results": e["all_timings"] or [{"schedule": e["schedule"], "us": e["us"]}]}
-                for e in table.to_json()["entries"]]
-    if not isinstance(records, list):
-        raise ValueError(f"--seed {path} is neither a `gen sweep --json` file (a list of records) nor a tuned table")
-    return records
+def with_earlier_timings(timings: list[dict], earlier) -> list[dict]:
+    """This run's timings of a bucket, then the timings that the bucket's table entry (`earlier`, an
+    Entry or None) holds for kernels this run did not time, marked "earlier_run": a forced re-tune
+    adds to a bucket's record instead of erasing it. The winner is chosen from this run's alone (times
+    from another run are not comparable to a few per cent)."""
+    if earlier is None:
+        return timings
+    timed = {json.dumps(t.get("schedule"), sort_keys=True) for t in timings}
+    return timings + [dict(t, earlier_run=True) for t in earlier.all_timings
+                      if json.dumps(t.get("schedule"), sort_keys=True) not in timed]
 
 
 def entry_in_harness(table, problem: Problem, bucket: int, harness: str):
@@ -311,117 +178,10 @@ class ForcedRun:
         self.path.unlink(missing_ok=True)
 
 
-def compile_with_progress(searches, arch, workers) -> None:
-    """Compile the searches' candidates in parallel behind a progress bar (the dry run)."""
-    from tqdm import tqdm
-
-    from .search import compile_candidates, compile_jobs
-
-    with tqdm(total=len(compile_jobs(searches)), desc=f"compile ({arch.name})", unit="kernel") as bar:
-        compile_candidates(searches, arch, workers=workers, progress=_CompileBar(bar))
-
-
-class _CompileBar:
-    """compile_many's progress callback: a bar step per job, and the failures counted beside it."""
-
-    def __init__(self, bar, on_failure=None):
-        self.bar, self.failed, self.on_failure = bar, 0, on_failure
-
-    def __call__(self, job, error) -> None:
-        if error is not None:
-            self.failed += 1
-            if self.on_failure:
-                self.on_failure(job)
-        self.bar.set_postfix(failed=self.failed, refresh=False)
-        self.bar.update(1)
-
-
-def compile_and_measure_with_progress(searches, arch, workers, labels: dict, label="check + time",
-                                      on_bucket=None, between: bool = False) -> None:
-    """Compile and measure the searches' new candidates (the GPU measures a problem while the CPU
-    compiles the next, search.compile_and_measure), behind two progress bars (shared with gen sweep).
-    `labels` names each problem on the measuring bar; `between` picks the harness (measure_problem)."""
-    from collections import Counter
-
-    from tqdm import tqdm
-
-    from .search import compile_and_measure, compile_jobs, measure_problem
-
-    per_job = Counter((s.problem, r.schedule) for s in searches for r in s.results if r.error is None and r.us is None)
-    with tqdm(total=len(compile_jobs(searches)), desc=f"compile ({arch.name})", unit="kernel", position=0) as built, \
-            tqdm(total=sum(per_job.values()), desc=label, unit="cand", position=1) as measured:
-        def not_measured(job):   # a kernel that did not compile is never measured
-            measured.total -= per_job[job]
-            measured.refresh()
-
-        def measure(problem, *args, **kwargs):
-            measured.set_postfix_str(labels.get(problem, problem.name), refresh=True)
-            return measure_problem(problem, *args, **kwargs)
-
-        compile_and_measure(searches, arch, workers, compiled=_CompileBar(built, not_measured),
-                            progress=lambda _: measured.update(1), on_bucket=on_bucket, measure=measure,
-                            between=between)
-
-
-def expected_round_s(past: list[tuple[int, float]], added: int) -> float:
-    """Seconds a local round of `added` candidates should take, from the (candidates, seconds) of the
-    rounds before it: a straight line through them when two or more differ in size (never below
-    their slowest second per candidate at zero fixed cost), else ROUND_FIXED_S (at most half the last
-    round) plus the last round's seconds per candidate on the rest."""
-    if len({n for n, _ in past}) >= 2:
-        slope, fixed = statistics.linear_regression([n for n, _ in past], [t for _, t in past])
-        if slope >= 0 and fixed >= 0:
-            return fixed + slope * added
-        return added * max(t / n for n, t in past)
-    n, took = past[-1]
-    fixed = min(ROUND_FIXED_S, took / 2)
-    return fixed + (took - fixed) * added / n
-
-
-def local_rounds(searches, args, arch, spec, labels: dict, started: float, record, finished) -> None:
-    """Rounds two and on (--refine places per bucket): the neighbours of what measured fastest, the
-    winners of the buckets beside and of the other layers at the same M (search.add_refinements);
-    round two for every bucket, each later one only where the round before moved the winner, and only
-    if it is expected to end within --time-budget of `started` (expected_round_s, from the rounds
-    before it). record(search) saves a measured bucket; finished(searches) marks buckets done."""
-    from .search import add_refinements
-
-    active = list(searches) if args.refine else []
-    past = []       # (candidates, seconds) of the rounds run
-    for round_no in range(2, 2 + REFINE_ROUNDS):
-        if not active:
-            return
-        round_started = time.monotonic()
-        had = {id(s): len(s.results) for s in active}
-        before = {id(s): s.winner() for s in active}
-        added = add_refinements(searches, arch, spec, per_bucket=args.refine, only=active)
-        if round_no > 2 and added:
-            expected = expected_round_s(past, added)
-            if round_started - started + expected > args.time_budget:
-                for s in active:
-                    del s.results[had[id(s)]:]
-                print(f"round {round_no} ({added} candidates, about {expected:.0f} s) skipped: it would end "
-                      f"past --time-budget {args.time_budget:.0f} s")
-                return
-        print(f"round {round_no}: {added} candidates added around the measured winners (--refine {args.refine})")
-        if not added:
-            return
-        compile_and_measure_with_progress(searches, arch, args.workers, labels, f"check + time, round {round_no}",
-                                          on_bucket=record, between=args.between)
-        past.append((added, time.monotonic() - round_started))
-        moved = [s for s in active if s.winner() is not before[id(s)]]
-        print(f"round {round_no} took {past[-1][1]:.0f} s and moved {len(moved)} of {len(active)} winners "
-              f"({time.monotonic() - started:.0f} s in all)")
-        finished([s for s in active if s.winner() is before[id(s)]])
-        active = moved
-
-
 def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     from runtime.table import GpuKey, TunedTable, table_path
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
-
-    from .search import MeasureError, achieved_gbps, add_incumbents, add_seeds, add_variants, plan
 
     arch = current_arch()
     if args.arch and get_arch(args.arch) != arch:
@@ -508,8 +268,6 @@ def print_results(targets: list[Target], buckets: list[int], table) -> None:
 def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
     from schedules.arch import get_arch
     from schedules.cost import GpuSpec
-
-    from .search import plan
 
     try:
         arch = get_arch(args.arch or "sm_90a")

@@ -9,6 +9,10 @@ Back to back, a kernel that launches its successor early (programmatic launches)
 of itself. In a model a GEMM follows an elementwise kernel that does not release it early; the
 "between" harness times that case: every call after the activations' producer, the producer's own
 time taken off.
+
+The problem side of the harness is shared too: `gen tune` and `gen bench` draw their random weights
+with random_weights, rotate through weight_copies of each kernel's format, and time the FP16 baseline
+(torch.matmul on the same dequantized weights, Fp16Baseline) beside the INT4 kernels in the same run.
 """
 from __future__ import annotations
 
@@ -19,12 +23,48 @@ from typing import Callable
 
 import torch
 
+from schedules.quant import dequantize, torch_dtype
+
 
 def copies_for(bytes_per_copy: int, device=None, min_copies: int = 2, max_copies: int = 256) -> int:
     """How many weight copies make the rotation at least 4x larger than the GPU's L2 cache."""
     l2 = torch.cuda.get_device_properties(device).L2_cache_size
     need = -(-4 * l2 // max(1, bytes_per_copy))
     return int(max(min_copies, min(max_copies, need)))
+
+
+def weight_copies(tensors: tuple) -> list[tuple]:
+    """`tensors` (one kernel's weights in its own format) and clones of them, copies_for their bytes
+    in all: a call per copy, captured in turn, reads every copy from HBM, as a model's layers do.
+    The first copy is `tensors` itself (the one a caller checks against the reference)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies_for(nbytes) - 1)]
+
+
+def random_weights(problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random INT4 weights of `problem` (a schedules.problem.Problem) on the GPU: codes uint8 [K, N]
+    and scales [K / group, N] in the activation dtype, drawn from torch's generator as it stands
+    (the caller seeds it)."""
+    codes = torch.randint(0, 1 << problem.bits, (problem.k, problem.n), dtype=torch.uint8, device="cuda")
+    # Positive scales of ~1/100 keep the outputs of K-long sums of O(1) activations well inside fp16 and bf16.
+    scales = (torch.rand(problem.num_groups, problem.n, device="cuda") * 0.01 + 0.005).to(torch_dtype(problem.dtype))
+    return codes, scales
+
+
+class Fp16Baseline:
+    """torch.matmul on the dequantized weights (the values the INT4 kernels compute with) in the
+    activation dtype, in weight_copies: the time every INT4 kernel is compared with, timed in the
+    same run because FP16's own time moves a few per cent between runs."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, bits: int = 4, dtype=torch.float16):
+        weight = dequantize(codes, scales, bits).to(dtype)
+        self.copies = [w for (w,) in weight_copies((weight,))]
+
+    def calls(self, x: torch.Tensor, out: torch.Tensor | None = None) -> list[Callable[[], object]]:
+        """One torch.matmul of activations `x` [M, K] per weight copy: into `out` when given (as the
+        INT4 candidates of `gen tune` write theirs), else into a fresh output per call (as the
+        kernels of `gen bench` return theirs)."""
+        return [functools.partial(torch.matmul, x, w, out=out) for w in self.copies]
 
 
 LAUNCH_COVER_CYCLES = 200_000   # ~0.1 ms at H200 clocks: far more than a graph launch takes
@@ -80,7 +120,7 @@ def time_sustained(calls: list[Callable[[], object]], seconds: float, nvml=None)
     board's power controller settles on the clock this load holds: {"us": microseconds per call over
     the whole run, "mj_per_call": the board's millijoules per call (NVML's energy counter, read
     around the run, which also holds the short spins between chunks, ~0.2 % of it), "sm_mhz": the
-    median SM clock read between chunks}. Without `nvml` (a gen.energy.Nvml) the last two are None."""
+    median SM clock read between chunks}. Without `nvml` (a gen.bench.energy.Nvml) the last two are None."""
     graph = _captured(calls)
     chunk = max(1, int(SUSTAIN_CHUNK_S * 1000.0 / _timed_replays(graph, 1)))
     busy_ms, replays, clocks = 0.0, 0, []

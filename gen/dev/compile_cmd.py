@@ -46,11 +46,11 @@ def run(args) -> int:
     from schedules.problem import Problem
     from schedules.registry import Schedule, family
 
-    from .compile import compile_schedule
-    from .models import parse_shapes
+    from runtime.kernels import compile_schedule
+    from gen.models import parse_shapes
 
     if args.sass:
-        from .sass import missing_tools
+        from gen.dev.sass import missing_tools
 
         if missing_tools():      # before a compile of several seconds whose machine code cannot be read
             print(f"gen compile: --sass needs {', '.join(missing_tools())} on PATH (see gen/sass.py)", file=sys.stderr)
@@ -76,7 +76,7 @@ def run(args) -> int:
     if args.sass:
         import tempfile
 
-        from .sass import disassemble, ptxas_findings, report
+        from gen.dev.sass import disassemble, ptxas_findings, report
 
         with tempfile.TemporaryDirectory() as tmp:
             kernel.export_ptx(f"{tmp}/kernel.ptx")

@@ -1,13 +1,14 @@
 """`gen bench`: tilemarlin against FP16 and the other W4A16 kernels at hand, per layer and batch size.
 
-Every kernel is timed the one way tilemarlin times anything (gen.measure.time_calls: a CUDA graph over
-enough weight copies that L2 holds none), in the same run, next to the ceilings measured in that run
-(HBM read bandwidth, FP16 tensor-core rate), with nvidia-smi's readings of the SM clock and the power
-cap while each batch size was timed (gen/clocks.py). Before a kernel is timed at a point, one call is
-checked against the fp32 reference where the kernel computes exactly our quantized weight; a wrong result is
-recorded as a failure, never as a time. The run is saved as JSON (`meta` + one row per layer, M and
-kernel) after every layer, and the report (gen/report.py) is built from that JSON alone, so
-`--from-json` can rebuild tables and plots on a machine without a GPU.
+Every kernel (gen/bench/contenders.py) is timed the one way tilemarlin times anything
+(gen.timing.time_calls: a CUDA graph over enough weight copies that L2 holds none), in the same run,
+next to the ceilings measured in that run (HBM read bandwidth, FP16 tensor-core rate), with
+nvidia-smi's readings of the SM clock and the power cap while each batch size was timed
+(gen/bench/clocks.py). Before a kernel is timed at a point, one call is checked against the fp32
+reference where the kernel computes exactly our quantized weight; a wrong result is recorded as a
+failure, never as a time. The run is saved as JSON (`meta` + one row per layer, M and kernel) after
+every layer, and the report (gen/bench/report.py) is built from that JSON alone, so `--from-json` can
+rebuild tables and plots on a machine without a GPU.
 """
 from __future__ import annotations
 
@@ -20,13 +21,12 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
 
-from gen import report
-from gen.clocks import ClockLog, summarize
+from gen.bench import report
+from gen.bench.clocks import ClockLog, summarize
+from gen.bench.contenders import CONTENDERS, KernelUnavailable, LayerWeights, layer_weights
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
@@ -34,8 +34,9 @@ KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
 # scale or reduction lands near 1.
 REL_ERR_LIMIT = 2e-2
 NO_GPU_EXIT = 2
-# FP16's sum moved by up to 3 % between runs on the H200 at M >= 512 (perf-notes v36, v37) while
-# ours stayed: rounds in which every kernel takes its turn put both under the same drift.
+# FP16's sum moves by up to 3 % between runs on the H200 at M >= 512 while ours stays
+# (docs/performance.md, "How things are measured"): rounds in which every kernel takes its turn put
+# both under the same drift.
 DEFAULT_ROUNDS = 3
 
 
@@ -169,7 +170,7 @@ def _report_from_json(args) -> int:
 
 def _layers(args) -> tuple[str, list]:
     """(name for the files, layers with .name, .k, .n): a model's linear layers or the --shapes given."""
-    from gen import models   # imported only when measuring
+    from gen import models
     from schedules.problem import Problem
 
     if args.shapes:
@@ -182,109 +183,6 @@ def _layers(args) -> tuple[str, list]:
     for layer in layers:   # a group that does not divide K fails here, before minutes of measuring
         Problem.make(n=layer.n, k=layer.k, group=args.group)
     return name, layers
-
-
-# --- the kernels compared --------------------------------------------------------------------------
-# Each contender turns one layer's weights into its own format, in as many copies as L2 needs to miss,
-# and returns a function from activations x [M, K] fp16 to the list of calls to time (one per copy).
-
-class KernelUnavailable(Exception):
-    """The kernel cannot run in this environment at all: skipped for the whole run, noted in meta."""
-
-
-@dataclass
-class LayerWeights:
-    """One layer's random INT4 weights on the GPU, the source every contender's copies are made from."""
-    name: str
-    k: int
-    n: int
-    group: int            # rows per scale (K for channelwise)
-    codes: object         # uint8 [K, N] in 0..15
-    scales: object        # fp16 [K / group, N]
-
-
-@dataclass
-class Contender:
-    calls: Callable       # x -> list of zero-argument calls, one per weight copy
-    exact: bool           # computes exactly dequantize(codes, scales), so it is checked against the reference
-
-
-def _copies(tensors: tuple, nbytes: int) -> list[tuple]:
-    from gen.measure import copies_for
-
-    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(copies_for(nbytes) - 1)]
-
-
-def tilemarlin_contender(w: LayerWeights) -> Contender:
-    try:
-        from runtime.op import w4a16_gemm
-    except ImportError as exc:
-        raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
-    from schedules import marlin_mma
-
-    copies = _copies(marlin_mma.pack(w.codes, w.scales), report.weight_bytes("tilemarlin", w.k, w.n, w.group))
-    return Contender(lambda x: [functools.partial(w4a16_gemm, x, qw, qs, w.n, w.k, w.group) for qw, qs in copies],
-                     exact=True)
-
-
-def fp16_contender(w: LayerWeights) -> Contender:
-    import torch
-
-    from schedules.quant import dequantize
-
-    weight = dequantize(w.codes, w.scales).to(torch.float16)   # the same values the INT4 kernels compute with
-    copies = _copies((weight,), report.weight_bytes("fp16", w.k, w.n, w.group))
-    return Contender(lambda x: [functools.partial(torch.matmul, x, c) for (c,) in copies], exact=True)
-
-
-def torch_int4_contender(w: LayerWeights) -> Contender:
-    """torch's tinygemm kernel: bf16 activations, weights as uint8 [N, K/2] (even k in the high nibble)
-    converted to its tiled int32 layout, and (scale, zero) pairs per group with w = (q - 8) * scale + zero."""
-    import torch
-
-    if not (hasattr(torch, "_weight_int4pack_mm") and hasattr(torch, "_convert_weight_to_int4pack")):
-        raise KernelUnavailable(f"torch {torch.__version__} has no _weight_int4pack_mm")
-    tiles = [t for t in (8, 4, 2) if w.k % (16 * t) == 0]
-    if not tiles:
-        raise ValueError(f"K={w.k} is not a multiple of 32, which tinygemm needs")
-    codes_nk = w.codes.t().contiguous()
-    packed = torch._convert_weight_to_int4pack((codes_nk[:, 0::2] << 4 | codes_nk[:, 1::2]).contiguous(), tiles[0])
-    scales = w.scales.to(torch.bfloat16)
-    scale_zero = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()   # symmetric: zero 0
-    copies = _copies((packed, scale_zero), report.weight_bytes("torch_int4", w.k, w.n, w.group))
-
-    def calls(x):
-        xb = x.to(torch.bfloat16)   # converted outside the graph: only the kernel is timed
-        return [functools.partial(torch._weight_int4pack_mm, xb, p, w.group, sz) for p, sz in copies]
-
-    return Contender(calls, exact=True)
-
-
-def humming_contender(w: LayerWeights) -> Contender:
-    """humming-kernels' HummingLayer with its default kernel choices. It quantizes the weight itself
-    (its own symmetric INT4 scales), so its result is not checked against our reference."""
-    import torch
-
-    try:
-        from humming.layer import HummingLayer
-    except ImportError as exc:
-        raise KernelUnavailable(f"humming is not importable: {exc}") from None
-    from gen.measure import copies_for
-    from schedules.quant import dequantize
-
-    weight_nk = dequantize(w.codes, w.scales).to(torch.float16).t().contiguous()
-    layers = []
-    for _ in range(copies_for(report.weight_bytes("humming", w.k, w.n, w.group))):
-        config = {"dtype": "int4", "group_size": 0 if w.group == w.k else w.group}   # 0: channelwise
-        layer = HummingLayer(shape_n=w.n, shape_k=w.k, weight_config=config, torch_dtype=torch.float16).cuda()
-        layer.load_from_unquantized(weight_nk)
-        layer.transform()
-        layers.append(layer)
-    return Contender(lambda x: [functools.partial(layer, x) for layer in layers], exact=False)
-
-
-CONTENDERS = {"tilemarlin": tilemarlin_contender, "fp16": fp16_contender,
-              "torch_int4": torch_int4_contender, "humming": humming_contender}
 
 
 # --- measuring ---------------------------------------------------------------------------------------
@@ -310,10 +208,10 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
     clocks meets all of them alike; the median counts. Any failure becomes that kernel's error.
     With `between`, every timed call runs after the activations' producer, whose own time (timed
     alone at the start of each round) comes off that round's times (`producer_us` in the rows).
-    With `sustain` (seconds), each timing is gen.measure.time_sustained's, and the rows get the
+    With `sustain` (seconds), each timing is gen.timing.time_sustained's, and the rows get the
     median of the rounds' millijoules per call and SM clocks (`mj_per_call`, `sm_mhz`; None
     without `nvml`)."""
-    from gen.measure import activation_producer, after, time_calls, time_producer, time_sustained
+    from gen.timing import activation_producer, after, time_calls, time_producer, time_sustained
     from schedules.quant import relative_error
 
     rows, calls, times = {}, {}, {}
@@ -364,18 +262,6 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
     return rows
 
 
-def _random_weights(layer, group: int) -> LayerWeights:
-    import torch
-
-    from schedules.problem import Problem
-
-    problem = Problem.make(n=layer.n, k=layer.k, group=group)
-    codes = torch.randint(0, 16, (problem.k, problem.n), dtype=torch.uint8, device="cuda")
-    # Positive scales of a realistic size keep every output well inside fp16 and bf16 range.
-    scales = (0.005 + 0.01 * torch.rand(problem.num_groups, problem.n, device="cuda")).to(torch.float16)
-    return LayerWeights(layer.name, problem.k, problem.n, problem.group, codes, scales)
-
-
 def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: dict, nvml=None) -> None:
     """Every point of one layer into `rows`; `windows` (M -> [(start, end)]) gets the wall-clock
     interval in which each batch size was timed, for the clock readings."""
@@ -420,7 +306,7 @@ def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: di
 def _meta(args, model: str, layers: list) -> dict:
     import torch
 
-    from gen.measure import fp16_tensor_flops, hbm_read_bandwidth
+    from gen.timing import fp16_tensor_flops, hbm_read_bandwidth
 
     props = torch.cuda.get_device_properties(0)
     print("measuring the ceilings (HBM read, FP16 tensor cores)...", file=sys.stderr, flush=True)
@@ -455,7 +341,7 @@ def _versions() -> dict:
     except importlib.metadata.PackageNotFoundError:   # run from a source checkout
         import tomllib
 
-        pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
         versions["tilemarlin"] = tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
     for package in ("tilelang", "humming"):
         try:
@@ -498,7 +384,7 @@ def _smi_device() -> str:
 def _energy_counter(meta: dict):
     """The GPU's NVML energy counter for --sustain, or None with the reason in meta["energy"]
     (the run then times without energy)."""
-    from gen.energy import EnergyUnavailable, Nvml
+    from gen.bench.energy import EnergyUnavailable, Nvml
 
     try:
         return Nvml(_smi_device())
@@ -537,7 +423,7 @@ def _measure_and_report(args, model: str, layers: list) -> int:
     nvml = _energy_counter(data["meta"]) if args.sustain else None
     with torch.no_grad(), ClockLog(_smi_device()) as clocks:
         for layer in layers:
-            weights = _random_weights(layer, args.group)
+            weights = layer_weights(layer, args.group)
             _measure_layer(weights, args, data["meta"]["skipped"], data["rows"], windows, nvml)
             del weights
             _save(data, json_path)   # a crash later still leaves the layers done

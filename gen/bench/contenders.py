@@ -1,0 +1,107 @@
+"""The kernels `gen bench` compares: tilemarlin, FP16 torch.matmul, torch's INT4 kernel and humming.
+
+Each contender turns one layer's weights into its own format, in as many copies as L2 needs to miss
+(gen.timing.weight_copies), and returns a function from activations x [M, K] fp16 to the list of
+calls to time, one per copy. FP16 is gen.timing.Fp16Baseline, the baseline `gen tune` times too.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from schedules.problem import Problem
+from schedules.quant import dequantize
+
+from gen.bench import report
+from gen.timing import Fp16Baseline, copies_for, random_weights, weight_copies
+
+
+class KernelUnavailable(Exception):
+    """The kernel cannot run in this environment at all: skipped for the whole run, noted in meta."""
+
+
+@dataclass
+class LayerWeights:
+    """One layer's random INT4 weights on the GPU, the source every contender's copies are made from."""
+    name: str
+    k: int
+    n: int
+    group: int            # rows per scale (K for channelwise)
+    codes: object         # uint8 [K, N] in 0..15
+    scales: object        # fp16 [K / group, N]
+
+
+def layer_weights(layer, group: int) -> LayerWeights:
+    """Random weights (gen.timing.random_weights) for `layer` (with .name, .k, .n) at `group` rows per scale."""
+    problem = Problem.make(n=layer.n, k=layer.k, group=group)
+    codes, scales = random_weights(problem)
+    return LayerWeights(layer.name, problem.k, problem.n, problem.group, codes, scales)
+
+
+@dataclass
+class Contender:
+    calls: Callable       # x -> list of zero-argument calls, one per weight copy
+    exact: bool           # computes exactly dequantize(codes, scales), so it is checked against the reference
+
+
+def tilemarlin_contender(w: LayerWeights) -> Contender:
+    try:
+        from runtime.op import w4a16_gemm
+    except ImportError as exc:
+        raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
+    from schedules import marlin_mma
+
+    copies = weight_copies(marlin_mma.pack(w.codes, w.scales))
+    return Contender(lambda x: [functools.partial(w4a16_gemm, x, qw, qs, w.n, w.k, w.group) for qw, qs in copies],
+                     exact=True)
+
+
+def fp16_contender(w: LayerWeights) -> Contender:
+    return Contender(Fp16Baseline(w.codes, w.scales).calls, exact=True)
+
+
+def torch_int4_contender(w: LayerWeights) -> Contender:
+    """torch's tinygemm kernel: bf16 activations, weights as uint8 [N, K/2] (even k in the high nibble)
+    converted to its tiled int32 layout, and (scale, zero) pairs per group with w = (q - 8) * scale + zero."""
+    if not (hasattr(torch, "_weight_int4pack_mm") and hasattr(torch, "_convert_weight_to_int4pack")):
+        raise KernelUnavailable(f"torch {torch.__version__} has no _weight_int4pack_mm")
+    tiles = [t for t in (8, 4, 2) if w.k % (16 * t) == 0]
+    if not tiles:
+        raise ValueError(f"K={w.k} is not a multiple of 32, which tinygemm needs")
+    codes_nk = w.codes.t().contiguous()
+    packed = torch._convert_weight_to_int4pack((codes_nk[:, 0::2] << 4 | codes_nk[:, 1::2]).contiguous(), tiles[0])
+    scales = w.scales.to(torch.bfloat16)
+    scale_zero = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()   # symmetric: zero 0
+    copies = weight_copies((packed, scale_zero))
+
+    def calls(x):
+        xb = x.to(torch.bfloat16)   # converted outside the graph: only the kernel is timed
+        return [functools.partial(torch._weight_int4pack_mm, xb, p, w.group, sz) for p, sz in copies]
+
+    return Contender(calls, exact=True)
+
+
+def humming_contender(w: LayerWeights) -> Contender:
+    """humming-kernels' HummingLayer with its default kernel choices. It quantizes the weight itself
+    (its own symmetric INT4 scales), so its result is not checked against our reference. Its weights
+    live inside layer objects, so the copies are whole layers, as many as copies_for its format's bytes."""
+    try:
+        from humming.layer import HummingLayer
+    except ImportError as exc:
+        raise KernelUnavailable(f"humming is not importable: {exc}") from None
+    weight_nk = dequantize(w.codes, w.scales).to(torch.float16).t().contiguous()
+    layers = []
+    for _ in range(copies_for(report.weight_bytes("humming", w.k, w.n, w.group))):
+        config = {"dtype": "int4", "group_size": 0 if w.group == w.k else w.group}   # 0: channelwise
+        layer = HummingLayer(shape_n=w.n, shape_k=w.k, weight_config=config, torch_dtype=torch.float16).cuda()
+        layer.load_from_unquantized(weight_nk)
+        layer.transform()
+        layers.append(layer)
+    return Contender(lambda x: [functools.partial(layer, x) for layer in layers], exact=False)
+
+
+CONTENDERS = {"tilemarlin": tilemarlin_contender, "fp16": fp16_contender,
+              "torch_int4": torch_int4_contender, "humming": humming_contender}

@@ -1,0 +1,144 @@
+"""What the flags of `gen tune` (and of `gen sweep`, which shares them) name, parsed and checked:
+the layers to tune, the buckets, the families and their axes, the knob variants, the seed records.
+Every function here raises ValueError with a message that names the flag and the bad value.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from dataclasses import dataclass
+
+from runtime.table import BUCKETS, FORMAT as TABLE_FORMAT, TableError, TunedTable
+from schedules.problem import Problem
+
+
+@dataclass
+class Target:
+    """One problem to tune and the layers that share it."""
+
+    problem: Problem
+    layers: list[str]
+
+    @property
+    def label(self) -> str:
+        return ",".join(self.layers)
+
+
+def targets_from_args(args) -> list[Target]:
+    """The distinct problems of --model and --shapes, each with the names of its layers."""
+    from gen.models import model_layers, parse_shapes
+
+    if not args.model and not args.shapes:
+        raise ValueError("say what to tune: --model NAME|PATH/config.json and/or --shapes KxN,...")
+    layers = (model_layers(args.model, tp=args.tp) if args.model else []) + \
+        (parse_shapes(args.shapes) if args.shapes else [])
+    targets: dict[Problem, Target] = {}
+    for layer in layers:
+        try:
+            problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)
+        except ValueError as exc:
+            raise ValueError(f"layer {layer.name} ({layer.shape}): {exc}") from None
+        targets.setdefault(problem, Target(problem, [])).layers.append(layer.name)
+    return list(targets.values())
+
+
+def parse_families(text: str | None) -> list[str] | None:
+    """The --families list (None: registry.SEARCHED); an unknown name is an error that lists the known ones."""
+    from schedules.registry import family
+
+    if not text:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        family(name)
+    return names
+
+
+def parse_knob_values(text: str | None, flag: str, searched_only: bool) -> dict[str, dict[str, tuple]]:
+    """"family.knob=v1,v2 ..." (--axes, --variants) -> {family: {knob: values}}. With `searched_only`
+    the knob must be one of the family's AXES. An unknown family, knob or value is an error naming it."""
+    from schedules.knob_space import knob_value
+    from schedules.registry import family
+
+    values: dict[str, dict[str, tuple]] = {}
+    for item in (text or "").split():
+        key, sep, listed = item.partition("=")
+        family_name, dot, knob = key.partition(".")
+        if not (sep and dot and listed):
+            raise ValueError(f"bad {flag} item {item!r}: expected family.knob=value[,value...]")
+        module = family(family_name)
+        if searched_only and knob not in module.AXES:
+            raise ValueError(f"{family_name} has no searched axis {knob!r}; its axes: {', '.join(module.AXES)}")
+        if knob in values.get(family_name, {}):
+            raise ValueError(f"{flag} names {key} twice")
+        values.setdefault(family_name, {})[knob] = tuple(knob_value(module.Knobs, knob, v) for v in listed.split(","))
+    return values
+
+
+def parse_axes(text: str | None) -> dict[str, dict[str, tuple]]:
+    """--axes "family.knob=v1,v2 ...": the values that replace those axes of the families' AXES for
+    this run, so that a prepared knob can be searched (checked against the reference and timed like
+    any candidate) without editing the code."""
+    return parse_knob_values(text, "--axes", searched_only=True)
+
+
+def parse_variants(text: str | None) -> dict[str, list[dict]]:
+    """--variants "family.knob=v1,v2 ...": per family, the knob changes to apply to its winners (every
+    combination of the values named); any knob of the family, searched or not."""
+    values = parse_knob_values(text, "--variants", searched_only=False)
+    return {name: [dict(zip(knobs, combo)) for combo in itertools.product(*knobs.values())]
+            for name, knobs in values.items()}
+
+
+@contextlib.contextmanager
+def searched_axes(overrides: dict[str, dict[str, tuple]]):
+    """The families' AXES with `overrides` (parse_axes) in place for the duration of a tune: the plan,
+    the cost model's candidate lists and the second round's neighbours all read them there."""
+    from schedules.registry import family
+
+    from gen.tune.search import use_axes
+
+    saved = {name: dict(family(name).AXES) for name in overrides}
+    try:
+        use_axes({name: {**saved[name], **axes} for name, axes in overrides.items()})
+        yield
+    finally:
+        use_axes(saved)
+
+
+def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
+    if not text:
+        return list(BUCKETS)
+    try:
+        buckets = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"bad {flag} {text!r}: expected comma-separated integers") from None
+    bad = [b for b in buckets if b not in BUCKETS]
+    if bad or not buckets:
+        raise ValueError(f"{flag} must be bucket edges, one or more of {','.join(map(str, BUCKETS))}; got {text!r}")
+    return buckets
+
+
+def load_seeds(path: str) -> list[dict]:
+    """The records of a `gen sweep --json` file, or of a tuned table (another run's or machine's: each
+    entry's recorded timings as a sweep record at the bucket's edge), for --seed; a missing or
+    unreadable file, or one that is neither, is a ValueError that says so."""
+    try:
+        with open(path) as f:
+            records = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--seed {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--seed {path} is not JSON ({exc})") from None
+    if isinstance(records, dict) and records.get("format") == TABLE_FORMAT:
+        try:
+            table = TunedTable.from_json(records)
+        except TableError as exc:
+            raise ValueError(f"--seed {path}: {exc}") from None
+        return [{"problem": e["problem"], "m": e["bucket"],
+                 "results": e["all_timings"] or [{"schedule": e["schedule"], "us": e["us"]}]}
+                for e in table.to_json()["entries"]]
+    if not isinstance(records, list):
+        raise ValueError(f"--seed {path} is neither a `gen sweep --json` file (a list of records) nor a tuned table")
+    return records

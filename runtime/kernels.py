@@ -1,0 +1,267 @@
+"""The compiled-kernel store: where compiled kernels live, how they are built, and how they load.
+
+A kernel is identified by what changes its binary: the code that builds kernels (a hash of
+schedules/ and templates/), TileLang's version, the CUDA toolkit, the arch, the problem and the
+schedule. Each lives in a readable folder, `kernels/<arch>/<problem>/<schedule>-<hash>/`, holding
+
+- `kernel.so`: TileLang's exported library (its `tvm_ffi` backend: host launcher + embedded cubin),
+- `kernel.cu`: the device source, for reading and for the code-generation tests,
+- `meta.json`: the identity above, including the CUDA toolkit that built it.
+
+Loading takes no part of TileLang's compiler. TileLang 0.1.15 exports a kernel as a shared library
+whose host code calls only TVM-FFI and TVM's runtime (`TVMBackendGetFuncFromEnv`, and the CUDA module
+loader `ffi.Module.load_from_bytes.cuda`). Both live in `tvm_ffi` and in TileLang's
+`lib/libtvm_runtime.so`, apart from `libtvm_compiler.so` and TileLang's Python: the store loads
+`libtvm_runtime.so` into the process and opens the kernel with `tvm_ffi.load_module`, then calls it
+with torch tensors as TileLang's own adapter does (the stream comes from torch through DLPack).
+Building a kernel imports TileLang, lowers the schedule and runs nvcc (5-10 s); that happens only on
+a miss, and `compile_many` does it for many kernels in worker processes.
+
+The CUDA toolkit sits in `meta.json` rather than in the folder's hash, so that a serving machine
+without nvcc can still load what a machine with the same toolkit built; where a toolkit is found and
+differs from the one recorded, the kernel counts as missing and is rebuilt.
+
+A read-only store serves as it is: only a build needs to write. `TILEMARLIN_CACHE_DIR` moves the
+whole cache (tuned tables and kernels), e.g. for an installed, non-editable package.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+from schedules.arch import Arch, get_arch
+from schedules.problem import Problem
+from schedules.registry import Schedule
+
+_LOCK = threading.Lock()
+_LOADED: dict[tuple, "CompiledKernel"] = {}
+
+
+def cache_root() -> Path:
+    """tilemarlin's cache folder: $TILEMARLIN_CACHE_DIR, else the project's cache/ folder."""
+    env = os.environ.get("TILEMARLIN_CACHE_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "cache"
+
+
+def kernel_dir() -> Path:
+    """Where compiled kernels live (not created: reading needs no folder)."""
+    return cache_root() / "kernels"
+
+
+def writable_kernel_dir() -> Path:
+    """kernel_dir(), created, for a build: an unwritable one is a clear error, not a failure deep
+    inside TileLang (an installed package's folder is often read-only)."""
+    path = kernel_dir()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PermissionError(f"cannot create the compiled-kernel cache {path} ({exc.strerror}); "
+                              "point TILEMARLIN_CACHE_DIR at a writable folder") from None
+    if not os.access(path, os.W_OK):
+        raise PermissionError(f"the compiled-kernel cache {path} is not writable; point "
+                              "TILEMARLIN_CACHE_DIR at a writable folder")
+    return path
+
+
+class CompiledKernel:
+    """A kernel loaded from the store: call it with the family's kernel_args()."""
+
+    def __init__(self, folder: Path, function):
+        self.folder = folder
+        self._function = function
+
+    def __call__(self, *args):
+        return self._function(*args)
+
+    def get_kernel_source(self) -> str:
+        """The CUDA device source nvcc compiled."""
+        return (self.folder / "kernel.cu").read_text()
+
+
+def compile_schedule(problem: Problem, schedule: Schedule, arch: Arch) -> CompiledKernel:
+    """The compiled kernel: from this process's memory, else the store, else built (and stored).
+    Thread-safe; each (problem, schedule, arch) is loaded at most once per process."""
+    key = (problem, schedule, arch.name)
+    with _LOCK:
+        kernel = _LOADED.get(key)
+        if kernel is None:
+            folder = _stored(problem, schedule, arch)
+            kernel = _LOADED[key] = CompiledKernel(folder, _load_library(folder / "kernel.so"))
+        return kernel
+
+
+def _stored(problem: Problem, schedule: Schedule, arch: Arch) -> Path:
+    """The kernel's folder in the store, built first if it is missing or stale."""
+    reason = schedule.module.check(problem, schedule.knobs, arch)
+    if reason:
+        raise ValueError(f"{schedule.name} is not valid for {problem.name} on {arch.name}: {reason}")
+    folder = kernel_folder(problem, schedule, arch)
+    if not _is_current(folder):
+        _build_into(folder, problem, schedule, arch)
+    return folder
+
+
+def build_kernel(problem: Problem, schedule: Schedule, arch: Arch):
+    """TileLang's JITKernel of a schedule, built now (for developer tools that want its PTX)."""
+    import tilelang
+
+    os.environ["TILELANG_CACHE_DIR"] = str(writable_kernel_dir() / "tilelang")
+    fam = schedule.module
+    return tilelang.compile(fam.build(problem, schedule.knobs), target=arch.target, pass_configs=fam.PASS_CONFIGS)
+
+
+# --- identity ------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def _code_fingerprint() -> str:
+    """A hash of every file that builds a kernel (schedules/, templates/)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for folder in ("schedules", "templates"):
+        for path in sorted((root / folder).rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def tilelang_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("tilelang")
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_toolkit() -> str | None:
+    """The nvcc that TileLang would build with (CUDA_HOME, CUDA_PATH, else PATH), as its release
+    and build line, e.g. 'cuda_13.0.r13.0/compiler.36424714_0'; None where no nvcc is installed."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    nvcc = str(Path(home) / "bin" / "nvcc") if home else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        return None
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    build = re.search(r"Build (\S+)", text)
+    return build.group(1) if build else text.strip().splitlines()[-1]
+
+
+def identity(problem: Problem, schedule: Schedule, arch: Arch) -> dict:
+    """Everything but the CUDA toolkit that makes a kernel's binary (see the module's docstring)."""
+    return {"code": _code_fingerprint(), "tilelang": tilelang_version(), "arch": arch.name,
+            "problem": problem.name, "schedule": schedule.to_dict()}
+
+
+def kernel_folder(problem: Problem, schedule: Schedule, arch: Arch) -> Path:
+    """The store's folder for a kernel: readable names, then a hash of its identity."""
+    digest = hashlib.sha256(json.dumps(identity(problem, schedule, arch), sort_keys=True).encode()).hexdigest()
+    readable = schedule.name.replace(":", "-")
+    return kernel_dir() / arch.name / problem.name / f"{readable}-{digest[:16]}"
+
+
+def _is_current(folder: Path) -> bool:
+    """A complete entry built by the CUDA toolkit found here (any, where none is installed)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    toolkit = cuda_toolkit()
+    return (folder / "kernel.so").is_file() and (toolkit is None or meta.get("cuda") == toolkit)
+
+
+# --- building and loading ------------------------------------------------------------------------
+
+def _build_into(folder: Path, problem: Problem, schedule: Schedule, arch: Arch) -> None:
+    """Build the kernel and put its entry in place atomically: a reader sees all of it or none.
+    Parallel builders of one kernel each write their own staging folder; the last rename wins."""
+    writable_kernel_dir()
+    jit = build_kernel(problem, schedule, arch)
+    staging = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    jit.export_library(str(staging / "kernel.so"))
+    (staging / "kernel.cu").write_text(jit.get_kernel_source())
+    meta = {**identity(problem, schedule, arch), "cuda": cuda_toolkit()}
+    (staging / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+    old = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.old")
+    if folder.exists():            # a stale entry (another toolkit): moved aside, then removed
+        os.replace(folder, old)
+    try:
+        os.replace(staging, folder)
+    except OSError:                # another builder put the same kernel in place first
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _tvm_runtime() -> None:
+    """Load TVM's runtime library from TileLang's package (not TileLang's Python, not its compiler):
+    exported kernels need its symbols and its CUDA module loader."""
+    spec = importlib.util.find_spec("tilelang")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("tilemarlin's kernels need the tilelang package (pip install tilelang==0.1.15)")
+    library = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libtvm_runtime.so"
+    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+
+
+def _load_library(path: Path):
+    """The entry function of an exported kernel library (TileLang's adapter calls the same one)."""
+    import tvm_ffi
+
+    _tvm_runtime()
+    return tvm_ffi.load_module(str(path)).main
+
+
+# --- many kernels at once ------------------------------------------------------------------------
+
+def _compile_job(problem: Problem, schedule_dict: dict, arch_name: str) -> str | None:
+    """Worker side of compile_many: fills the store; returns an error message or None."""
+    import logging
+
+    logging.disable(logging.CRITICAL)  # failed candidates would otherwise print whole kernel sources
+    try:
+        _stored(problem, Schedule.from_dict(schedule_dict), get_arch(arch_name))
+        return None
+    except Exception as exc:  # a candidate that fails is a result, not a crash
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:500]
+
+
+def _yield_to_the_gpu_driver() -> None:
+    """Compile workers run below normal priority: a tune measures one problem on the GPU while the
+    next one compiles, and the measuring process must get a core the moment it wants one."""
+    try:
+        os.nice(10)
+    except OSError:   # not permitted here: compile at normal priority
+        pass
+
+
+def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int | None = None,
+                 progress=None) -> dict[tuple[Problem, Schedule], str | None]:
+    """Build `jobs` into the store in a process pool (each nvcc run takes seconds); returns
+    job -> error or None. A caller's compile_schedule afterwards only loads."""
+    workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2)))
+    results: dict = {}
+    ctx = multiprocessing.get_context("spawn")  # no CUDA context or TVM state inherited by forks
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_yield_to_the_gpu_driver) as pool:
+        futures = {pool.submit(_compile_job, p, s.to_dict(), arch.name): (p, s) for p, s in jobs}
+        for fut in cf.as_completed(futures):
+            try:
+                results[futures[fut]] = fut.result()
+            except Exception as exc:  # the worker itself died (e.g. killed by the OOM killer)
+                results[futures[fut]] = f"compile worker died: {exc}"
+            if progress is not None:
+                progress(futures[fut], results[futures[fut]])
+    return results

@@ -1,0 +1,156 @@
+"""The compiled-kernel store: where kernels go, what identifies them, and loading without TileLang's
+compiler (no GPU needed: nvcc builds for sm_90a here, and a stored kernel loads on any machine)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import runtime.kernels as store
+from runtime.kernels import cache_root, kernel_dir, writable_kernel_dir
+
+
+def test_env_var_moves_the_whole_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path / "tm"))
+    assert cache_root() == tmp_path / "tm"
+    assert kernel_dir() == tmp_path / "tm" / "kernels" and not kernel_dir().exists()   # reading creates nothing
+    assert writable_kernel_dir().is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_read_only_cache_names_the_fix(tmp_path, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(ro))
+    with pytest.raises(PermissionError, match="TILEMARLIN_CACHE_DIR"):
+        writable_kernel_dir()
+
+
+def test_a_file_in_the_way_names_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "kernels").write_text("not a folder")
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
+    with pytest.raises(PermissionError, match="TILEMARLIN_CACHE_DIR"):
+        writable_kernel_dir()
+
+
+def _small_kernel():
+    from schedules.arch import get_arch
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+    from schedules.stream_mma import Knobs
+
+    return Problem(512, 1024, 128), Schedule("stream_mma", Knobs(warps=4, unroll=4, ahead=2)), get_arch("sm_90a")
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """One kernel built into a fresh store (one nvcc run for the whole module)."""
+    root = tmp_path_factory.mktemp("store")
+    old = os.environ.get("TILEMARLIN_CACHE_DIR")
+    os.environ["TILEMARLIN_CACHE_DIR"] = str(root)
+    saved = dict(store._LOADED)
+    store._LOADED.clear()
+    try:
+        problem, schedule, arch = _small_kernel()
+        kernel = store.compile_schedule(problem, schedule, arch)
+        yield root, kernel
+    finally:
+        store._LOADED.clear()
+        store._LOADED.update(saved)
+        if old is None:
+            os.environ.pop("TILEMARLIN_CACHE_DIR")
+        else:
+            os.environ["TILEMARLIN_CACHE_DIR"] = old
+
+
+def test_a_built_kernel_is_stored_under_readable_names(stored):
+    root, kernel = stored
+    problem, schedule, arch = _small_kernel()
+    folder = kernel.folder
+    assert folder == store.kernel_folder(problem, schedule, arch)
+    assert folder.relative_to(root / "kernels").parts[:2] == ("sm_90a", problem.name)
+    assert folder.name.startswith(schedule.name.replace(":", "-"))
+    assert sorted(p.name for p in folder.iterdir()) == ["kernel.cu", "kernel.so", "meta.json"]
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["cuda"] == store.cuda_toolkit() and meta["cuda"]          # the toolkit that built it
+    assert meta["schedule"] == schedule.to_dict() and meta["tilelang"] == store.tilelang_version()
+    assert "__global__" in kernel.get_kernel_source()
+
+
+def test_a_stored_kernel_loads_without_building(stored, monkeypatch):
+    problem, schedule, arch = _small_kernel()
+    monkeypatch.setattr(store, "_LOADED", {})
+    monkeypatch.setattr(store, "build_kernel", lambda *a: pytest.fail("built although the store has it"))
+    again = store.compile_schedule(problem, schedule, arch)
+    assert again.folder == stored[1].folder and again.get_kernel_source() == stored[1].get_kernel_source()
+
+
+def test_another_cuda_toolkit_or_a_damaged_entry_is_not_current(stored, monkeypatch):
+    folder = stored[1].folder
+    assert store._is_current(folder)
+    monkeypatch.setattr(store, "cuda_toolkit", lambda: "cuda_99.9.r99.9/compiler.0_0")
+    assert not store._is_current(folder)
+    monkeypatch.setattr(store, "cuda_toolkit", lambda: None)       # no nvcc here: any toolkit serves
+    assert store._is_current(folder)
+    monkeypatch.undo()
+    meta = folder / "meta.json"
+    text = meta.read_text()
+    try:
+        meta.write_text("{not json")
+        assert not store._is_current(folder)
+    finally:
+        meta.write_text(text)
+
+
+def test_the_identity_covers_the_code_and_the_schedule(monkeypatch):
+    problem, schedule, arch = _small_kernel()
+    before = store.kernel_folder(problem, schedule, arch)
+    monkeypatch.setattr(store, "_code_fingerprint", lambda: "schedules changed")
+    assert store.kernel_folder(problem, schedule, arch) != before
+    monkeypatch.undo()
+    other = type(schedule)("stream_mma", type(schedule.knobs)(warps=4, unroll=4, ahead=3))
+    assert store.kernel_folder(problem, other, arch) != before
+
+
+def _fresh_python(code: str, cache: str) -> dict:
+    env = {**os.environ, "TILEMARLIN_CACHE_DIR": cache}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+COMPILER_MODULES = ("gen", "tilelang", "tvm")     # tvm_ffi (the call interface) is not the compiler
+
+
+def _compiler_modules(names):
+    return sorted(n for n in names if n.split(".")[0] in COMPILER_MODULES)
+
+
+def test_importing_the_runtime_imports_neither_the_generator_nor_the_compiler(tmp_path):
+    names = _fresh_python("""
+        import json, sys
+        import runtime
+        print(json.dumps(sorted(sys.modules)))
+    """, str(tmp_path))
+    assert _compiler_modules(names) == []
+
+
+def test_loading_a_stored_kernel_imports_no_compiler(stored):
+    root, _ = stored
+    result = _fresh_python("""
+        import json, sys
+        from runtime.kernels import compile_schedule
+        from schedules.arch import get_arch
+        from schedules.problem import Problem
+        from schedules.registry import Schedule
+        from schedules.stream_mma import Knobs
+        kernel = compile_schedule(Problem(512, 1024, 128), Schedule("stream_mma", Knobs(warps=4, unroll=4, ahead=2)),
+                                  get_arch("sm_90a"))
+        print(json.dumps({"modules": sorted(sys.modules), "folder": str(kernel.folder)}))
+    """, str(root))
+    assert _compiler_modules(result["modules"]) == []
+    assert result["folder"].startswith(str(root))
