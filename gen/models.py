@@ -54,18 +54,32 @@ def _split(value: int, tp: int, what: str) -> int:
     return value // tp
 
 
+def _positive_int(config: dict, field: str, default: int | None = None) -> int:
+    """config[field] as a positive integer; `default` where the field is absent or null. A wrong
+    value is a ValueError that names the field and the value."""
+    value = config.get(field)
+    if value is None:
+        if default is None:
+            raise ValueError(f"model config lacks {field!r}" if field not in config
+                             else f"model config: {field} is null")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"model config: {field}={value!r} is not a positive integer")
+    return value
+
+
 def layers_from_config(config: dict, tp: int = 1) -> list[Layer]:
     """The four linear layers of one decoder layer of a Hugging Face-style config, on one of `tp` ranks."""
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
-    try:
-        hidden = int(config["hidden_size"])
-        intermediate = int(config["intermediate_size"])
-        heads = int(config["num_attention_heads"])
-    except KeyError as exc:
-        raise ValueError(f"model config lacks {exc.args[0]!r}") from None
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    hidden = _positive_int(config, "hidden_size")
+    intermediate = _positive_int(config, "intermediate_size")
+    heads = _positive_int(config, "num_attention_heads")
+    kv_heads = _positive_int(config, "num_key_value_heads", default=heads)
+    if hidden % heads and config.get("head_dim") is None:
+        raise ValueError(f"model config: hidden_size={hidden} is not divisible by num_attention_heads={heads} "
+                         "and there is no head_dim")
+    head_dim = _positive_int(config, "head_dim", default=hidden // heads)
 
     q_heads = _split(heads, tp, "num_attention_heads")
     # Fewer KV heads than ranks: each rank keeps a replica of one KV head, as vLLM and SGLang do.
@@ -112,6 +126,8 @@ def parse_shapes(text: str) -> list[Layer]:
             k, n = (int(v) for v in item.lower().split("x"))
         except ValueError:
             raise ValueError(f"bad shape {item!r}: expected KxN such as 4096x12288") from None
+        if k <= 0 or n <= 0:
+            raise ValueError(f"bad shape {item!r}: K and N must be positive")
         layers.append(Layer(f"{k}x{n}", k, n, "column"))
     if not layers:
         raise ValueError(f"no shapes in {text!r}")

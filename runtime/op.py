@@ -7,10 +7,11 @@ only the output (and a split-K workspace the first time a size is seen on a stre
 one kernel on the current stream.
 
 Dispatch: M = x.numel() // K picks an M bucket; the tuned table of this GPU names the schedule for
-(problem, bucket), else the cost model picks one (with one warning per problem saying how to tune
-it). The choice and its compiled kernel are cached per (device, problem, layout, bucket), so after
-the first call of a bucket a call costs dictionary lookups; a kernel is compiled (or loaded from the
-compiled cache) at most once per process.
+(problem, bucket), else the best of the tuned winners that fit the problem (runtime/fallback.py; one
+warning per problem says how to tune it). The choice and its compiled kernel are cached per (device,
+problem, layout, bucket), so after the first call of a bucket a call costs dictionary lookups; a
+kernel is loaded from the store (or compiled) at most once per process, under a lock of its own, so
+that threads running other shapes never wait for it.
 """
 from __future__ import annotations
 
@@ -153,42 +154,56 @@ class _Launcher:
     kernel: object
 
 
-_LOCK = threading.RLock()   # guards the three dicts below; held while a kernel compiles
+_LOCK = threading.Lock()     # guards the dicts below; held for lookups and inserts only
 _LAUNCHERS: dict[tuple, _Launcher] = {}
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}
 _TABLES: dict[int, object] = {}          # device index -> this GPU's TunedTable
+_WINNERS: dict[str, tuple] = {}          # arch -> the tuned winners an untuned shape chooses from
 _WARNED: set[Problem] = set()
+
+
+def _key_lock(key) -> threading.Lock:
+    with _LOCK:
+        return _KEY_LOCKS.setdefault(key, threading.Lock())
 
 
 def _launcher(device: torch.device, problem: Problem, layout: str, bucket: int) -> _Launcher:
     key = (device.index, problem, layout, bucket)
     launcher = _LAUNCHERS.get(key)
     if launcher is None:
-        with _LOCK:   # one thread resolves and compiles; the others then find it
+        # One thread resolves and loads this key; threads running other shapes never wait for it.
+        with _key_lock(key):
             launcher = _LAUNCHERS.get(key)
             if launcher is None:
-                from runtime.kernels import compile_schedule
                 from schedules.arch import current_arch
+
+                from .kernels import compile_schedule
 
                 schedule = schedule_for(problem, bucket, device, layout)
                 kernel = compile_schedule(problem, schedule, current_arch(device))
-                launcher = _LAUNCHERS[key] = _Launcher(schedule, kernel)
+                launcher = _Launcher(schedule, kernel)
+                with _LOCK:
+                    _LAUNCHERS[key] = launcher
     return launcher
 
 
 def schedule_for(problem: Problem, m: int, device=None, layout: str = DEFAULT_LAYOUT) -> Schedule:
-    """The schedule the op runs for `problem` at M = m on `device`: the tuned table's, else the cost
-    model's (warning once per problem). Its family must use `layout`."""
+    """The schedule the op runs for `problem` at M = m on `device`: the tuned table's, else the best
+    of the tuned winners that fit (runtime/fallback.py), warning once per problem. Its family must
+    use `layout`."""
     from schedules.arch import current_arch
-    from schedules.cost import GpuSpec, best_schedule
+    from schedules.cost import GpuSpec
+
+    from .fallback import fallback_schedule
 
     device = _cuda_device(device)
     bucket = bucket_of(m)
-    with _LOCK:
-        schedule = _tuned_table(device).lookup(problem, bucket)
-        if schedule is None:
-            # The bucket's upper edge, as the tuner measures it: one choice per bucket.
-            schedule = best_schedule(problem, bucket, current_arch(device), GpuSpec.current(device))
-            _warn_untuned(problem, device, schedule)
+    schedule = _tuned_table(device).lookup(problem, bucket)
+    if schedule is None:
+        arch = current_arch(device)
+        # The bucket's upper edge, as the tuner measures it: one choice per bucket.
+        schedule, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), _winners(arch.name))
+        _warn_untuned(problem, device, schedule, how)
     if schedule.module.LAYOUT != layout:
         raise ValueError(f"{schedule.name} reads weights in layout {schedule.module.LAYOUT}, but these are "
                          f"packed in {layout}; repack the layer for it")
@@ -200,20 +215,34 @@ def _tuned_table(device: torch.device):
     if table is None:
         from .table import GpuKey, load_tuned_table
 
-        table = _TABLES[device.index] = load_tuned_table(GpuKey.current(device))
+        table = load_tuned_table(GpuKey.current(device))
+        with _LOCK:
+            table = _TABLES.setdefault(device.index, table)
     return table
 
 
-def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule) -> None:
-    if problem in _WARNED:
-        return
-    _WARNED.add(problem)
+def _winners(arch: str) -> tuple:
+    winners = _WINNERS.get(arch)
+    if winners is None:
+        from .table import winners_for_arch
+
+        winners = winners_for_arch(arch)
+        with _LOCK:
+            winners = _WINNERS.setdefault(arch, winners)
+    return winners
+
+
+def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule, how: str) -> None:
+    with _LOCK:
+        if problem in _WARNED:
+            return
+        _WARNED.add(problem)
     command = f"gen tune --shapes {problem.k}x{problem.n} --group {-1 if problem.channelwise else problem.group}"
     if problem.dtype != "float16":
         command += f" --dtype {problem.dtype}"
     warnings.warn(
-        f"no tuned kernel for {problem.name} on {torch.cuda.get_device_name(device)}; running the cost "
-        f"model's pick ({schedule.name}), which may be slower. Tune this shape with: {command}",
+        f"no tuned kernel for {problem.name} on {torch.cuda.get_device_name(device)}; running {schedule.name}, "
+        f"{how}, which may be slower. Tune this shape with: {command}",
         UntunedShapeWarning, stacklevel=2)
 
 
@@ -221,8 +250,9 @@ def precompile(problems: Iterable[Problem], ms: Iterable[int], device=None, layo
                workers: int | None = None) -> dict:
     """Compile, in parallel, every kernel the op will run for `problems` at the M values `ms`, so
     that first calls only load them from the compiled cache. Returns {(problem, schedule): error or None}."""
-    from runtime.kernels import compile_many
     from schedules.arch import current_arch
+
+    from .kernels import compile_many
 
     device = _cuda_device(device)
     buckets = {bucket_of(m) for m in ms}

@@ -319,6 +319,20 @@ def table_path(gpu: GpuKey, root=None) -> Path:
     return Path(root if root is not None else tables_dir()) / f"{gpu.slug}.json"
 
 
+def winners_for_arch(arch: str) -> tuple[Schedule, ...]:
+    """The winning schedules of every trusted tuned table for `arch` under tables_dir(), each once,
+    in file and entry order: what an untuned shape's fallback chooses from."""
+    found: dict[Schedule, None] = {}
+    for path in sorted(tables_dir().glob("*.json")):
+        try:
+            table = _read_trusted(path, None)
+        except TableError:
+            continue
+        if table is not None and table.gpu.arch == arch:
+            found.update((entry.schedule, None) for _, entry in table.items())
+    return tuple(found)
+
+
 def load_tuned_table(gpu: GpuKey | None = None) -> TunedTable:
     """The tuned table of `gpu` (this process's GPU when None), empty when there is none."""
     gpu = gpu or GpuKey.current()

@@ -73,3 +73,18 @@ def test_parse_shapes():
     for bad in ("4096", "4096x", "axb", "", "0x64"):
         with pytest.raises(ValueError):
             parse_shapes(bad)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"hidden_size": None}, "hidden_size is null"),
+    ({"hidden_size": "4096"}, "hidden_size='4096' is not a positive integer"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0 is not a positive integer"),
+    ({"intermediate_size": -1}, "intermediate_size=-1"),
+    ({"num_key_value_heads": 2.5}, "num_key_value_heads=2.5"),
+    ({"hidden_size": 4000, "num_attention_heads": 3}, "not divisible by num_attention_heads=3"),
+])
+def test_malformed_config_fields_are_named(tmp_path, fields, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(MODELS["llama-2-7b"], **fields)))
+    with pytest.raises(ValueError, match=message):
+        model_layers(str(path))

@@ -255,9 +255,10 @@ class StubTable:
 @pytest.fixture
 def dispatch(monkeypatch):
     """Dispatch with a stub table, a counting compiler and a stub cost model; no GPU."""
+    import runtime.fallback
+    import runtime.kernels
     import schedules.arch
     import schedules.cost
-    import runtime.kernels
 
     calls = {"compile": [], "fallback": []}
     table = StubTable({(PROBLEM, 16): TUNED})
@@ -266,9 +267,10 @@ def dispatch(monkeypatch):
     monkeypatch.setattr(op, "_tuned_table", lambda device: table)
     monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: schedules.arch.get_arch("sm_90a"))
     monkeypatch.setattr(schedules.cost.GpuSpec, "current", classmethod(lambda cls, device=None: None))
-    monkeypatch.setattr(schedules.cost, "best_schedule",
-                        lambda problem, m, arch, gpu=None: calls["fallback"].append(m) or FALLBACK)
-    monkeypatch.setattr(gen.compile, "compile_schedule",
+    monkeypatch.setattr(op, "_winners", lambda arch: ())
+    monkeypatch.setattr(runtime.fallback, "fallback_schedule",
+                        lambda problem, m, arch, gpu, winners: (calls["fallback"].append(m) or FALLBACK, "a stub"))
+    monkeypatch.setattr(runtime.kernels, "compile_schedule",
                         lambda problem, schedule, arch: calls["compile"].append(schedule) or f"kernel {schedule.name}")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stub GPU")
     return table, calls
@@ -315,3 +317,29 @@ def test_concurrent_first_calls_compile_once(dispatch):
 def test_a_schedule_for_another_layout_is_refused(dispatch):
     with pytest.raises(ValueError, match="reads weights in layout marlin_mma.v1, but these are packed in other.v9"):
         op.schedule_for(PROBLEM, 16, CUDA0, layout="other.v9")
+
+
+def test_resolving_one_shape_never_blocks_another(dispatch, monkeypatch):
+    """A slow first call (a fallback or a build) holds only its own key's lock."""
+    import runtime.fallback
+
+    other = Problem(n=256, k=256, group=128)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_fallback(problem, m, arch, gpu, winners):
+        if problem == other:
+            entered.set()
+            assert release.wait(30), "the other shape was never resolved"
+        return FALLBACK, "a stub"
+
+    monkeypatch.setattr(runtime.fallback, "fallback_schedule", slow_fallback)
+    slow = threading.Thread(target=op._launcher, args=(CUDA0, other, op.DEFAULT_LAYOUT, 1))
+    slow.start()
+    assert entered.wait(30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", op.UntunedShapeWarning)
+        assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16).schedule == TUNED   # while the other waits
+        assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 1).schedule == FALLBACK
+    release.set()
+    slow.join(30)
+    assert not slow.is_alive()
