@@ -1,40 +1,52 @@
 """The tuned table: which schedule won for each (problem, M bucket) on one GPU, and how fast it ran.
 
-One JSON file per GPU (named by GpuKey.slug) under cache_root()/tuned/. It records the schema
-version, the GPU, the versions of tilemarlin, TileLang, CUDA and torch it was tuned with, and per
-entry the problem, the bucket, the winning schedule, its time and every candidate's timing or
-failure, and the harness that timed them when it is not the default (gen/measure.py: "between",
-each call after the activations' producer; absent means back-to-back replays). A file that cannot
-be parsed, has another schema, was tuned for another GPU or with another TileLang (the kernels it
-names would compile differently) is reported with a warning and ignored: the runtime then falls
-back to the cost model, which is slower but never wrong.
+Two JSON files per GPU (named by GpuKey.slug):
+- `cache_root()/tuned/<slug>.json`, the winners: per (problem, bucket) the winning schedule, its time,
+  FP16's time in the same run, when it was measured and with which harness (gen/timing.py: "between",
+  each call after the activations' producer; absent means back-to-back replays). This is what
+  serving reads and what the package ships.
+- `cache_root()/history/<slug>.json`, every candidate's timing or failure per (problem, bucket), for
+  the tuner (re-tunes keep earlier timings), `gen cache show` and `gen modelcheck`. It stays beside
+  the winners in a source checkout and is not part of the wheel.
 
-Tuners save under a file lock and merge with what is on disk, so two tuners running at once (say,
-one per model) keep each other's entries; the file is replaced atomically, so a reader never sees
-half of it.
+Trust is decided entry by entry. A file that cannot be parsed, has another schema, was tuned for
+another GPU or with another tilemarlin or TileLang (the kernels it names would differ) is ignored as
+a whole, with a warning. Within a trusted file an entry is skipped, with a warning that names it and
+the reason, when its schedule is unknown or its knobs lie outside the family's axes or fail the
+family's check on this arch, its times are not finite and positive, or it repeats a key; the other
+entries are kept. Another CUDA or torch than the table's is reported but does not discard it: the
+kernels are rebuilt by the local toolkit and checked against the reference before they serve.
+
+Tuners save under a file lock and merge with what is on disk: per (problem, bucket) the more
+recent measurement wins, so two tuners running at once keep each other's entries and a tuner never
+puts back an older timing over a newer one. Files are replaced atomically: a reader never sees half.
 """
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 from schedules.problem import Problem
 from schedules.registry import Schedule
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)      # schema 1 kept each entry's candidates inline, in one file
 FORMAT = "tilemarlin-tuned-table"
+HISTORY_FORMAT = "tilemarlin-tuning-history"
 
 # Decode (1..16) needs fine buckets: the kernel's block_m and split-K change there. Prefill only
 # needs powers of two. The last bucket also serves every M above it.
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-# How a bucket's candidates were timed (gen/measure.py): replayed back to back, or each call after the
+# How a bucket's candidates were timed (gen/timing.py): replayed back to back, or each call after the
 # activations' producer.
 REPLAY, BETWEEN = "replay", "between"
 HARNESSES = (REPLAY, BETWEEN)
@@ -57,12 +69,17 @@ def bucket_range(bucket: int) -> tuple[int, int | None]:
     return low, (None if bucket == BUCKETS[-1] else bucket)
 
 
+def now() -> str:
+    """A measurement's timestamp: UTC, ISO 8601, to the microsecond (ordered as text)."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
 class TableError(ValueError):
     """A tuned-table file that cannot be trusted; the message says why."""
 
 
 class TableWarning(UserWarning):
-    """A tuned-table file was ignored or replaced."""
+    """A tuned-table file, or some of its entries, was ignored or replaced."""
 
 
 @dataclass(frozen=True)
@@ -110,19 +127,17 @@ def current_versions() -> dict[str, str]:
     """The versions a table tuned now would be tuned with."""
     import torch
 
-    try:
-        tilelang = importlib.metadata.version("tilelang")
-    except importlib.metadata.PackageNotFoundError:
-        tilelang = "unknown"
-    return {"tilemarlin": _tilemarlin_version(), "tilelang": tilelang,
+    from .kernels import tilelang_version
+
+    return {"tilemarlin": _tilemarlin_version(), "tilelang": tilelang_version(),
             "cuda": str(torch.version.cuda), "torch": torch.__version__}
 
 
 @dataclass
 class Entry:
     """The winner of one (problem, bucket): its schedule, median us per call at the bucket's upper
-    edge, FP16 torch.matmul's time in the same run, achieved GB/s, every candidate's result, and the
-    harness that timed them (one of HARNESSES)."""
+    edge, FP16 torch.matmul's time in the same run, achieved GB/s, when it was measured, every
+    candidate's result (the history), and the harness that timed them (one of HARNESSES)."""
 
     schedule: Schedule
     us: float
@@ -130,18 +145,38 @@ class Entry:
     gbps: float | None = None
     all_timings: list[dict] = field(default_factory=list)
     harness: str = REPLAY
+    measured_at: str = ""       # empty: unknown, older than any timestamp
 
     def __post_init__(self):
         if self.harness not in HARNESSES:
             raise ValueError(f"harness {self.harness!r} is not one of {HARNESSES}")
+        if not _positive_finite(self.us) or (self.fp16_us is not None and not _positive_finite(self.fp16_us)):
+            raise ValueError(f"times must be finite and positive, got us={self.us!r}, fp16_us={self.fp16_us!r}")
 
     @property
     def speedup(self) -> float | None:
         return self.fp16_us / self.us if self.fp16_us else None
 
 
+def _positive_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
 def _problem_dict(p: Problem) -> dict:
     return {"n": p.n, "k": p.k, "group": p.group, "dtype": p.dtype, "bits": p.bits}
+
+
+def knobs_reason(schedule: Schedule, problem: Problem, arch_name: str) -> str | None:
+    """Why a schedule read from a file cannot be trusted: a knob of the wrong type or outside its
+    family's axes, or the family's check on `arch_name`; None when it can."""
+    from schedules.arch import get_arch
+
+    fam = schedule.module
+    for name, allowed in fam.AXES.items():
+        value = getattr(schedule.knobs, name)
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            return f"knob {name}={value!r} is not one of the {fam.NAME} axis values {allowed}"
+    return fam.check(problem, schedule.knobs, get_arch(arch_name))
 
 
 class TunedTable:
@@ -150,6 +185,7 @@ class TunedTable:
     def __init__(self, gpu: GpuKey | None = None, versions: dict | None = None):
         self.gpu = gpu
         self.versions = dict(versions) if versions else {}
+        self.skipped: list[str] = []         # why entries of the file it was read from were left out
         self._entries: dict[tuple[Problem, int], Entry] = {}
         self._recorded: set[tuple[Problem, int]] = set()   # what this process adds on save
 
@@ -169,128 +205,216 @@ class TunedTable:
         return found.schedule if found else None
 
     def record(self, problem: Problem, bucket: int, schedule: Schedule, us: float, **extra) -> None:
-        """Set the winner of (problem, bucket); `extra` are Entry's other fields."""
+        """Set the winner of (problem, bucket), measured now; `extra` are Entry's other fields."""
         if bucket not in BUCKETS:
             raise ValueError(f"{bucket} is not a bucket edge; buckets are {BUCKETS}")
+        extra.setdefault("measured_at", now())
         self._entries[(problem, bucket)] = Entry(schedule=schedule, us=float(us), **extra)
         self._recorded.add((problem, bucket))
 
     # --- files -------------------------------------------------------------------------------
 
+    def _header(self, fmt: str) -> dict:
+        return {"format": fmt, "schema": SCHEMA_VERSION, "gpu": self.gpu.to_dict() if self.gpu else None,
+                "versions": self.versions}
+
     def to_json(self) -> dict:
-        return {
-            "format": FORMAT,
-            "schema": SCHEMA_VERSION,
-            "gpu": self.gpu.to_dict() if self.gpu else None,
-            "versions": self.versions,
-            "entries": [
-                {"problem": _problem_dict(p), "bucket": b, "schedule": e.schedule.to_dict(), "us": e.us,
-                 "fp16_us": e.fp16_us, "gbps": e.gbps, "all_timings": e.all_timings,
-                 **({"harness": e.harness} if e.harness != REPLAY else {})}
-                for (p, b), e in self.items()
-            ],
-        }
+        """The winners file."""
+        return {**self._header(FORMAT), "entries": [
+            {"problem": _problem_dict(p), "bucket": b, "schedule": e.schedule.to_dict(), "us": e.us,
+             "fp16_us": e.fp16_us, "gbps": e.gbps, "measured_at": e.measured_at,
+             **({"harness": e.harness} if e.harness != REPLAY else {})}
+            for (p, b), e in self.items()]}
+
+    def history_json(self) -> dict:
+        """The history file: every entry's candidates."""
+        return {**self._header(HISTORY_FORMAT), "entries": [
+            {"problem": _problem_dict(p), "bucket": b, "measured_at": e.measured_at, "all_timings": e.all_timings}
+            for (p, b), e in self.items() if e.all_timings]}
 
     @classmethod
-    def read(cls, path) -> "TunedTable":
-        """Parse a table file as it is, stale or not; raises TableError when it cannot be parsed."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise TableError(f"not valid JSON ({exc}); the file is corrupt or truncated") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise TableError(f"cannot be read ({exc})") from None
-        return cls.from_json(data)
+    def read(cls, path, history: bool = False) -> "TunedTable":
+        """Parse a table file as it is, stale or not, with its history file when `history`; raises
+        TableError when it cannot be parsed. Entries that cannot be trusted are left out and named in
+        `skipped`."""
+        table = cls.from_json(_read_json(Path(path)))
+        if history:
+            hist = history_path_of(Path(path))
+            if hist.exists():
+                table.add_history(_read_json(hist))
+        return table
 
     @classmethod
     def from_json(cls, data) -> "TunedTable":
-        """A table from a parsed table file, stale or not; raises TableError when it is not one."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise TableError(f"not a tilemarlin tuned table (format field {_field(data, 'format')!r})")
-        if data.get("schema") != SCHEMA_VERSION:
-            raise TableError(f"table schema {data.get('schema')!r}, this tilemarlin reads schema {SCHEMA_VERSION}")
-        try:
-            if not isinstance(data["versions"], dict):
-                raise TypeError("'versions' is not an object")
-            table = cls(GpuKey(**data["gpu"]), versions=data["versions"])
-            entries = data["entries"]
-        except (KeyError, TypeError) as exc:
-            raise TableError(f"missing or malformed header field ({type(exc).__name__}: {exc})") from None
-        for i, e in enumerate(entries if isinstance(entries, list) else [None]):
+        """A table from a parsed winners file, stale or not; raises TableError when it is not one."""
+        table = cls._from_header(data, FORMAT)
+        for i, e in enumerate(data["entries"]):
             try:
-                bucket = int(e["bucket"])
-                if bucket not in BUCKETS:
-                    raise ValueError(f"bucket {bucket} is not one of {BUCKETS}")
-                table._entries[(Problem(**e["problem"]), bucket)] = Entry(
-                    schedule=Schedule.from_dict(e["schedule"]), us=float(e["us"]), fp16_us=e.get("fp16_us"),
-                    gbps=e.get("gbps"), all_timings=list(e.get("all_timings", [])),
-                    harness=e.get("harness", REPLAY))
+                key, entry = _parse_entry(e, table.gpu.arch)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise TableError(f"entry {i} is malformed ({type(exc).__name__}: {exc})") from None
+                table.skipped.append(f"entry {i} {_entry_name(e)}: {exc}")
+                continue
+            if key in table._entries:
+                table.skipped.append(f"entry {i} {_entry_name(e)}: repeats an earlier entry's key")
+                continue
+            table._entries[key] = entry
         return table
 
+    @classmethod
+    def _from_header(cls, data, fmt: str) -> "TunedTable":
+        if not isinstance(data, dict) or data.get("format") != fmt:
+            raise TableError(f"not a {fmt} file (format field {_field(data, 'format')!r})")
+        if data.get("schema") not in READABLE_SCHEMAS:
+            raise TableError(f"table schema {data.get('schema')!r}, this tilemarlin reads schemas {READABLE_SCHEMAS}")
+        try:
+            if not isinstance(data["versions"], dict) or not isinstance(data["entries"], list):
+                raise TypeError("'versions' is not an object or 'entries' not a list")
+            return cls(GpuKey(**data["gpu"]), versions=data["versions"])
+        except (KeyError, TypeError) as exc:
+            raise TableError(f"missing or malformed header field ({type(exc).__name__}: {exc})") from None
+
+    def add_history(self, data) -> None:
+        """Attach a history file's timings to the entries measured at the same time."""
+        history = TunedTable._from_header(data, HISTORY_FORMAT)
+        if history.gpu != self.gpu:
+            raise TableError(f"the history is of {history.gpu}, the table of {self.gpu}")
+        for h in data["entries"]:
+            try:
+                key = (Problem(**h["problem"]), int(h["bucket"]))
+                entry = self._entries.get(key)
+                if entry is not None and entry.measured_at == h.get("measured_at", ""):
+                    entry.all_timings = list(h["all_timings"])
+            except (KeyError, TypeError, ValueError):
+                continue      # a history record that does not parse only loses its timings
+
     def stale_reason(self, gpu: GpuKey | None = None) -> str | None:
-        """Why this table's kernels cannot be trusted now (other TileLang, other GPU), or None."""
-        tilelang_now = current_versions()["tilelang"]
-        if self.versions.get("tilelang") != tilelang_now:
-            return f"stale: tuned with TileLang {self.versions.get('tilelang')}, this is TileLang {tilelang_now}"
+        """Why this table's kernels cannot be trusted now (other tilemarlin or TileLang, other GPU)."""
+        now_versions = current_versions()
+        for name, label in (("tilemarlin", "tilemarlin"), ("tilelang", "TileLang")):
+            if self.versions.get(name) != now_versions[name]:
+                return f"stale: tuned with {label} {self.versions.get(name)}, this is {label} {now_versions[name]}"
         if gpu is not None and self.gpu != gpu:
             return f"tuned for {self.gpu}, not for {gpu}"
         return None
 
+    def version_notes(self) -> list[str]:
+        """The versions that differ from this process's but leave the table usable (CUDA, torch)."""
+        now_versions = current_versions()
+        return [f"tuned with {name} {self.versions.get(name)}, this is {name} {now_versions[name]}"
+                for name in ("cuda", "torch") if self.versions.get(name) != now_versions[name]]
+
     @classmethod
-    def load(cls, path, gpu: GpuKey | None = None) -> "TunedTable":
+    def load(cls, path, gpu: GpuKey | None = None, history: bool = False) -> "TunedTable":
         """The table at `path`, or an empty one (for `gpu`) when it is missing or untrusted.
 
         An untrusted file (corrupt, truncated, other schema, stale, other GPU) is reported with a
-        TableWarning naming the file and the problem.
+        TableWarning naming the file and the problem; so are skipped entries and version differences.
         """
         path = Path(path)
         try:
-            table = _read_trusted(path, gpu)
+            table = _read_trusted(path, gpu, history)
         except TableError as exc:
             warnings.warn(f"ignoring tuned table {path}: {exc}", TableWarning, stacklevel=2)
             table = None
-        return table if table is not None else cls(gpu)
+        if table is None:
+            return cls(gpu)
+        if table.skipped:
+            warnings.warn(f"tuned table {path}: skipped {len(table.skipped)} entries: " + "; ".join(table.skipped),
+                          TableWarning, stacklevel=2)
+        notes = table.version_notes()
+        if notes and gpu is not None:
+            warnings.warn(f"tuned table {path}: {'; '.join(notes)}; its kernels are rebuilt here and checked "
+                          "against the reference before they serve, but the timings may not hold",
+                          TableWarning, stacklevel=2)
+        return table
 
     def save(self, path) -> None:
-        """Write atomically, merged under a file lock with what other tuners saved meanwhile.
-
-        Entries recorded by this object win; every other entry comes from the file as it is now,
-        so a concurrent tuner's newer results are kept and a cleared table stays cleared.
-        """
+        """Write the winners and the history atomically, merged under a file lock with what other
+        tuners saved meanwhile: per key, the more recent measurement wins (see the module docstring)."""
         from filelock import FileLock
 
         if self.gpu is None:
             raise ValueError("a tuned table needs its GpuKey before it can be saved")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        history = history_path_of(path)
+        for folder in (path.parent, history.parent):
+            writable_folder(folder)
         with FileLock(str(path) + ".lock"):
             try:
-                on_disk = _read_trusted(path, self.gpu)
+                on_disk = _read_trusted(path, self.gpu, history=True)
             except TableError as exc:
                 warnings.warn(f"replacing tuned table {path}: {exc}", TableWarning, stacklevel=2)
                 on_disk = None
             merged = dict(on_disk._entries) if on_disk is not None else {}
-            merged.update({key: self._entries[key] for key in self._recorded})
+            for key in self._recorded:
+                theirs = merged.get(key)
+                if theirs is None or self._entries[key].measured_at >= theirs.measured_at:
+                    merged[key] = self._entries[key]
             self._entries = merged
             self.versions = current_versions()
+            atomic_write(history, json.dumps(self.history_json(), indent=1) + "\n")
             atomic_write(path, json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def _parse_entry(e: dict, arch: str) -> tuple[tuple[Problem, int], Entry]:
+    bucket = e["bucket"]
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket not in BUCKETS:
+        raise ValueError(f"bucket {bucket!r} is not one of {BUCKETS}")
+    problem = Problem(**e["problem"])
+    schedule = Schedule.from_dict(e["schedule"])
+    reason = knobs_reason(schedule, problem, arch)
+    if reason:
+        raise ValueError(f"{schedule.name}: {reason}")
+    measured_at = e.get("measured_at", "")
+    if not isinstance(measured_at, str):
+        raise ValueError(f"measured_at {measured_at!r} is not a timestamp")
+    entry = Entry(schedule=schedule, us=e["us"], fp16_us=e.get("fp16_us"), gbps=e.get("gbps"),
+                  harness=e.get("harness", REPLAY), measured_at=measured_at,
+                  all_timings=list(e.get("all_timings", [])))
+    return (problem, bucket), entry
+
+
+def _entry_name(e) -> str:
+    try:
+        return f"({Problem(**e['problem']).name}, bucket {e['bucket']})"
+    except Exception:      # noqa: BLE001 - naming a malformed entry must not fail
+        return "(unreadable problem or bucket)"
 
 
 def _field(data, name):
     return data.get(name) if isinstance(data, dict) else None
 
 
-def _read_trusted(path: Path, gpu: GpuKey | None) -> TunedTable | None:
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise TableError(f"{path.name} is not valid JSON ({exc}); the file is corrupt or truncated") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TableError(f"{path.name} cannot be read ({exc})") from None
+
+
+def _read_trusted(path: Path, gpu: GpuKey | None, history: bool = False) -> TunedTable | None:
     """The table at `path`, None when missing; TableError when present but untrusted."""
     if not path.exists():
         return None
-    table = TunedTable.read(path)
+    table = TunedTable.read(path, history)
     reason = table.stale_reason(gpu)
     if reason:
         raise TableError(reason)
     return table
+
+
+def writable_folder(folder: Path) -> Path:
+    """`folder`, created: a read-only cache is a clear error that names the path and the fix."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PermissionError(f"cannot create {folder} ({exc.strerror}); point TILEMARLIN_CACHE_DIR at a "
+                              "writable folder") from None
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"{folder} is not writable; point TILEMARLIN_CACHE_DIR at a writable folder")
+    return folder
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -308,10 +432,15 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def tables_dir() -> Path:
-    """The folder of the tuned tables, one JSON file per GPU: cache_root()/tuned."""
-    from runtime.kernels import cache_root
+    """The folder of the tuned tables (winners), one JSON file per GPU: cache_root()/tuned."""
+    from .kernels import cache_root
 
     return cache_root() / "tuned"
+
+
+def history_path_of(table: Path) -> Path:
+    """The history file beside a winners file: <root>/history/<same name>."""
+    return table.parent.parent / "history" / table.name
 
 
 def table_path(gpu: GpuKey, root=None) -> Path:

@@ -1,6 +1,7 @@
 """The tuned-table format: buckets, round trip, untrusted files, atomic merged saves."""
 import json
 import multiprocessing
+import os
 
 import pytest
 
@@ -58,10 +59,14 @@ def test_round_trip(tmp_path):
     assert set(data["versions"]) == {"tilemarlin", "tilelang", "cuda", "torch"}
     assert data["entries"][0]["problem"] == {"n": 12288, "k": 4096, "group": 128, "dtype": "float16", "bits": 4}
 
+    assert "all_timings" not in data["entries"][0]          # the history lives in its own file
+    history = json.loads((tmp_path.parent / "history" / "t.json").read_text())
+    assert history["entries"][0]["all_timings"] == timings
+
     loaded = TunedTable.load(path, GPU)
     entry = loaded.entry(PROBLEM, 16)
     assert entry.schedule == SCHEDULE and entry.us == 7.5 and entry.speedup == 2.0
-    assert entry.all_timings == timings
+    assert entry.all_timings == [] and TunedTable.load(path, GPU, history=True).entry(PROBLEM, 16).all_timings == timings
     assert loaded.lookup(PROBLEM, 9) == SCHEDULE     # 9..16 share the bucket
     assert loaded.lookup(PROBLEM, 8) is None
     assert loaded.lookup(Problem.make(n=4096, k=4096), 16) is None
@@ -80,7 +85,7 @@ def test_harness_round_trips_and_an_unknown_one_is_malformed(tmp_path):
     data = json.loads(path.read_text())
     data["entries"][0]["harness"] = "graph"
     path.write_text(json.dumps(data))
-    _assert_ignored(path, "entry 0 is malformed")
+    _assert_ignored(path, "entry 0 .*harness 'graph'")
 
 
 def test_record_rejects_non_bucket():
@@ -132,7 +137,7 @@ def test_wrong_schema_is_ignored(tmp_path):
 def test_not_a_table_is_ignored(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps([1, 2, 3]))
-    _assert_ignored(path, "not a tilemarlin tuned table")
+    _assert_ignored(path, "not a tilemarlin-tuned-table file")
 
 
 def test_malformed_entry_is_ignored(tmp_path):
@@ -140,7 +145,59 @@ def test_malformed_entry_is_ignored(tmp_path):
     data = json.loads(path.read_text())
     data["entries"][0]["schedule"]["knobs"]["no_such_knob"] = 1
     path.write_text(json.dumps(data))
-    _assert_ignored(path, "entry 0 is malformed")
+    _assert_ignored(path, "entry 0 .*no_such_knob")
+
+
+GOOD_PROBLEM = Problem.make(n=4096, k=4096)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda e: e["schedule"]["knobs"].update(split_k=7), "split_k=7 is not one of"),
+    (lambda e: e["schedule"]["knobs"].update(split_k="2"), "split_k='2' is not one of"),
+    (lambda e: e["schedule"]["knobs"].update(scale_on_acc=1), "scale_on_acc=1 is not one of"),
+    (lambda e: e["schedule"]["knobs"].update(block_m=128, block_n=256, block_k=128, num_stages=6), "shared"),
+    (lambda e: e.update(us="nan"), "finite and positive"),
+    (lambda e: e.update(us=float("inf")), "finite and positive"),
+    (lambda e: e.update(us=-1.0), "finite and positive"),
+    (lambda e: e.update(fp16_us="12"), "finite and positive"),
+    (lambda e: e.update(bucket=3), "bucket 3 is not one of"),
+    (lambda e: e.update(bucket=True), "bucket True"),
+    (lambda e: e["schedule"].update(family="no_such_family"), "unknown schedule family"),
+])
+def test_an_untrusted_entry_is_skipped_and_named_the_rest_kept(tmp_path, change, reason):
+    path = tmp_path / "t.json"
+    table = TunedTable(GPU)
+    table.record(GOOD_PROBLEM, 1, SCHEDULE, 5.0)
+    table.record(GOOD_PROBLEM, 2, SCHEDULE, 6.0)
+    table.save(path)
+    data = json.loads(path.read_text())
+    change(data["entries"][1])
+    path.write_text(json.dumps(data))
+    with pytest.warns(TableWarning, match=f"skipped 1 entries: entry 1 .*{reason}"):
+        loaded = TunedTable.load(path, GPU)
+    assert len(loaded) == 1 and loaded.entry(GOOD_PROBLEM, 1).us == 5.0
+
+
+def test_a_repeated_key_keeps_the_first_entry_and_says_so(tmp_path):
+    path = tmp_path / "t.json"
+    table = TunedTable(GPU)
+    table.record(GOOD_PROBLEM, 1, SCHEDULE, 5.0)
+    table.save(path)
+    data = json.loads(path.read_text())
+    data["entries"].append(dict(data["entries"][0], us=1.0))
+    path.write_text(json.dumps(data))
+    with pytest.warns(TableWarning, match="entry 1 .*repeats an earlier entry's key"):
+        assert TunedTable.load(path, GPU).entry(GOOD_PROBLEM, 1).us == 5.0
+
+
+def test_the_committed_table_is_trusted_entry_by_entry():
+    from runtime.table import tables_dir
+
+    paths = sorted(tables_dir().glob("*.json"))
+    assert paths
+    for path in paths:
+        table = TunedTable.read(path)
+        assert table.skipped == [] and len(table) > 0, (path, table.skipped)
 
 
 def test_stale_tilelang_is_ignored(tmp_path):
@@ -149,6 +206,23 @@ def test_stale_tilelang_is_ignored(tmp_path):
     data["versions"]["tilelang"] = "0.0.1"
     path.write_text(json.dumps(data))
     _assert_ignored(path, "stale: tuned with TileLang 0.0.1")
+
+
+def test_another_tilemarlin_is_ignored(tmp_path):
+    path = _saved(tmp_path)
+    data = json.loads(path.read_text())
+    data["versions"]["tilemarlin"] = "0.0.1"
+    path.write_text(json.dumps(data))
+    _assert_ignored(path, "stale: tuned with tilemarlin 0.0.1")
+
+
+def test_another_cuda_or_torch_is_reported_and_kept(tmp_path):
+    path = _saved(tmp_path)
+    data = json.loads(path.read_text())
+    data["versions"].update(cuda="11.8", torch="2.0.0")
+    path.write_text(json.dumps(data))
+    with pytest.warns(TableWarning, match="tuned with cuda 11.8.*tuned with torch 2.0.0.*checked against the reference"):
+        assert TunedTable.load(path, GPU).entry(PROBLEM, 1).us == 5.0
 
 
 def test_other_gpu_is_ignored(tmp_path):
@@ -179,6 +253,41 @@ def test_save_merges_and_recorded_entries_win(tmp_path):
     final = TunedTable.load(path, GPU)
     assert final.entry(PROBLEM, 1).us == 4.0 and final.entry(PROBLEM, 2).us == 6.0
     assert mine.entry(PROBLEM, 1).us == 4.0      # the saver sees the merged table too
+
+
+def test_an_older_measurement_never_replaces_a_newer_one(tmp_path):
+    path = _saved(tmp_path)
+    a = TunedTable.load(path, GPU)
+    a.record(PROBLEM, 1, SCHEDULE, 5.0)          # A measures bucket 1 first ...
+    b = TunedTable.load(path, GPU)
+    b.record(PROBLEM, 1, SCHEDULE, 3.0)          # ... B measures it later and saves
+    b.save(path)
+    a.record(PROBLEM, 2, SCHEDULE, 6.0)
+    a.save(path)                                 # A's save must not put its older 5.0 back
+    final = TunedTable.load(path, GPU)
+    assert final.entry(PROBLEM, 1).us == 3.0 and final.entry(PROBLEM, 2).us == 6.0
+
+
+def test_a_schema_1_file_with_inline_timings_is_read(tmp_path):
+    path = _saved(tmp_path)
+    data = json.loads(path.read_text())
+    data["schema"] = 1
+    del data["entries"][0]["measured_at"]
+    data["entries"][0]["all_timings"] = [{"schedule": SCHEDULE.to_dict(), "us": 5.0}]
+    path.write_text(json.dumps(data))
+    entry = TunedTable.load(path, GPU).entry(PROBLEM, 1)
+    assert entry.us == 5.0 and entry.all_timings == [{"schedule": SCHEDULE.to_dict(), "us": 5.0}]
+
+
+def test_saving_into_a_read_only_cache_names_the_path_and_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "tuned").mkdir()
+    path = tmp_path / "tuned" / "t.json"
+    monkeypatch.setattr(os, "access", lambda p, mode: False)      # as a read-only volume answers
+    table = TunedTable(GPU)
+    table.record(PROBLEM, 1, SCHEDULE, 5.0)
+    with pytest.raises(PermissionError, match=f"{tmp_path / 'tuned'} is not writable.*TILEMARLIN_CACHE_DIR"):
+        table.save(path)
+    assert not path.exists()
 
 
 def test_saved_versions_are_current(tmp_path):
