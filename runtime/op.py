@@ -36,7 +36,11 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class UntunedShapeWarning(UserWarning):
-    """A problem has no tuned kernel on this GPU; the cost model's pick runs instead."""
+    """A problem has no tuned kernel on this GPU; the best-estimated tuned winner that fits runs."""
+
+
+class KernelCheckWarning(UserWarning):
+    """A kernel disagreed with the reference on its first run here; another one runs instead."""
 
 
 # --- argument checks (shared by the real and the fake implementation) ---------------------------
@@ -175,16 +179,39 @@ def _launcher(device: torch.device, problem: Problem, layout: str, bucket: int) 
         with _key_lock(key):
             launcher = _LAUNCHERS.get(key)
             if launcher is None:
-                from schedules.arch import current_arch
-
-                from .kernels import compile_schedule
-
                 schedule = schedule_for(problem, bucket, device, layout)
-                kernel = compile_schedule(problem, schedule, current_arch(device))
-                launcher = _Launcher(schedule, kernel)
+                launcher = _Launcher(*_checked_kernel(problem, schedule, bucket, device))
                 with _LOCK:
                     _LAUNCHERS[key] = launcher
     return launcher
+
+
+def _checked_kernel(problem: Problem, schedule: Schedule, bucket: int, device: torch.device):
+    """(schedule, kernel) after the kernel's first-run check (runtime/selfcheck.py); a kernel that
+    fails it is replaced, with a warning, by the fallback's choice among the other winners, which
+    must pass too. Inside CUDA-graph capture nothing can be compared, so the check waits for a call
+    outside capture (warm-up before capture, as CUDA graphs need anyway, runs it)."""
+    from schedules.arch import current_arch
+    from schedules.cost import GpuSpec
+
+    from . import selfcheck
+    from .fallback import fallback_schedule
+    from .kernels import compile_schedule
+
+    arch = current_arch(device)
+    kernel = compile_schedule(problem, schedule, arch)
+    if torch.cuda.is_current_stream_capturing():
+        return schedule, kernel
+    try:
+        selfcheck.check_once(kernel, problem, schedule, bucket, device)
+        return schedule, kernel
+    except selfcheck.KernelCheckError as exc:
+        others = tuple(s for s in _winners(arch.name) if s != schedule)
+        replacement, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), others)
+        warnings.warn(f"{exc}; running {replacement.name} ({how}) instead", KernelCheckWarning, stacklevel=3)
+        kernel = compile_schedule(problem, replacement, arch)
+        selfcheck.check_once(kernel, problem, replacement, bucket, device)
+        return replacement, kernel
 
 
 def schedule_for(problem: Problem, m: int, device=None, layout: str = DEFAULT_LAYOUT) -> Schedule:

@@ -68,3 +68,23 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return (torch.linalg.vector_norm(out - ref.float()) / torch.linalg.vector_norm(ref.float()).clamp_min(1e-30)).item()
+
+
+# What a kernel's output may differ from the fp32 reference by: fp16 or bf16 rounding of the output
+# and of the partial sums, relative to the output as a whole (the norm) and to its largest value (each
+# element, so that one wrong element among millions is still caught).
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+ELEMENT_TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2}
+
+
+def mismatch(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> str | None:
+    """Why `out` is not `ref` within the tolerances of `dtype`, or None."""
+    err = relative_error(out, ref)
+    if not err <= TOLERANCE[dtype]:
+        return f"relative error {err:.3g} over the tolerance {TOLERANCE[dtype]}"
+    worst = (out.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().clamp_min(1e-30).item()
+    if not worst <= ELEMENT_TOLERANCE[dtype] * scale:
+        return (f"an element is off by {worst:.3g}, over {ELEMENT_TOLERANCE[dtype]} of the reference's "
+                f"largest magnitude {scale:.3g}")
+    return None

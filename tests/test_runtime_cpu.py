@@ -257,6 +257,7 @@ def dispatch(monkeypatch):
     """Dispatch with a stub table, a counting compiler and a stub cost model; no GPU."""
     import runtime.fallback
     import runtime.kernels
+    import runtime.selfcheck
     import schedules.arch
     import schedules.cost
 
@@ -268,6 +269,8 @@ def dispatch(monkeypatch):
     monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: schedules.arch.get_arch("sm_90a"))
     monkeypatch.setattr(schedules.cost.GpuSpec, "current", classmethod(lambda cls, device=None: None))
     monkeypatch.setattr(op, "_winners", lambda arch: ())
+    monkeypatch.setattr(runtime.selfcheck, "check_once", lambda kernel, problem, schedule, bucket, device: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(runtime.fallback, "fallback_schedule",
                         lambda problem, m, arch, gpu, winners: (calls["fallback"].append(m) or FALLBACK, "a stub"))
     monkeypatch.setattr(runtime.kernels, "compile_schedule",
@@ -343,3 +346,32 @@ def test_resolving_one_shape_never_blocks_another(dispatch, monkeypatch):
     release.set()
     slow.join(30)
     assert not slow.is_alive()
+
+
+def test_a_kernel_that_fails_its_first_run_check_is_replaced_with_a_warning(dispatch, monkeypatch):
+    import runtime.selfcheck
+
+    _, calls = dispatch
+    checked = []
+
+    def check(kernel, problem, schedule, bucket, device):
+        checked.append(schedule)
+        if schedule == TUNED:
+            raise runtime.selfcheck.KernelCheckError(f"{schedule.name}: relative error 0.5 over the tolerance 0.002")
+
+    monkeypatch.setattr(runtime.selfcheck, "check_once", check)
+    with pytest.warns(op.KernelCheckWarning, match=f"{TUNED.name}.*relative error 0.5.*running {FALLBACK.name}"):
+        launcher = op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
+    assert launcher.schedule == FALLBACK and checked == [TUNED, FALLBACK] and calls["compile"] == [TUNED, FALLBACK]
+
+
+def test_when_the_replacement_fails_too_the_call_fails(dispatch, monkeypatch):
+    import runtime.selfcheck
+
+    def check(kernel, problem, schedule, bucket, device):
+        raise runtime.selfcheck.KernelCheckError(f"{schedule.name} is wrong")
+
+    monkeypatch.setattr(runtime.selfcheck, "check_once", check)
+    with pytest.warns(op.KernelCheckWarning), pytest.raises(runtime.selfcheck.KernelCheckError, match=FALLBACK.name):
+        op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
+    assert (op.DEFAULT_LAYOUT, 16) not in {(k[2], k[3]) for k in op._LAUNCHERS}

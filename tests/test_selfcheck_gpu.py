@@ -1,0 +1,56 @@
+"""The first-run check of a served kernel, on the GPU: it passes a right kernel once (then the stamp
+answers), catches a wrong element, and its cost is printed."""
+import time
+
+import pytest
+import torch
+
+from runtime import selfcheck
+from runtime.kernels import compile_schedule
+from schedules.arch import current_arch
+from schedules.problem import Problem
+from schedules.registry import Schedule
+from schedules.stream_mma import Knobs
+
+pytestmark = pytest.mark.gpu
+
+PROBLEM = Problem(4096, 4096, 128)
+SCHEDULE = Schedule("stream_mma", Knobs(warps=4, unroll=4, ahead=2))
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return compile_schedule(PROBLEM, SCHEDULE, current_arch())
+
+
+def test_a_right_kernel_passes_once_and_is_stamped(kernel):
+    device = torch.device("cuda", torch.cuda.current_device())
+    stamp = selfcheck.stamp_path(kernel.folder, device)
+    stamp.unlink(missing_ok=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    selfcheck.check_once(kernel, PROBLEM, SCHEDULE, 16, device)
+    torch.cuda.synchronize()
+    print(f"first-run check of {SCHEDULE.name} at M=16, {PROBLEM.name}: {1e3 * (time.perf_counter() - start):.1f} ms")
+    assert stamp.is_file()
+
+
+class OneElementOff:
+    """The real kernel, then one output element changed: what a rare indexing bug looks like."""
+
+    def __init__(self, kernel):
+        self.kernel, self.folder = kernel, kernel.folder
+
+    def __call__(self, *args):
+        self.kernel(*args)
+        out = args[3]          # kernel_args: activations, packed weight, scales, output, ...
+        out.view(-1)[out.numel() // 2] += 4 * out.abs().max()
+
+
+@pytest.mark.parametrize("m", [1, 1024])
+def test_one_wrong_element_is_caught(kernel, m):
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert selfcheck.run_check(kernel, PROBLEM, SCHEDULE, m, device) is None
+    assert "element" in (selfcheck.run_check(OneElementOff(kernel), PROBLEM, SCHEDULE, m, device) or "")
