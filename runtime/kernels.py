@@ -88,6 +88,17 @@ class CompiledKernel:
         """The CUDA device source nvcc compiled."""
         return (self.folder / "kernel.cu").read_text()
 
+    def export_ptx(self, path) -> None:
+        """Write the kernel's PTX, compiled now from its stored source by TileLang's nvcc helper, as
+        TileLang's JITKernel.export_ptx does (developer tools and code-generation tests only: it
+        imports TileLang)."""
+        from tilelang.contrib import nvcc
+        from tvm.target import Target
+
+        arch = get_arch(json.loads((self.folder / "meta.json").read_text())["arch"])
+        with Target(arch.target):
+            Path(path).write_text(nvcc.get_ptx_from_source(self.get_kernel_source()))
+
 
 def compile_schedule(problem: Problem, schedule: Schedule, arch: Arch) -> CompiledKernel:
     """The compiled kernel: from this process's memory, else the store, else built (and stored).

@@ -30,7 +30,7 @@ from .table import bucket_of
 from .workspace import split_k_workspace
 
 DEFAULT_LAYOUT = FAMILIES["marlin_mma"].LAYOUT
-# A layout belongs to the family whose package defines it (hopper_wgmma reads marlin_mma's).
+# A layout belongs to the family whose package defines it (the stream families read marlin_mma's).
 _FAMILY_OF_LAYOUT = {fam.LAYOUT: fam for fam in FAMILIES.values() if fam.layout.__name__.startswith(fam.__name__ + ".")}
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

@@ -53,7 +53,7 @@ def run(args) -> int:
         from gen.dev.sass import missing_tools
 
         if missing_tools():      # before a compile of several seconds whose machine code cannot be read
-            print(f"gen compile: --sass needs {', '.join(missing_tools())} on PATH (see gen/sass.py)", file=sys.stderr)
+            print(f"gen compile: --sass needs {', '.join(missing_tools())} on PATH (see gen/dev/sass.py)", file=sys.stderr)
             return 2
     (layer,) = parse_shapes(args.shape)
     problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)
