@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from types import ModuleType
 
-from . import hopper_wgmma, marlin_mma, stream_mma, stream_wgmma
+from . import marlin_mma, stream_mma, stream_wgmma
+from .family import Family
 
-FAMILIES: dict[str, ModuleType] = {fam.NAME: fam for fam in (marlin_mma, stream_mma, hopper_wgmma, stream_wgmma)}
-# The families a search considers unless told otherwise. hopper_wgmma (decode into a shared fp16 tile,
-# then wgmma) never won a measurement on the H200 and stream_wgmma's TMA pipeline now beats it by
-# 2.5-3x everywhere (perf-notes v5, v13): it stays available by name (`--families hopper_wgmma`).
+FAMILIES: dict[str, Family] = {fam.NAME: fam for fam in (marlin_mma, stream_mma, stream_wgmma)}
+# The families a search considers unless told otherwise (`--families`).
 SEARCHED: tuple[str, ...] = ("marlin_mma", "stream_mma", "stream_wgmma")
 
 
-def family(name: str) -> ModuleType:
+def family(name: str) -> Family:
     try:
         return FAMILIES[name]
     except KeyError:
@@ -30,7 +28,7 @@ class Schedule:
         return f"{self.family}:{self.knobs.name}"
 
     @property
-    def module(self) -> ModuleType:
+    def module(self) -> Family:
         return family(self.family)
 
     def to_dict(self) -> dict:

@@ -118,22 +118,22 @@ def test_axes_override_the_searched_values_for_one_run():
     spec = GpuSpec.for_arch(get_arch("sm_90a"))
     o_proj = Problem.make(n=4096, k=4096)
     before = dict(stream_wgmma.AXES)
-    axes = options.parse_axes("stream_wgmma.k_split=0,1 stream_wgmma.block_k=64")
-    assert axes == {"stream_wgmma": {"k_split": (False, True), "block_k": (64,)}}
-    def k_split(ranked):
-        return [s for s in ranked if s.family == "stream_wgmma" and s.knobs.k_split]
+    axes = options.parse_axes("stream_wgmma.rotate=0,1 stream_wgmma.block_k=64")
+    assert axes == {"stream_wgmma": {"rotate": (False, True), "block_k": (64,)}}
+    def unrotated(ranked):
+        return [s for s in ranked if s.family == "stream_wgmma" and not s.knobs.rotate]
 
     def deep(ranked):
         return [s for s in ranked if s.family == "stream_wgmma" and s.knobs.block_k == 128]
 
-    assert not k_split(rank(o_proj, 128, get_arch("sm_90a"), spec))
+    assert not unrotated(rank(o_proj, 128, get_arch("sm_90a"), spec))
     assert deep(rank(o_proj, 128, get_arch("sm_90a"), spec))
     with options.searched_axes(axes):
         ranked = rank(o_proj, 128, get_arch("sm_90a"), spec)
-        assert k_split(ranked) and not deep(ranked)
+        assert unrotated(ranked) and not deep(ranked)
         assert list(stream_wgmma.AXES) == list(before)           # same axes, same order
     assert stream_wgmma.AXES == before
-    assert not k_split(rank(o_proj, 128, get_arch("sm_90a"), spec))
+    assert not unrotated(rank(o_proj, 128, get_arch("sm_90a"), spec))
     for text, fragment in (("stream_wgmma.setmaxnreg", "expected family.knob"), ("nope.x=1", "nope"),
                            ("stream_wgmma.colour=1", "no searched axis 'colour'"),
                            ("stream_wgmma.block_k=big", "integers"),
@@ -143,9 +143,9 @@ def test_axes_override_the_searched_values_for_one_run():
 
 
 def test_variants_name_any_knob_of_a_family():
-    changes = options.parse_variants("stream_mma.sum_slices=1 stream_mma.pdl=0,1 stream_wgmma.k_split=1")
+    changes = options.parse_variants("stream_mma.sum_slices=1 stream_mma.pdl=0,1 stream_wgmma.split_wait=1")
     assert changes == {"stream_mma": [{"sum_slices": True, "pdl": False}, {"sum_slices": True, "pdl": True}],
-                       "stream_wgmma": [{"k_split": True}]}
+                       "stream_wgmma": [{"split_wait": True}]}
     assert options.parse_variants(None) == {}
     for text, fragment in (("stream_mma.pdl", "expected family.knob"), ("nope.x=1", "nope"),
                            ("stream_wgmma.colour=1", "no knob 'colour'"), ("stream_mma.pdl=maybe", "flag"),
@@ -320,7 +320,7 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
                         "--refine", "2", "--force")
     assert rc == 0, err
     assert "candidates added around the measured winners" in out
-    table = TunedTable.load(table_path(GPU), GPU)
+    table = TunedTable.load(table_path(GPU), GPU, history=True)
     for n in (4096, 1024):
         for bucket in (1, 128):
             entry = table.entry(Problem.make(n=n, k=4096), bucket)
@@ -331,12 +331,12 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
     assert "round 2: " in out
     assert not list(cache_dir.rglob("*.force-progress"))
     # A forced re-tune of the winners alone keeps the first run's other timings, marked as earlier.
-    first = {(n, b): TunedTable.load(table_path(GPU), GPU).entry(Problem.make(n=n, k=4096), b).all_timings
+    first = {(n, b): TunedTable.load(table_path(GPU), GPU, history=True).entry(Problem.make(n=n, k=4096), b).all_timings
              for n in (4096, 1024) for b in (1, 128)}
     rc, out, err = call(capsys, "tune", "--shapes", "4096x4096,4096x1024", "--buckets", "1,128", "--top", "1",
                         "--refine", "0", "--force", "--restart")
     assert rc == 0, err
-    table = TunedTable.load(table_path(GPU), GPU)
+    table = TunedTable.load(table_path(GPU), GPU, history=True)
     for (n, bucket), before in first.items():
         entry = table.entry(Problem.make(n=n, k=4096), bucket)
         now = [t for t in entry.all_timings if not t.get("earlier_run")]
@@ -360,7 +360,7 @@ def test_the_tune_loop_end_to_end_with_a_fake_gpu(capsys, cache_dir, monkeypatch
                         "--refine", "0", "--between")
     assert rc == 0 and "4 to tune" in out and "--between" in out, err
     assert harnesses and all(harnesses)
-    table = TunedTable.load(table_path(GPU), GPU)
+    table = TunedTable.load(table_path(GPU), GPU, history=True)
     assert {table.entry(Problem.make(n=n, k=4096), b).harness for n in (4096, 1024) for b in (1, 128)} == {"between"}
     # the replay-timed entries' timings are not carried over as earlier ones: they answer another question
     assert not any(t.get("earlier_run") for n in (4096, 1024) for b in (1, 128)

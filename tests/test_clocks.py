@@ -1,4 +1,4 @@
-"""gen/clocks.py and the bench's clock column, without a GPU: nvidia-smi's lines parsed, a fake
+"""gen/bench/clocks.py and the bench's clock column, without a GPU: nvidia-smi's lines parsed, a fake
 nvidia-smi read in the background and cut into the windows of the batch sizes, the report's cells."""
 import sys
 import time

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from runtime.kernels import compile_schedule
+from runtime.kernels import build_kernel
 from schedules.arch import get_arch
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
@@ -23,7 +23,7 @@ CASES = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def compiled(request, tmp_path_factory):
     arch, problem, knobs = CASES[request.param]
-    kernel = compile_schedule(problem, Schedule("marlin_mma", knobs), get_arch(arch))
+    kernel = build_kernel(problem, Schedule("marlin_mma", knobs), get_arch(arch))
     ptx_path = tmp_path_factory.mktemp("ptx") / "kernel.ptx"
     kernel.export_ptx(str(ptx_path))
     return arch, problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()

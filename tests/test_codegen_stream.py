@@ -6,11 +6,10 @@ import dataclasses
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-from runtime.kernels import compile_schedule
+from runtime.kernels import build_kernel, compile_schedule
 from schedules import stream_mma
 from schedules.arch import SM90_SHARED_PER_SM, get_arch
 from schedules.problem import Problem
@@ -81,7 +80,7 @@ def test_cases_are_valid_schedules(name):
 @pytest.fixture(scope="module", params=sorted(CASES))
 def compiled(request, tmp_path_factory):
     arch, problem, knobs = CASES[request.param]
-    kernel = compile_schedule(problem, Schedule("stream_mma", knobs), get_arch(arch))
+    kernel = build_kernel(problem, Schedule("stream_mma", knobs), get_arch(arch))
     ptx_path = tmp_path_factory.mktemp("ptx") / "kernel.ptx"
     kernel.export_ptx(str(ptx_path))
     return arch, problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()
@@ -129,8 +128,9 @@ def test_weights_stream_from_global_memory_into_registers(compiled):
 
 
 def test_async_weights_leave_no_global_load_in_the_k_loop(compiled):
-    # ptxas waits for all of a loop's global loads on one scoreboard (perf-notes v11): with async_weights
-    # the k-loop's only global reads are cp.async, waited for per batch with cp.async.wait_group.
+    # ptxas waits for all of a loop's global loads on one scoreboard (docs/performance.md, cp.async warp
+    # slots): with async_weights the k-loop's only global reads are cp.async, waited for per batch with
+    # cp.async.wait_group.
     *_, knobs, src, _ = compiled
     loop = k_loop(kernel_body(src))
     if not knobs.async_weights:
@@ -156,8 +156,8 @@ def test_weights_never_go_through_shared_memory(compiled):
 
 def test_activation_slots_zero_fill_rows_past_m(compiled):
     # Rows past M that repeated row M-1 made every warp ask L2 for the same lines (at M = 1 eight
-    # times over; perf-notes v35). They are zero-filled instead: every activation chunk's copy
-    # takes a condition on m (its source size is 0 when false).
+    # times over; docs/performance.md, cp.async warp slots). They are zero-filled instead: every
+    # activation chunk's copy takes a condition on m (its source size is 0 when false).
     *_, knobs, src, _ = compiled
     if not knobs.x_ldmatrix:
         return
@@ -377,7 +377,7 @@ def test_pdl_asks_the_launcher_for_programmatic_serialization():
     tag = b"tirx.use_programtic_dependent_launch"
     for pdl in (True, False):
         kernel = compile_schedule(problem, Schedule("stream_mma", dataclasses.replace(knobs, pdl=pdl)), get_arch(arch))
-        library = Path(kernel._tilelang_cache_path) / "executable.so"
+        library = kernel.folder / "kernel.so"
         assert (tag in library.read_bytes()) == pdl
 
 
@@ -401,8 +401,8 @@ def test_fold_lag_keeps_two_sets_of_sums_and_no_more_mmas(tmp_path):
     arch, problem, knobs = CASES["sm90a_fold_lag"]
     sources = {}
     for lag in (False, True):
-        kernel = compile_schedule(problem, Schedule("stream_mma", dataclasses.replace(knobs, fold_lag=lag)),
-                                  get_arch(arch))
+        kernel = build_kernel(problem, Schedule("stream_mma", dataclasses.replace(knobs, fold_lag=lag)),
+                              get_arch(arch))
         ptx = tmp_path / f"lag{lag}.ptx"
         kernel.export_ptx(str(ptx))
         sources[lag] = (kernel.get_kernel_source(), ptx.read_text())
@@ -418,7 +418,7 @@ def padded_launches(problem: Problem, schedule: Schedule, max_blocks: int) -> tu
     kernel's source). TileLang's host code passes the launch's shared memory as an int64 constant;
     padding changes that constant and nothing else among them."""
     padded = Schedule(schedule.family, dataclasses.replace(schedule.knobs, max_blocks=max_blocks))
-    kernels = [compile_schedule(problem, s, get_arch("sm_90a")) for s in (schedule, padded)]
+    kernels = [build_kernel(problem, s, get_arch("sm_90a")) for s in (schedule, padded)]
     plain, capped = ({int(v) for v in re.findall(r"\(\(int64_t\)(\d+)\)", k.get_host_source())} for k in kernels)
     (before,), (after,) = plain - capped, capped - plain
     return before, after, kernels[0].get_kernel_source(), kernels[1].get_kernel_source()

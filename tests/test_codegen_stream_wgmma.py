@@ -1,8 +1,7 @@
 """stream_wgmma code generation without a GPU: nvcc compiles each schedule for sm_90a, and the PTX must
 show the family's design: wgmma with its A operand in registers (the decoded weights) and B from a
-shared-memory descriptor (the activations), activations by cp.async, the lop3 decode, the weights
-never in shared memory, every register buffer in registers, one barrier per k-tile."""
-import dataclasses
+shared-memory descriptor (the activations), the stages filled by TMA against mbarriers, every register
+buffer in registers, and what each k-loop waits on."""
 import math
 import re
 
@@ -13,191 +12,132 @@ from schedules import stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
-from tests.test_codegen_stream import (assert_split_sums_move_vectors, blocks_per_sm, count, padded_launches,
-                                       ptxas_output, ptxas_spills)
+from tests.test_codegen_stream import assert_split_sums_move_vectors, count, ptxas_output, ptxas_spills
 
 Knobs = stream_wgmma.Knobs
 SM90 = get_arch("sm_90a")
 
 CASES = {
-    # fp16 group scales, two groups per warp, M tile 128 (wgmma n128).
-    "group128_m128": (Problem(512, 1024, 128), Knobs(128, 2, 1, 64, 3)),
-    # decode of stage t + 1 under stage t's wgmmas, two warpgroups side by side.
-    "overlap_two_warpgroups": (Problem(1024, 1024, 128), Knobs(64, 2, 2, 64, 4, overlap=True)),
-    # weights and scales through the stages by cp.async, decoded under the previous stage's wgmmas.
-    "smem_weights_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True)),
-    # the stages filled by TMA against mbarriers: no cp.async and no proxy fence in the k-loop.
-    "tma_split4": (Problem(1024, 11008, 128), Knobs(64, 2, 1, 64, 3, split_k=4, smem_weights=True, tma=True)),
     # small M: wgmma n8, one warpgroup, eight stages of a TMA-fed weight stream, split-K.
-    "tma_m8_split4": (Problem(1024, 4096, 128), Knobs(8, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True,
-                                                     tma=True)),
-    # an odd number of k-tiles per split (43) with overlap: ptxas must keep the wgmmas asynchronous.
-    "tma_overlap_odd_k_tiles": (Problem(4096, 11008, 128), Knobs(32, 1, 2, 64, 4, overlap=True, split_k=4,
-                                                                 smem_weights=True, tma=True)),
-    # ... and the stages freed through per-stage mbarriers instead of a block barrier.
-    "tma_release_overlap": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
-                                                          release_barriers=True)),
+    "m8_split4": (Problem(1024, 4096, 128), Knobs(8, 1, 1, 64, 8, split_k=4)),
+    # an odd number of k-tiles per split (43): ptxas must keep the wgmmas asynchronous.
+    "odd_k_tiles": (Problem(4096, 11008, 128), Knobs(32, 1, 2, 64, 4, split_k=4)),
+    # ... the stages freed through per-stage mbarriers instead of a block barrier.
+    "release": (Problem(1024, 1024, 128), Knobs(128, 2, 2, 64, 4, release_barriers=True)),
     # ... and refilled by a warp of their own (warp specialization), split-K epilogue with all threads.
-    "tma_producer_warp_split2": (Problem(1024, 4096, 128), Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2,
-                                                                smem_weights=True, tma=True, release_barriers=True,
-                                                                producer_warp=True)),
-    # ... in 132 persistent blocks that loop over the output tiles.
-    "tma_producer_warp_persistent": (Problem(1024, 4096, 128), Knobs(128, 1, 2, 64, 6, overlap=True, smem_weights=True,
-                                                                    tma=True, release_barriers=True, producer_warp=True,
-                                                                    persistent=132)),
+    "producer_warp_split2": (Problem(1024, 4096, 128), Knobs(128, 1, 2, 64, 4, split_k=2, release_barriers=True,
+                                                            producer_warp=True)),
     # ... with the producer a whole warpgroup that hands its registers to the consumers (setmaxnreg),
     # so that block_m 256 with two warpgroups keeps its wgmmas in flight.
-    "tma_producer_warpgroup_setmaxnreg": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, overlap=True,
-                                                                         smem_weights=True, tma=True,
-                                                                         release_barriers=True, producer_warp=True,
-                                                                         setmaxnreg=True)),
+    "producer_warpgroup_setmaxnreg": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, release_barriers=True,
+                                                                     producer_warp=True, setmaxnreg=True)),
     # small M with a producer warp, the four splits of a tile adding up in a cluster's shared memory.
-    "tma_producer_cluster_split4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=4,
-                                                                   smem_weights=True, tma=True, release_barriers=True,
-                                                                   producer_warp=True, cluster_reduce=True)),
+    "producer_cluster_split4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, split_k=4, release_barriers=True,
+                                                               producer_warp=True, cluster_reduce=True)),
     # block_k 128: two 64-wide swizzled activation tiles per stage, eight k-steps per wait.
-    "tma_k128_producer_warp": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 128, 4, overlap=True, smem_weights=True,
-                                                              tma=True, release_barriers=True, producer_warp=True)),
+    "k128_producer_warp": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 128, 4, release_barriers=True,
+                                                          producer_warp=True)),
     # launched with programmatic stream serialization, split-K through the workspace.
-    "tma_pdl_split2": (Problem(1024, 4096, 128), Knobs(32, 1, 1, 64, 4, overlap=True, split_k=2, smem_weights=True,
-                                                      tma=True, pdl=True)),
-    # two consumer warpgroups over the same columns taking alternate k-tiles of the producer's stages.
-    "tma_producer_k_split": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True,
-                                                            release_barriers=True, producer_warp=True, k_split=True)),
+    "pdl_split2": (Problem(1024, 4096, 128), Knobs(32, 1, 1, 64, 4, split_k=2, pdl=True)),
     # the output tile through the drained stages as 16-byte row chunks: the large-M form (a producer
     # warpgroup that hands over its registers), and channelwise with block_k 128 (two atoms per stage)
-    "tma_setmaxnreg_staged_store": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True,
-                                                                   tma=True, release_barriers=True, producer_warp=True,
-                                                                   setmaxnreg=True, staged_store=True)),
-    "tma_k128_staged_store_channelwise": (Problem.make(4096, 1024, -1), Knobs(64, 1, 2, 128, 4, overlap=True,
-                                                                           smem_weights=True, tma=True,
-                                                                           release_barriers=True, producer_warp=True,
-                                                                           staged_store=True)),
+    "setmaxnreg_staged_store": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, release_barriers=True,
+                                                               producer_warp=True, setmaxnreg=True, staged_store=True)),
+    "k128_staged_store_channelwise": (Problem.make(4096, 1024, -1), Knobs(64, 1, 2, 128, 4, release_barriers=True,
+                                                                       producer_warp=True, staged_store=True)),
     # the next kernel launched early, the first two k-tiles' weights and scales asked of L2 before the wait
-    "tma_producer_cluster_early_start": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2,
-                                                                        smem_weights=True, tma=True,
-                                                                        release_barriers=True, producer_warp=True,
-                                                                        cluster_reduce=True, early_start=2)),
-    # stream-K: 40 blocks share 16 tiles' 64 k-tiles, partial tiles through the workspace
-    "tma_producer_stream_k": (Problem(1024, 4096, 128), Knobs(64, 1, 1, 64, 4, overlap=True, smem_weights=True,
-                                                             tma=True, release_barriers=True, producer_warp=True,
-                                                             stream_k=40)),
+    "producer_cluster_early_start": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, split_k=2,
+                                                                    release_barriers=True, producer_warp=True,
+                                                                    cluster_reduce=True, early_start=2)),
     # block_m 88 (wgmma n88): tile heights between the powers of two, against wave quantization
-    "tma_producer_m88_staged": (Problem(1024, 4096, 128), Knobs(88, 1, 1, 64, 4, overlap=True, smem_weights=True,
-                                                               tma=True, release_barriers=True, producer_warp=True,
-                                                               staged_store=True)),
+    "producer_m88_staged": (Problem(1024, 4096, 128), Knobs(88, 1, 1, 64, 4, release_barriers=True,
+                                                           producer_warp=True, staged_store=True)),
     # output tiles handed out in panels of 4 M tiles (the large-M form: setmaxnreg, staged store)
-    "tma_setmaxnreg_staged_panel4": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True,
-                                                                    tma=True, release_barriers=True, producer_warp=True,
-                                                                    setmaxnreg=True, staged_store=True, panel_m=4)),
+    "setmaxnreg_staged_panel4": (Problem(1024, 4096, 128), Knobs(256, 1, 2, 64, 4, release_barriers=True,
+                                                                producer_warp=True, setmaxnreg=True,
+                                                                staged_store=True, panel_m=4)),
     # split-K's sums with 16-byte accesses, all of a thread's loads in flight: through the workspace, and
     # bf16 channelwise at block 128 x 128 through a cluster of two (qkv M=128's winner split in two); and
     # three ranks, whose 4-column chunks do not divide a row of 64 columns
-    "tma_producer_split4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=4,
-                                                           smem_weights=True, tma=True, release_barriers=True,
-                                                           producer_warp=True, pdl=True)),
-    "tma_producer_cluster_bf16_channelwise": (Problem.make(1024, 4096, -1, dtype="bfloat16"),
-                                              Knobs(128, 1, 2, 128, 4, overlap=True, split_k=2, smem_weights=True,
-                                                    tma=True, release_barriers=True, producer_warp=True,
-                                                    cluster_reduce=True)),
-    "tma_producer_cluster_split3": (Problem(1024, 3072, 128), Knobs(16, 1, 1, 64, 8, overlap=True, split_k=3,
-                                                                   smem_weights=True, tma=True,
-                                                                   release_barriers=True, producer_warp=True,
-                                                                   cluster_reduce=True)),
-    # bf16, channelwise, split-K through the common epilogue.
-    "bf16_channelwise_splitk": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(64, 2, 1, 64, 3, split_k=2)),
+    "producer_split4": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 8, split_k=4, release_barriers=True,
+                                                       producer_warp=True, pdl=True)),
+    "producer_cluster_bf16_channelwise": (Problem.make(1024, 4096, -1, dtype="bfloat16"),
+                                          Knobs(128, 1, 2, 128, 4, split_k=2, release_barriers=True,
+                                                producer_warp=True, cluster_reduce=True)),
+    "producer_cluster_split3": (Problem(1024, 3072, 128), Knobs(16, 1, 1, 64, 8, split_k=3, release_barriers=True,
+                                                               producer_warp=True, cluster_reduce=True)),
     # the consumers' and the producer warp's k-loops unrolled by the stages (32 k-tiles: 2 before the
     # loop, 5 trips of 6), in gate_up M=16's winner form, and in a cluster of two splits (qkv M=16's)
-    "tma_producer_stage_unroll": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
-                                                                 smem_weights=True, tma=True,
-                                                                 release_barriers=True, producer_warp=True,
-                                                                 pdl=True, staged_store=True, early_start=2,
-                                                                 stage_unroll=True)),
-    "tma_producer_cluster_stage_unroll": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2,
-                                                                         smem_weights=True, tma=True,
-                                                                         release_barriers=True, producer_warp=True,
-                                                                         cluster_reduce=True, early_start=2,
-                                                                         stage_unroll=True)),
+    "producer_stage_unroll": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, release_barriers=True,
+                                                             producer_warp=True, pdl=True, staged_store=True,
+                                                             early_start=2, stage_unroll=True)),
+    "producer_cluster_stage_unroll": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 6, split_k=2,
+                                                                     release_barriers=True, producer_warp=True,
+                                                                     cluster_reduce=True, early_start=2,
+                                                                     stage_unroll=True)),
     # ... and the block's own TMA pipeline at 6 stages: 64 k-tiles leave 4 before the loop, whose rolled
     # trips refill their stages from the k-loop
-    "tma_s6_lead4_unrolled": (Problem(1024, 4096, 128), Knobs(32, 1, 1, 64, 6, overlap=True, smem_weights=True,
-                                                             tma=True, stage_unroll=True)),
+    "s6_lead4_unrolled": (Problem(1024, 4096, 128), Knobs(32, 1, 1, 64, 6, stage_unroll=True)),
     # the wgmmas committed a k-step at a time (ring), in gate_up M=16's winner form and split in a cluster
-    "tma_producer_ring": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True, smem_weights=True, tma=True,
-                                                         release_barriers=True, producer_warp=True, pdl=True,
-                                                         staged_store=True, early_start=2, stage_unroll=True,
-                                                         ring=8)),
-    "tma_producer_cluster_ring": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, overlap=True, split_k=2,
-                                                                 smem_weights=True, tma=True, release_barriers=True,
-                                                                 producer_warp=True, cluster_reduce=True,
-                                                                 early_start=2, stage_unroll=True, ring=8)),
-    "bf16_channelwise_ring": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(32, 2, 1, 64, 4, overlap=True,
-                                                                                   smem_weights=True, tma=True,
-                                                                                   ring=2)),
-    "tma_producer_cluster_ring2": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, overlap=True, split_k=2,
-                                                                  smem_weights=True, tma=True, release_barriers=True,
-                                                                  producer_warp=True, cluster_reduce=True,
-                                                                  early_start=2, stage_unroll=True, ring=2)),
+    "producer_ring": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, release_barriers=True, producer_warp=True,
+                                                     pdl=True, staged_store=True, early_start=2, stage_unroll=True,
+                                                     ring=8)),
+    "producer_cluster_ring": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, split_k=2, release_barriers=True,
+                                                             producer_warp=True, cluster_reduce=True,
+                                                             early_start=2, stage_unroll=True, ring=8)),
+    "bf16_channelwise_ring": (Problem.make(512, 1024, -1, dtype="bfloat16"), Knobs(32, 2, 1, 64, 4, ring=2)),
+    "producer_cluster_ring2": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, split_k=2, release_barriers=True,
+                                                              producer_warp=True, cluster_reduce=True,
+                                                              early_start=2, stage_unroll=True, ring=2)),
     # group scales on each k-tile's sums (scale_on_acc): qkv M=16's winner form (split 2 in a cluster),
     # gate_up M=16's, and block_m 32 with two groups, two k-tiles per group and 43 k-tiles per split
-    "tma_producer_cluster_unrolled_sacc": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, overlap=True, split_k=2,
-                                                                          smem_weights=True, tma=True,
-                                                                          release_barriers=True, producer_warp=True,
-                                                                          cluster_reduce=True, early_start=2,
-                                                                          stage_unroll=True, scale_on_acc=True)),
-    "tma_producer_staged_unrolled_sacc": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
-                                                                         smem_weights=True, tma=True,
-                                                                         release_barriers=True, producer_warp=True,
-                                                                         pdl=True, staged_store=True, early_start=2,
-                                                                         stage_unroll=True, scale_on_acc=True)),
-    "tma_g2_odd_k_tiles_sacc": (Problem(4096, 11008, 128), Knobs(32, 2, 1, 64, 4, overlap=True, split_k=4,
-                                                                 smem_weights=True, tma=True, scale_on_acc=True)),
+    "producer_cluster_unrolled_sacc": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, split_k=2,
+                                                                      release_barriers=True, producer_warp=True,
+                                                                      cluster_reduce=True, early_start=2,
+                                                                      stage_unroll=True, scale_on_acc=True)),
+    "producer_staged_unrolled_sacc": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 128, 6, release_barriers=True,
+                                                                     producer_warp=True, pdl=True, staged_store=True,
+                                                                     early_start=2, stage_unroll=True,
+                                                                     scale_on_acc=True)),
+    "g2_odd_k_tiles_sacc": (Problem(4096, 11008, 128), Knobs(32, 2, 1, 64, 4, split_k=4, scale_on_acc=True)),
     # ... and each k-tile's sums folded under the next one's wgmmas (fold_lag): qkv M=16's form, and the
     # odd split (one k-tile before the loop, a trip of its own)
-    "tma_producer_cluster_unrolled_sacc_lag": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, overlap=True,
-                                                                              split_k=2, smem_weights=True, tma=True,
-                                                                              release_barriers=True,
-                                                                              producer_warp=True, cluster_reduce=True,
-                                                                              early_start=2, stage_unroll=True,
-                                                                              scale_on_acc=True, fold_lag=True)),
-    "tma_g2_odd_k_tiles_sacc_lag": (Problem(4096, 11008, 128), Knobs(32, 2, 1, 64, 4, overlap=True, split_k=4,
-                                                                     smem_weights=True, tma=True, scale_on_acc=True,
-                                                                     fold_lag=True)),
+    "producer_cluster_unrolled_sacc_lag": (Problem(1024, 8192, 128), Knobs(16, 1, 1, 128, 4, split_k=2,
+                                                                          release_barriers=True, producer_warp=True,
+                                                                          cluster_reduce=True, early_start=2,
+                                                                          stage_unroll=True, scale_on_acc=True,
+                                                                          fold_lag=True)),
+    "g2_odd_k_tiles_sacc_lag": (Problem(4096, 11008, 128), Knobs(32, 2, 1, 64, 4, split_k=4, scale_on_acc=True,
+                                                                 fold_lag=True)),
     # ... and 6 stages at 16 k-tiles per split: four k-tiles before the loop of 6-k-tile trips, which
     # run as a loop of their own (two trips of two)
-    "tma_producer_cluster_lead4_sacc_lag": (Problem(4096, 4096, 128), Knobs(16, 1, 1, 128, 6, overlap=True,
-                                                                           split_k=2, smem_weights=True, tma=True,
-                                                                           release_barriers=True, producer_warp=True,
-                                                                           cluster_reduce=True, early_start=2,
-                                                                           stage_unroll=True, scale_on_acc=True,
-                                                                           fold_lag=True)),
-    # uneven splits (session 24): down_proj's 86 k-tiles in 8 splits of 11 and 10 (4 stages, so that the
-    # k-loops stay loops), and 64 k-tiles in 3 splits of 22, 21, 21 through the workspace
-    "tma_producer_cluster_uneven_split8_sacc_lag": (Problem(4096, 11008, 128),
-                                                    Knobs(16, 1, 1, 128, 4, overlap=True, split_k=8, smem_weights=True,
-                                                          tma=True, release_barriers=True, producer_warp=True,
-                                                          cluster_reduce=True, early_start=2, stage_unroll=True,
-                                                          scale_on_acc=True, fold_lag=True)),
-    "tma_producer_uneven_split3": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 4, overlap=True, split_k=3,
-                                                                  smem_weights=True, tma=True, release_barriers=True,
-                                                                  producer_warp=True, stage_unroll=True)),
-    # qkv 16's form with the weight words read conflict-free (rotate, session 28)
-    "tma_producer_cluster_sacc_lag_rotate": (Problem(1024, 4096, 128),
-                                             Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True,
-                                                   tma=True, release_barriers=True, producer_warp=True,
-                                                   cluster_reduce=True, early_start=2, stage_unroll=True,
-                                                   scale_on_acc=True, fold_lag=True, rotate=True)),
-    # down_proj 16's form with the last split reading the others' slots (split_wait, session 30): 86
-    # k-tiles in 6 splits, the last two of 15; and 4 even splits of channelwise sums at block_m 32
-    "tma_producer_split_wait_uneven_split6": (Problem(4096, 11008, 128),
-                                              Knobs(16, 1, 1, 128, 6, overlap=True, split_k=6, smem_weights=True,
-                                                    tma=True, release_barriers=True, producer_warp=True, pdl=True,
-                                                    early_start=2, panel_m=4, stage_unroll=True, scale_on_acc=True,
-                                                    fold_lag=True, rotate=True, split_wait=True)),
-    "tma_producer_split_wait_split4_channelwise": (Problem.make(1024, 4096, -1),
-                                                   Knobs(32, 1, 1, 64, 4, overlap=True, split_k=4, smem_weights=True,
-                                                         tma=True, release_barriers=True, producer_warp=True,
-                                                         stage_unroll=True, split_wait=True)),
+    "producer_cluster_lead4_sacc_lag": (Problem(4096, 4096, 128), Knobs(16, 1, 1, 128, 6, split_k=2,
+                                                                       release_barriers=True, producer_warp=True,
+                                                                       cluster_reduce=True, early_start=2,
+                                                                       stage_unroll=True, scale_on_acc=True,
+                                                                       fold_lag=True)),
+    # uneven splits: down_proj's 86 k-tiles in 8 splits of 11 and 10 (4 stages, so that the k-loops stay
+    # loops), and 64 k-tiles in 3 splits of 22, 21, 21 through the workspace
+    "producer_cluster_uneven_split8_sacc_lag": (Problem(4096, 11008, 128),
+                                                Knobs(16, 1, 1, 128, 4, split_k=8, release_barriers=True,
+                                                      producer_warp=True, cluster_reduce=True, early_start=2,
+                                                      stage_unroll=True, scale_on_acc=True, fold_lag=True)),
+    "producer_uneven_split3": (Problem(1024, 4096, 128), Knobs(16, 1, 1, 64, 4, split_k=3, release_barriers=True,
+                                                              producer_warp=True, stage_unroll=True)),
+    # qkv 16's form with the weight words read conflict-free (rotate)
+    "producer_cluster_sacc_lag_rotate": (Problem(1024, 4096, 128),
+                                         Knobs(16, 1, 1, 128, 6, split_k=2, release_barriers=True, producer_warp=True,
+                                               cluster_reduce=True, early_start=2, stage_unroll=True,
+                                               scale_on_acc=True, fold_lag=True, rotate=True)),
+    # down_proj 16's form with the last split reading the others' slots (split_wait): 86 k-tiles in 6
+    # splits, the last two of 15; and 4 even splits of channelwise sums at block_m 32
+    "producer_split_wait_uneven_split6": (Problem(4096, 11008, 128),
+                                          Knobs(16, 1, 1, 128, 6, split_k=6, release_barriers=True, producer_warp=True,
+                                                pdl=True, early_start=2, panel_m=4, stage_unroll=True,
+                                                scale_on_acc=True, fold_lag=True, rotate=True, split_wait=True)),
+    "producer_split_wait_split4_channelwise": (Problem.make(1024, 4096, -1),
+                                               Knobs(32, 1, 1, 64, 4, split_k=4, release_barriers=True,
+                                                     producer_warp=True, stage_unroll=True, split_wait=True)),
 }
 
 
@@ -208,7 +148,7 @@ def test_cases_are_valid_schedules(name):
 
 
 def test_scale_on_acc_needs_group_scales():
-    knobs = Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, scale_on_acc=True)
+    knobs = Knobs(16, 1, 1, 128, 4, scale_on_acc=True)
     assert stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90) is None
     assert "channelwise" in stream_wgmma.check(Problem.make(4096, 4096, -1), knobs, SM90)
 
@@ -224,46 +164,24 @@ def test_not_offered_before_hopper():
     (Knobs(block_m=20), "multiple of 8"),
     (Knobs(groups=3), "1, 2 or 4"),
     (Knobs(block_k=48), "multiple of 32"),
-    (Knobs(stages=2, overlap=True), "no activation stage in flight"),
+    (Knobs(block_k=32), "64-wide swizzled tiles"),
+    (Knobs(stages=1), "no stage in flight"),
     (Knobs(block_m=256, groups=4), "registers"),
-    (Knobs(tma=True), "smem_weights"),
-    (Knobs(release_barriers=True, smem_weights=True), "needs tma"),
-    (Knobs(producer_warp=True, smem_weights=True, tma=True), "needs release_barriers"),
-    (Knobs(persistent=132, smem_weights=True, tma=True, release_barriers=True), "need producer_warp"),
-    (Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True),
-     "keep the wgmmas in flight"),
-    (Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
-           producer_warp=True, setmaxnreg=True), "split_k=1"),
-    (Knobs(128, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
-           setmaxnreg=True), "warpgroups=2"),
-    (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, setmaxnreg=True), "needs producer_warp"),
-    (Knobs(64, 1, 1, 64, 4, split_k=16, smem_weights=True, tma=True, cluster_reduce=True), "portable cluster"),
-    (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, release_barriers=True, k_split=True), "needs producer_warp"),
-    (Knobs(64, 1, 1, 64, 4, split_k=2, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
-           k_split=True), "split_k=1"),
-    (Knobs(64, 1, 1, 64, 2, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
-           k_split=True), "stages >= 3"),
-    (Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, staged_store=True), "tma pipeline"),
-    (Knobs(128, 1, 2, 64, 4, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
-           producer_warp=True, staged_store=True), "split_k=1"),
-    (Knobs(64, 1, 1, 64, 4, overlap=True, smem_weights=True, stage_unroll=True), "needs tma and overlap"),
-    (Knobs(64, 1, 1, 64, 4, smem_weights=True, tma=True, stage_unroll=True), "needs tma and overlap"),
-    (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
-           k_split=True, stage_unroll=True), "k_split"),
-    (Knobs(16, 1, 1, 128, 4, smem_weights=True, tma=True, ring=8), "with overlap"),
-    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, ring=8), "tma pipeline"),
-    (Knobs(16, 1, 1, 64, 4, overlap=True, smem_weights=True, tma=True, ring=8), "dividing the stage's 4"),
-    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, ring=3), "dividing the stage's 8"),
-    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, ring=1), "at least 2"),
-    (Knobs(64, 1, 1, 64, 8, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
-           k_split=True, ring=8), "no k_split"),
-    (Knobs(16, 1, 1, 128, 4, smem_weights=True, tma=True, scale_on_acc=True), "needs tma and overlap"),
-    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, scale_on_acc=True), "needs tma and overlap"),
-    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, ring=8, scale_on_acc=True), "no ring"),
-    (Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True,
-           setmaxnreg=True, scale_on_acc=True), "setmaxnreg"),
-    (Knobs(16, 1, 1, 128, 4, overlap=True, smem_weights=True, tma=True, fold_lag=True), "needs scale_on_acc"),
-    (Knobs(16, 1, 1, 64, 4, overlap=True, split_k=3, smem_weights=True, tma=True), "do not split evenly"),
+    (Knobs(producer_warp=True), "needs release_barriers"),
+    (Knobs(256, 1, 2, 64, 4, release_barriers=True, producer_warp=True), "keep the wgmmas in flight"),
+    (Knobs(128, 1, 2, 64, 4, split_k=2, release_barriers=True, producer_warp=True, setmaxnreg=True), "split_k=1"),
+    (Knobs(128, 1, 1, 64, 4, release_barriers=True, producer_warp=True, setmaxnreg=True), "warpgroups=2"),
+    (Knobs(128, 1, 2, 64, 4, setmaxnreg=True), "needs producer_warp"),
+    (Knobs(64, 1, 1, 64, 4, split_k=16, cluster_reduce=True), "portable cluster"),
+    (Knobs(128, 1, 2, 64, 4, split_k=2, release_barriers=True, producer_warp=True, staged_store=True), "split_k=1"),
+    (Knobs(16, 1, 1, 64, 4, ring=8), "dividing the stage's 4"),
+    (Knobs(16, 1, 1, 128, 4, ring=3), "dividing the stage's 8"),
+    (Knobs(16, 1, 1, 128, 4, ring=1), "at least 2"),
+    (Knobs(16, 1, 1, 128, 4, ring=8, scale_on_acc=True), "no ring"),
+    (Knobs(256, 1, 2, 64, 4, release_barriers=True, producer_warp=True, setmaxnreg=True, scale_on_acc=True),
+     "setmaxnreg"),
+    (Knobs(16, 1, 1, 128, 4, fold_lag=True), "needs scale_on_acc"),
+    (Knobs(16, 1, 1, 64, 4, split_k=3), "do not split evenly"),
 ])
 def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
@@ -286,34 +204,19 @@ def test_wgmma_takes_the_weights_from_registers(compiled):
     assert rs, "no register-A wgmma of the expected shape"
     assert count(r"wgmma\.mma_async", ptx) == len(rs), "every wgmma has its A in registers"
     assert count(r"wgmma\.commit_group", ptx) > 0 and count(r"wgmma\.wait_group", ptx) > 0
-    if knobs.overlap and not knobs.ring and not knobs.scale_on_acc:     # (ring, scale_on_acc: their own tests)
+    if not knobs.ring and not knobs.scale_on_acc:     # (ring, scale_on_acc: their own tests)
         assert count(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx) > 0
 
 
-def test_activations_by_cp_async_weights_by_global_loads(compiled):
+def test_the_stages_fill_by_tma(compiled):
     problem, knobs, src, ptx = compiled
-    if knobs.tma:
-        # Three tile copies per k-tile (activations with the 128-byte swizzle, words, scales), waited
-        # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
-        assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
-        # (stream_k: TileLang fences the consumers' generic shared-memory write of the tile counter's
-        # answer once per segment, before its k-loop)
-        assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == (1 if knobs.stream_k else 0)
-        # (channelwise scales are read once, by the epilogue)
-        assert count(r"ld\.global\.nc", ptx) == 0 or problem.channelwise
-        assert not re.search(r"= S\[", k_loop(src))
-        return
-    assert count(r"cp\.async\.cg\.shared\.global(\.L2::128B)?\s+\[[^\]]+\],\s*\[[^\]]+\],\s*16", ptx) > 0
-    words = rf"ld\.global\.nc\.{ {1: 'u32', 2: 'v2.u32', 4: 'v4.u32'}[knobs.groups] }"
-    if knobs.smem_weights:
-        # Through the stages instead: nothing in the k-loop loads from global memory into registers.
-        loop = k_loop(src)
-        assert "tm_ldg_words" not in loop and not re.search(r"= S\[", loop)
-        assert count(words, ptx) == 0
-    else:
-        assert count(words, ptx) > 0
-    assert count(r"lop3\.b32", ptx) > 0
-    assert count(r"ldmatrix", ptx) == 0           # the weights never go through shared memory
+    # Three tile copies per k-tile (activations with the 128-byte swizzle, words, scales), waited
+    # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
+    assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
+    assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == 0
+    # (channelwise scales are read once, by the epilogue)
+    assert count(r"ld\.global\.nc", ptx) == 0 or problem.channelwise
+    assert not re.search(r"= S\[", k_loop(src))
 
 
 def test_register_buffers_stay_in_registers(compiled):
@@ -350,8 +253,6 @@ def test_setmaxnreg_moves_the_registers_to_the_consumers(compiled, tmp_path):
 
 def test_tma_boxes_are_one_swizzle_atom_wide(compiled):
     _, knobs, src, ptx = compiled
-    if not knobs.tma:
-        return
     # One activation box per 64 columns of a stage (the 128-byte swizzle spans 64 halves), each
     # block_m rows of 128 bytes after the previous; the wgmma descriptors step into the second one.
     copies = re.findall(r"tl::tma_load\(A_desc, [^;]*;", src)     # (in the prologue and the loop)
@@ -366,28 +267,19 @@ def test_tma_boxes_are_one_swizzle_atom_wide(compiled):
         assert all("h *" not in c for c in copies)
 
 
-def test_k_split_warpgroups_share_the_stages_and_add_up(compiled):
+def test_a_stage_is_released_by_every_consumer_thread(compiled):
     _, knobs, src, _ = compiled
     empty_counts = {int(c) for c in re.findall(r"empty\[\d+\]\.init\((\d+)\);", src)}
     if not knobs.release_barriers:
         return
-    # a stage is released by the warpgroups that consumed it: one of the two k warpgroups
-    assert empty_counts == {knobs.consumer_threads // (2 if knobs.k_split else 1)}
-    if knobs.k_split:
-        half = knobs.consumer_threads // 2
-        assert knobs.consumer_threads == 256 * knobs.warpgroups
-        assert "R_s" in src and f"((int)threadIdx.x) < {half})" in src     # the first adds the second's sums
-    else:
-        assert "R_s" not in src
+    assert empty_counts == {knobs.consumer_threads}
 
 
 def test_split_k_through_the_cluster_or_the_workspace(compiled):
     _, knobs, src, ptx = compiled
     remote = count(r"ld\.shared::cluster", ptx)
     atomics = count(r"\b(red|atom)\.global", ptx)
-    if knobs.stream_k:             # partial tiles through the workspace, whole ones stored directly
-        assert remote == 0 and atomics > 0 and knobs.uses_workspace
-    elif knobs.split_k == 1:
+    if knobs.split_k == 1:
         assert remote == 0 and atomics == 0
     elif knobs.cluster_reduce:     # partial tiles read from the other blocks' shared memory, nothing global
         assert remote > 0 and count(r"barrier\.cluster\.arrive", ptx) >= 2 and atomics == 0
@@ -409,15 +301,8 @@ def test_barriers_in_the_k_loops(compiled):
     loops = k_loops(src)
     consumers = [loop for loop in loops if "wgmma_rs" in loop]
     assert consumers, "no k-loop issues wgmmas"
-    if knobs.stream_k:      # the outermost loop walks the segments; the k-loop is the one inside
-        consumers = [loop[loop.index("for (int t0"):] for loop in consumers]
     syncs = r"__syncthreads\(\)"
     empty_wait, empty_arrive = r"empty\[[^\]]+\]\.wait\(", r"empty\[[^\]]+\]\.arrive\(\)"
-    if not knobs.tma:
-        # One barrier per k-tile, after the stage has landed and been fenced for the async proxy that
-        # wgmma reads shared memory through.
-        assert all(count(syncs, loop) == 1 and count(r"fence_proxy_async", loop) >= 1 for loop in consumers)
-        return
     assert all("fence_proxy_async" not in loop for loop in consumers)      # TMA writes through the async proxy
     if not knobs.release_barriers:
         assert all(count(syncs, loop) == 1 for loop in consumers)         # frees the oldest stage for its TMA
@@ -490,7 +375,7 @@ def test_early_start_prefetches_weights_before_the_wait_and_launches_dependents(
 
 @pytest.mark.parametrize("panel", [2, 3, 4, 8])
 def test_panels_hand_out_every_tile_once(panel):
-    from schedules.stream_wgmma.kernel import panel_tile
+    from schedules.stream_wgmma.plan import panel_tile
 
     for m_tiles in range(1, 20):
         for n_tiles in (1, 3, 96):
@@ -508,30 +393,8 @@ def test_panel_order_is_computed_once_per_block(compiled):
     divisions = count(r"\b(div|rem)\.[su]32", ptx)
     if knobs.panel_m:
         assert divisions == 1 and "blockIdx.y" in src[:src.index("tma_load")]
-    elif not (knobs.persistent or knobs.stream_k):   # (those divide their tile index in their own loop)
+    else:
         assert divisions == 0
-
-
-def test_stream_k_partial_tiles_meet_in_the_workspace(compiled):
-    _, knobs, src, ptx = compiled
-    if not knobs.stream_k:
-        return
-    # a launch of P blocks; a segment that covers its whole tile stores it, the others add into the
-    # workspace with atomics and count in (the last contributor writes the tile and zeroes both)
-    assert count(r"atom\.global\.add\.f32|red\.global\.add\.f32", ptx) > 0
-    assert "tm_split_k_arrive" in src and "__ldcg" in src
-    # the consumers meet at their own barrier: the producer warp runs on into the next segment
-    assert "tm_consumers_sync" in src
-
-
-def test_stream_k_shares_units_of_two_k_tiles_among_at_most_a_row_of_tiles():
-    problem = Problem(1024, 4096, 128)       # 16 N tiles of 64, 64 k-tiles: 512 units per row of tiles
-    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
-    assert stream_wgmma.check(problem, Knobs(64, 1, 1, 64, 4, stream_k=512, **tma), SM90) is None
-    assert "exceed" in stream_wgmma.check(problem, Knobs(64, 1, 1, 64, 4, stream_k=513, **tma), SM90)
-    assert "odd" in stream_wgmma.check(Problem(1024, 4160, 64), Knobs(64, 1, 1, 64, 4, stream_k=8, **tma), SM90)
-    assert "wired" in stream_wgmma.check(problem, Knobs(64, 1, 1, 64, 4, stream_k=8, staged_store=True, **tma), SM90)
-    assert Knobs(64, 1, 1, 64, 4, stream_k=8, **tma).uses_workspace
 
 
 def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
@@ -559,21 +422,21 @@ def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
 
 def test_split_wait_is_refused_where_it_cannot_apply():
     problem = Problem(1024, 4096, 128)
-    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True)
-    for knobs in (Knobs(16, 1, 1, 128, 4, split_k=2, split_wait=True, **tma),          # no producer warp
-                  Knobs(16, 1, 1, 128, 4, producer_warp=True, split_wait=True, **tma),  # no split
+    released = dict(release_barriers=True)
+    for knobs in (Knobs(16, 1, 1, 128, 4, split_k=2, split_wait=True, **released),          # no producer warp
+                  Knobs(16, 1, 1, 128, 4, producer_warp=True, split_wait=True, **released),  # no split
                   Knobs(16, 1, 1, 128, 4, split_k=2, producer_warp=True, cluster_reduce=True, split_wait=True,
-                        **tma)):
+                        **released)):
         assert "split_wait" in stream_wgmma.check(problem, knobs, SM90)
     # a thread's (slot, chunk) pairs are bits of one 64-bit word: at block_m 128 (13 chunks of 4 columns
     # for each of 160 threads) 4 slots fit, 5 do not
     assert "at most 64" in stream_wgmma.check(problem, Knobs(128, 1, 1, 64, 4, split_k=6, producer_warp=True,
-                                                              split_wait=True, **tma), SM90)
+                                                              split_wait=True, **released), SM90)
     assert stream_wgmma.check(problem, Knobs(128, 1, 1, 64, 4, split_k=5, producer_warp=True, split_wait=True,
-                                             **tma), SM90) is None
-    knobs = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, split_wait=True, **tma)
+                                             **released), SM90) is None
+    knobs = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, split_wait=True, **released)
     assert stream_wgmma.check(problem, knobs, SM90) is None and knobs.name.endswith("_wait")
-    plain = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, **tma)
+    plain = Knobs(16, 1, 1, 128, 4, split_k=3, producer_warp=True, **released)
     assert knobs.shared_bytes(problem) == plain.shared_bytes(problem)
     # the workspace: a slot of [m, N] per split but the last (the counters stay, unused)
     assert stream_wgmma.workspace_elems(problem, knobs, 5) == (2 * 5 * 1024, 1 * 16)
@@ -582,10 +445,11 @@ def test_split_wait_is_refused_where_it_cannot_apply():
 
 def test_early_start_is_refused_where_it_cannot_apply():
     problem = Problem(1024, 4096, 128)
-    tma = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
-    assert "pdl or cluster_reduce" in stream_wgmma.check(problem, Knobs(16, 1, 1, 64, 4, early_start=1, **tma), SM90)
-    assert "32 lanes" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, pdl=True, early_start=4, **tma), SM90)
-    assert stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, pdl=True, early_start=2, **tma), SM90) is None
+    producer = dict(release_barriers=True, producer_warp=True)
+    assert "pdl or cluster_reduce" in stream_wgmma.check(problem, Knobs(16, 1, 1, 64, 4, early_start=1, **producer),
+                                                         SM90)
+    assert "32 lanes" in stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, pdl=True, early_start=4, **producer), SM90)
+    assert stream_wgmma.check(problem, Knobs(16, 1, 1, 128, 4, pdl=True, early_start=2, **producer), SM90) is None
 
 
 def test_staged_store_leaves_in_16_byte_chunks(compiled):
@@ -593,7 +457,7 @@ def test_staged_store_leaves_in_16_byte_chunks(compiled):
     at their own named barrier (the producer warp does not come), and C is written with 16-byte
     stores only; without it each thread stores its fragment's 2-byte elements (split_k 1) to C."""
     _, knobs, src, ptx = compiled
-    if knobs.split_k > 1 or knobs.k_split:
+    if knobs.split_k > 1:
         assert not knobs.staged_store
         return
     wide, narrow = count(r"st\.global\.v4\.(u|b)32", ptx), count(r"st\.global\.(u|b)16", ptx)
@@ -611,8 +475,6 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
     """stage_unroll: the consumers' k-loop covers a multiple of `stages` k-tiles per trip, each with its
     stage's barrier named by a constant (a trip's unrolled index), so no k-tile divides by `stages`."""
     problem, knobs, src, _ = compiled
-    if not (knobs.tma and knobs.overlap) or knobs.persistent or knobs.stream_k or knobs.k_split:
-        return
     loop = k_loops(src)[1] if knobs.producer_warp else k_loop(src)     # (the producer's loop comes first)
     waits = re.findall(r"full\[([^\]]+)\]\.wait", loop)
     if not knobs.stage_unroll:      # a trip of two k-tiles: the stage is computed from the trip number
@@ -628,10 +490,10 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
 def test_lead_k_tiles_past_three_run_as_a_rolled_loop(compiled):
     """stage_unroll: the k-tiles short of a whole trip run before the loop; from four on, all but an odd
     one as a loop of two-k-tile trips that nvcc keeps rolled (peeled, each cost ptxas ~15 registers:
-    at 6 stages and 16 k-tiles per split 150 against 112, 2 blocks per SM instead of 3; v50)."""
+    at 6 stages and 16 k-tiles per split 150 against 112, 2 blocks per SM instead of 3)."""
     problem, knobs, src, _ = compiled
     rolled = re.findall(r"#pragma unroll 1\s+for \(int (t0\w*) = 0; \1 < (\d+); \+\+\1\)", src)
-    if not knobs.stage_unroll or knobs.persistent or knobs.stream_k or knobs.k_split:
+    if not knobs.stage_unroll:
         assert not rolled
         return
     splits = {knobs.k_tiles(problem) // knobs.split_k, -(-knobs.k_tiles(problem) // knobs.split_k)}
@@ -646,7 +508,7 @@ def test_stage_unroll_makes_the_producers_stage_indices_constant(compiled):
     """stage_unroll with a producer warp: its loop runs whole rounds of the stages (the k-tiles short
     of a round before it), so its waits for released stages name them by constants too."""
     problem, knobs, src, _ = compiled
-    if not knobs.producer_warp or knobs.persistent or knobs.stream_k or knobs.setmaxnreg:
+    if not knobs.producer_warp or knobs.setmaxnreg:
         return
     producer = k_loops(src)[0]
     assert "tma_load" in producer and "wgmma_rs" not in producer
@@ -662,7 +524,7 @@ def test_stage_unroll_makes_the_producers_stage_indices_constant(compiled):
 def test_ring_keeps_d_k_steps_of_wgmmas_in_flight_with_d_k_steps_of_fragments(compiled, tmp_path):
     """ring = D: one commit group per k-step, each decode waiting until only D - 1 groups are pending
     (the k-step that read its fragment slot last is done); at block_m 16 D = 8 leaves ~70 registers
-    (five blocks of 160 threads per SM), D = 2 ~54 (seven, where shared memory allows; v43)."""
+    (five blocks of 160 threads per SM), D = 2 ~54 (seven, where shared memory allows)."""
     problem, knobs, src, ptx = compiled
     if not knobs.ring:
         return
@@ -678,7 +540,7 @@ def test_ring_keeps_d_k_steps_of_wgmmas_in_flight_with_d_k_steps_of_fragments(co
 def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
     """scale_on_acc: the words decode unscaled, and each k-tile's sums (its first wgmma overwriting them)
     join the running sums by one fma each with its group's scale, after a wait for every wgmma (ptxas
-    serializes all of them if sums are read with any in flight across the loop's back edge, v48), or
+    serializes all of them if sums are read with any in flight across the loop's back edge), or
     with fold_lag after the wait that completes that k-tile, under the next one's wgmmas, and a wait
     for all once per unrolled trip; fewer registers than the scaled decode's ~98 at block_m 16 (with
     fold_lag's second set ~107)."""
@@ -740,11 +602,10 @@ def test_split_wait_twins_are_the_product_over_its_axis(monkeypatch):
 
 def test_the_search_space_keeps_uneven_splits_out_of_clusters():
     # Uneven splits are valid with the producer warp. The searched space holds them only through the
-    # workspace (down_proj 16's winner: 86 k-tiles of 128 in 6 splits, v52); in a cluster only even
+    # workspace (down_proj 16's winner: 86 k-tiles of 128 in 6 splits); in a cluster only even
     # ones, which at block_k 128 split down_proj's 86 k-tiles 1 or 2 ways.
     down = Problem(4096, 11008, 128)
-    uneven = Knobs(16, 1, 1, 128, 4, overlap=True, split_k=4, smem_weights=True, tma=True, release_barriers=True,
-                   producer_warp=True, cluster_reduce=True)
+    uneven = Knobs(16, 1, 1, 128, 4, split_k=4, release_barriers=True, producer_warp=True, cluster_reduce=True)
     assert stream_wgmma.check(down, uneven, SM90) is None
     space = stream_wgmma.space(down, SM90)
     assert space and not any(kb.longer_splits(down) and kb.cluster_reduce for kb in space)
@@ -753,25 +614,10 @@ def test_the_search_space_keeps_uneven_splits_out_of_clusters():
     assert any(kb.split_k == 6 and kb.longer_splits(down) == 2 and not kb.cluster_reduce for kb in space)
 
 
-@pytest.mark.parametrize("max_blocks", (1, 2))
-def test_max_blocks_caps_the_blocks_per_sm_by_shared_memory(max_blocks):
-    """max_blocks pads the weight stages: the kernel then launches with shared memory for at most B
-    blocks per SM (each block also takes 1 KB), where the unpadded one fits 4; nothing else changes."""
-    problem = Problem(1024, 4096, 128)
-    knobs = Knobs(16, 1, 1, 128, 6, overlap=True, split_k=2, smem_weights=True, tma=True, release_barriers=True,
-                  producer_warp=True, cluster_reduce=True, early_start=2, stage_unroll=True, scale_on_acc=True,
-                  fold_lag=True)
-    assert stream_wgmma.check(problem, dataclasses.replace(knobs, max_blocks=max_blocks), SM90) is None
-    assert stream_wgmma.check(problem, Knobs(16, 1, 1, 64, 4, max_blocks=1), SM90)     # (no weight stages)
-    before, after, src, padded_src = padded_launches(problem, Schedule("stream_wgmma", knobs), max_blocks)
-    assert blocks_per_sm(before) > 3 and blocks_per_sm(after) == max_blocks
-    assert re.sub(r"\d+", "#", padded_src) == re.sub(r"\d+", "#", src)     # the same code, other offsets
-
-
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("rotate", [False, True])
 def test_rotate_reads_each_bank_once_per_wavefront_and_keeps_every_column(groups, rotate):
-    from schedules.stream_wgmma.kernel import slab_quarter
+    from schedules.stream_wgmma.plan import slab_quarter
 
     phase = 32 // groups          # lanes per 128-byte wavefront of a groups-word (4 * groups bytes) load
     worst = 0

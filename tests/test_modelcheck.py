@@ -76,8 +76,7 @@ def test_reach_tells_which_winners_a_cold_tune_would_measure(tmp_path, capsys):
     first_pick = ranked[0]
     stream_picks = [s for s in ranked if s.family == "stream_wgmma"]
     far = stream_picks[200]                      # deep in its family's ranking: not in a top-2 round
-    outside = Schedule("stream_wgmma", stream_wgmma.Knobs(88, 1, 1, 64, 4, overlap=True, smem_weights=True,
-                                                          tma=True))     # block_m 88 is not on the axis
+    outside = Schedule("stream_wgmma", stream_wgmma.Knobs(88, 1, 1, 64, 4))     # block_m 88 is not on the axis
     assert stream_wgmma.check(O_PROJ, outside.knobs, H200) is None
     table = TunedTable(GpuKey("NVIDIA H200", "sm_90a", 132))
     for bucket, winner in ((1, first_pick), (2, far), (4, outside)):

@@ -61,10 +61,7 @@ needs_tools = pytest.mark.skipif(bool(sass.missing_tools()), reason="ptxas, cuob
 @pytest.mark.parametrize("family,knobs", [
     ("stream_mma", dict(m_tiles=1, slabs=1, warps=4, unroll=4, split_k=1, ahead=3, fold_zero_point=True,
                         x_ldmatrix=True, async_weights=True)),
-    ("stream_wgmma", dict(block_m=128, groups=2, warpgroups=2, block_k=64, stages=4, overlap=True,
-                          smem_weights=True)),
-    ("stream_wgmma", dict(block_m=128, groups=2, warpgroups=2, block_k=64, stages=4, overlap=True,
-                          smem_weights=True, tma=True)),
+    ("stream_wgmma", dict(block_m=128, groups=2, warpgroups=2, block_k=64, stages=4)),
 ])
 def test_async_weight_paths_leave_no_global_load_in_the_main_loop(family, knobs, tmp_path):
     from runtime.kernels import compile_schedule
@@ -88,7 +85,7 @@ def test_ptxas_findings_name_registers_and_serialized_wgmmas(tmp_path):
     from schedules.registry import Schedule
     from schedules.stream_wgmma import Knobs
 
-    tma = Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True)
+    tma = Knobs(128, 1, 2, 64, 4)
     kernel = compile_schedule(Problem(4096, 4096), Schedule("stream_wgmma", tma), get_arch("sm_90a"))
     kernel.export_ptx(str(tmp_path / "k.ptx"))
     findings = sass.ptxas_findings((tmp_path / "k.ptx").read_text(), "sm_90a")
@@ -108,15 +105,13 @@ def test_conversions_before_the_last_wgmma_wait_are_found():
 @needs_tools
 @pytest.mark.parametrize("shape,knobs", [
     # the large-M winners' forms: plain TMA pipeline with two warpgroups, and the producer warpgroup
-    ((12288, 4096), dict(block_m=128, groups=1, warpgroups=2, block_k=64, stages=4, overlap=True, smem_weights=True,
-                         tma=True)),
-    ((12288, 4096), dict(block_m=256, groups=1, warpgroups=2, block_k=64, stages=4, overlap=True, smem_weights=True,
-                         tma=True, release_barriers=True, producer_warp=True, setmaxnreg=True)),
-    # the two staged_store kernels that measured wrong in session 7 (perf-notes v26)
-    ((12288, 4096), dict(block_m=128, groups=1, warpgroups=2, block_k=64, stages=4, overlap=True, smem_weights=True,
-                         tma=True, staged_store=True)),
-    ((4096, 11008), dict(block_m=128, groups=1, warpgroups=2, block_k=128, stages=4, overlap=True, smem_weights=True,
-                         tma=True, release_barriers=True, producer_warp=True, staged_store=True)),
+    ((12288, 4096), dict(block_m=128, groups=1, warpgroups=2, block_k=64, stages=4)),
+    ((12288, 4096), dict(block_m=256, groups=1, warpgroups=2, block_k=64, stages=4, release_barriers=True,
+                         producer_warp=True, setmaxnreg=True)),
+    # the two staged_store kernels that once measured wrong (docs/performance.md, staged_store)
+    ((12288, 4096), dict(block_m=128, groups=1, warpgroups=2, block_k=64, stages=4, staged_store=True)),
+    ((4096, 11008), dict(block_m=128, groups=1, warpgroups=2, block_k=128, stages=4, release_barriers=True,
+                         producer_warp=True, staged_store=True)),
 ])
 def test_the_sums_are_converted_after_the_last_wgmma_wait(shape, knobs, tmp_path):
     from runtime.kernels import compile_schedule

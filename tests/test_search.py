@@ -101,7 +101,7 @@ def test_first_round_keeps_the_ring_variant_where_it_was_measured_faster():
     # docs/performance.md "ring"); a block_k 64 kernel has 4 k-steps, which 8 does not divide
     for m, ring in ((16, 0), (128, 8)):
         kept = [x for x in s.first_round_ranking(QKV, m, H200, _spec())
-                if x.family == "stream_wgmma" and x.knobs.block_k == 128 and x.knobs.tma and x.knobs.overlap]
+                if x.family == "stream_wgmma" and x.knobs.block_k == 128]
         # (scale_on_acc, another variant axis, excludes ring: a point may keep that variant instead)
         rings = {x.knobs.ring for x in kept if not x.knobs.scale_on_acc}
         assert kept and rings == {ring}, (m, rings)
@@ -169,14 +169,14 @@ def test_variants_of_the_winners_join_their_buckets():
 
     s = _search()
     small = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True, cluster_reduce=True))
-    large = Schedule("stream_wgmma", stream_wgmma.Knobs(128, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True))
+    large = Schedule("stream_wgmma", stream_wgmma.Knobs(128, 1, 2, 64, 4))
     table = TunedTable()
     table.record(QKV, 1, small, 10.0)
     table.record(QKV, 256, large, 40.0)
     searches = s.plan([(QKV, 1), (QKV, 256), (QKV, 4096)], H200, _spec(), top=2)
     changes = {"stream_mma": [{"sum_slices": True, "pdl": False}, {"sum_slices": True, "pdl": True}],
-               "stream_wgmma": [{"k_split": True}]}
-    # pdl with cluster_reduce is refused by check(), k_split needs a producer warp: only one is valid;
+               "stream_wgmma": [{"producer_warp": True}]}
+    # pdl with cluster_reduce is refused by check(), a producer warp needs release barriers: only one is valid;
     # bucket 4096 has no winner to vary
     assert s.add_variants(searches, table, changes, H200, _spec()) == 1
     one = next(x for x in searches if x.bucket == 1)
@@ -190,7 +190,7 @@ def test_seeds_from_a_sweep_join_the_matching_buckets():
     from schedules.registry import Schedule
 
     s = _search()
-    fast = Schedule("stream_wgmma", stream_wgmma.Knobs(8, 1, 1, 64, 8, overlap=True, split_k=4, smem_weights=True, tma=True))
+    fast = Schedule("stream_wgmma", stream_wgmma.Knobs(8, 1, 1, 64, 8, split_k=4))
     slow = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 16, ahead=2))
     wrong = Schedule("stream_mma", stream_mma.Knobs(1, 1, 8, 4, 16, ahead=2))
 
@@ -220,8 +220,7 @@ def test_neighbours_move_one_knob_or_a_coupled_pair():
 
     s = _search()
     o_proj = Problem.make(n=4096, k=4096)
-    plain = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 1, 64, 6, overlap=True, split_k=2, smem_weights=True,
-                                                        tma=True))
+    plain = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 1, 64, 6, split_k=2))
     near = s.neighbours(plain, o_proj, H200)
     assert near == s.neighbours(plain, o_proj, H200) and plain not in near and len(set(near)) == len(near)
     assert all(n.module.check(o_proj, n.knobs, H200) is None for n in near)
@@ -237,8 +236,8 @@ def test_neighbours_move_one_knob_or_a_coupled_pair():
     assert {"producer_warp"} not in changed
     # a value off the searched grid (an unsearched setmaxnreg from a sweep's seed) stays while other
     # axes move, and moves onto the grid along its own axis
-    seeded = Schedule("stream_wgmma", stream_wgmma.Knobs(256, 1, 2, 64, 4, overlap=True, smem_weights=True, tma=True,
-                                                         release_barriers=True, producer_warp=True, setmaxnreg=True))
+    seeded = Schedule("stream_wgmma", stream_wgmma.Knobs(256, 1, 2, 64, 4, release_barriers=True, producer_warp=True,
+                                                         setmaxnreg=True))
     assert seeded.module.check(o_proj, seeded.knobs, H200) is None
     around = s.neighbours(seeded, o_proj, H200)
     assert Schedule("stream_wgmma", dataclasses.replace(seeded.knobs, stages=6)) in around
@@ -251,9 +250,8 @@ def test_neighbours_take_turns_structural_axis_first_then_a_variant_axis():
 
     s = _search()
     o_proj = Problem.make(n=4096, k=4096)
-    best = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 2, 64, 6, overlap=True, smem_weights=True, tma=True,
-                                                       release_barriers=True, producer_warp=True, pdl=True,
-                                                       staged_store=True, early_start=2))
+    best = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 2, 64, 6, release_barriers=True, producer_warp=True,
+                                                       pdl=True, staged_store=True, early_start=2))
     near = s.neighbours(best, o_proj, H200)
     turns = s._structure_first(best, near)
     assert sorted(turns, key=near.index) == near                      # the same schedules, reordered

@@ -10,11 +10,11 @@ from schedules.arch import get_arch
 from schedules.problem import Problem
 
 SM90 = get_arch("sm_90a")
-TMA = dict(overlap=True, smem_weights=True, tma=True, release_barriers=True, producer_warp=True)
+PRODUCER = dict(release_barriers=True, producer_warp=True)
 CASES = {
     # qkv 16's form: 2 splits in a cluster (griddepcontrol.wait), the mbarrier pipeline
     "stream_wgmma_cluster": (stream_wgmma, stream_wgmma.Knobs(16, 1, 1, 128, 6, split_k=2, cluster_reduce=True,
-                                                              early_start=2, stage_unroll=True, **TMA)),
+                                                              early_start=2, stage_unroll=True, **PRODUCER)),
     # o_proj 16's form: pdl (cudaGridDependencySynchronize), cp.async groups
     "stream_mma_pdl": (stream_mma, stream_mma.Knobs(m_tiles=1, slabs=1, warps=8, unroll=4, split_k=1, ahead=4,
                                                     fold_zero_point=True, x_ldmatrix=True, async_weights=True,
@@ -60,14 +60,14 @@ def test_a_kernel_without_a_wait_is_past_it_at_entry_and_blocks_past_the_buffer_
 
 def test_stamps_leave_the_registers_and_so_the_blocks_per_sm_as_they_were(tmp_path):
     # down_proj 16's table form sits at 128 registers, the most that lets 3 blocks of 160 threads share
-    # an SM; stamps held in registers took it to 134 and to 2 blocks per SM (a second wave, v55)
+    # an SM; stamps held in registers took it to 134 and to 2 blocks per SM (a second wave)
     from runtime.kernels import compile_schedule
     from schedules.registry import Schedule
     from tests.test_codegen_stream import ptxas_output
 
     problem = Problem(4096, 11008, 128)
     knobs = stream_wgmma.Knobs(16, 1, 1, 128, 6, split_k=6, pdl=True, early_start=2, panel_m=4, stage_unroll=True,
-                               scale_on_acc=True, fold_lag=True, rotate=True, **TMA)
+                               scale_on_acc=True, fold_lag=True, rotate=True, **PRODUCER)
     assert stream_wgmma.check(problem, knobs, SM90) is None
     stamped, _ = compile_stamped(stream_wgmma, problem, knobs, SM90, 0x7f0000001000, 0x7f0000002000, 1024)
     plain = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90)

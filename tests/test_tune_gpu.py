@@ -58,7 +58,7 @@ def test_tune_one_shape_end_to_end(tmp_path, monkeypatch, capsys):
     gpu = GpuKey.current()
     path = table_path(gpu)
     assert path == tmp_path / "tuned" / f"{gpu.slug}.json"
-    table = TunedTable.load(path, gpu)
+    table = TunedTable.load(path, gpu, history=True)
     assert len(table) == 2
     for bucket in (1, 16):
         entry = table.entry(PROBLEM, bucket)
@@ -86,7 +86,7 @@ def test_tune_one_shape_end_to_end(tmp_path, monkeypatch, capsys):
     incumbent = table.entry(PROBLEM, 16).schedule.to_dict()
     rc, out, err = call(capsys, SHAPE_ARGS[:-2] + ["--top", "1", "--buckets", "16", "--force", "--refine", "0"])
     assert rc == 0, err
-    retuned = TunedTable.load(path, gpu)
+    retuned = TunedTable.load(path, gpu, history=True)
     timings = retuned.entry(PROBLEM, 16).all_timings
     fresh = [t for t in timings if not t.get("earlier_run")]
     assert 1 <= len(fresh) <= 2 and incumbent in [t["schedule"] for t in fresh]

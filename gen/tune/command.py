@@ -191,7 +191,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     started = time.monotonic()
     gpu = GpuKey.current()
     path = table_path(gpu)
-    table = TunedTable.load(path, gpu)
+    table = TunedTable.load(path, gpu, history=True)   # a re-tune keeps the earlier candidates' timings
     harness = BETWEEN if args.between else REPLAY
     pending = pending_pairs(targets, buckets, table, args.force, harness)
     forced = None

@@ -1,10 +1,11 @@
-"""What the flags of `gen tune` (and of `gen sweep`, which shares them) name, parsed and checked:
-the layers to tune, the buckets, the families and their axes, the knob variants, the seed records.
-Every function here raises ValueError with a message that names the flag and the bad value.
+"""What the flags of `gen tune` (and of `gen sweep`, which shares some) name, parsed and checked: the
+layers to tune, the buckets, the families and their axes, the knob variants, the seed records. A bad
+value is a ValueError whose message names it; the commands print it and exit 2.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ def searched_axes(overrides: dict[str, dict[str, tuple]]):
 
 
 def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
+    """"16,1" -> [1, 16]: bucket edges, sorted, each one of BUCKETS; none given: all of them."""
     if not text:
         return list(BUCKETS)
     try:
@@ -133,12 +135,12 @@ def load_seeds(path: str) -> list[dict]:
         raise ValueError(f"--seed {path} is not JSON ({exc})") from None
     if isinstance(records, dict) and records.get("format") == TABLE_FORMAT:
         try:
-            table = TunedTable.from_json(records)
+            table = TunedTable.read(path, history=True)     # the timings live in the history file beside it
         except TableError as exc:
             raise ValueError(f"--seed {path}: {exc}") from None
-        return [{"problem": e["problem"], "m": e["bucket"],
-                 "results": e["all_timings"] or [{"schedule": e["schedule"], "us": e["us"]}]}
-                for e in table.to_json()["entries"]]
+        return [{"problem": dataclasses.asdict(problem), "m": bucket,
+                 "results": e.all_timings or [{"schedule": e.schedule.to_dict(), "us": e.us}]}
+                for (problem, bucket), e in table.items()]
     if not isinstance(records, list):
         raise ValueError(f"--seed {path} is neither a `gen sweep --json` file (a list of records) nor a tuned table")
     return records

@@ -159,7 +159,7 @@ def one_per_variant(ranked: list[Schedule]) -> list[Schedule]:
 @functools.lru_cache(maxsize=1 << 19)     # the same schedules come back in every bucket of a problem
 def without_variants(schedule: Schedule) -> tuple:
     """The schedule's family and its values on the family's AXES other than VARIANT_AXES."""
-    variant = getattr(schedule.module, "VARIANT_AXES", ())
+    variant = schedule.module.VARIANT_AXES
     return (schedule.family,) + tuple(v for name, v in zip(schedule.module.AXES,
                                                            axis_values(schedule.module.AXES, schedule.knobs))
                                       if name not in variant)

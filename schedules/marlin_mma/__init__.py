@@ -9,6 +9,7 @@ from ..problem import Problem
 from ..quant import torch_dtype
 from . import layout
 from .knobs import Knobs, check
+from .traits import KNOB_FACTORS, TRAITS
 
 
 # The TileLang pass configs the kernels compile with.
@@ -38,6 +39,8 @@ AXES = {
     "split_k": (1, 2, 3, 4, 6, 8, 12, 16),
     "scale_on_acc": (False, True),
 }
+
+VARIANT_AXES: tuple[str, ...] = ()   # every axis changes the kernel's structure
 
 
 def from_axes(values: tuple) -> Knobs:
@@ -114,4 +117,4 @@ def _expect(what, t, dtype, shape, min_elems=0) -> None:
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
-           "workspace_elems", "kernel_args", "layout"]
+           "workspace_elems", "kernel_args", "layout", "VARIANT_AXES", "TRAITS", "KNOB_FACTORS"]

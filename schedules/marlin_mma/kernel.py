@@ -29,6 +29,7 @@ from ..problem import Problem
 from .knobs import Knobs
 from .layout import SLAB_N
 
+
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
@@ -162,10 +163,4 @@ def build(problem: Problem, knobs: Knobs):
             store(C_s, C, S, ws, counters, m, by, bx, tx)
 
     return w4a16_prim_func(body, m, tiles, n, k, group, dtype, workspace=split)
-
-
-PASS_CONFIGS = {
-    # The consumer is hand-written register code: keep the plain cp.async multistage pipeline.
-    "tl.disable_warp_specialized": True,
-}
 

@@ -7,6 +7,7 @@ from ..knob_space import positional, valid_points
 from ..problem import Problem
 from .. import marlin_mma
 from .knobs import Knobs, check
+from .traits import KNOB_FACTORS, TRAITS
 
 
 # The TileLang pass configs the kernels compile with.
@@ -86,4 +87,4 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
-           "workspace_elems", "kernel_args", "layout"]
+           "workspace_elems", "kernel_args", "layout", "VARIANT_AXES", "TRAITS", "KNOB_FACTORS"]

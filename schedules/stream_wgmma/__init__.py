@@ -9,6 +9,7 @@ from ..knob_space import positional, valid_points
 from ..problem import Problem
 from .. import marlin_mma
 from .knobs import Knobs, check
+from .traits import KNOB_FACTORS, TRAITS
 
 
 # The TileLang pass configs the kernels compile with.
@@ -36,8 +37,6 @@ pack, unpack = marlin_mma.pack, marlin_mma.unpack
 workspace_elems, kernel_args = marlin_mma.workspace_elems, marlin_mma.kernel_args
 
 AXES = {
-    # Only the TMA pipeline is searched: on the H200 it ran 1.2-2.6x faster than the register and
-    # cp.async pipelines at every M measured (perf-notes v13), which stay as knobs for comparison.
     "block_m": (8, 16, 32, 64, 128, 176, 256),     # 8 and 16: small M, a TMA-fed weight stream
     "groups": (1, 2),
     "warpgroups": (1, 2),
@@ -45,25 +44,17 @@ AXES = {
     # wait: 0.83x at M=128, 0.96-0.98x at 64 and 256, level elsewhere (session 6, perf-notes v23)
     "block_k": (64, 128),
     "stages": (4, 6, 8),
-    "ahead": (1,),
-    "overlap": (True,),       # decode of k-tile t + 1 under k-tile t's wgmmas: faster in every pair
     # (uneven splits only through the workspace: see space())
     "split_k": (1, 2, 4, 6, 8),
-    "smem_weights": (True,),
-    "tma": (True,),
     # Per-stage empty barriers: alone 15-45 % slower (v13, v16), but the producer warp needs them.
     "release_barriers": (False, True),
     "producer_warp": (False, True),  # warp specialization: 2-7 % faster from M=64 on, a toss-up below (v16)
-    "persistent": (0,),       # blocks looping over tiles: 0.86-2.0x of one block per tile (v16), not searched
     # A producer warpgroup that hands its registers to the consumers (block_m 256 with a producer):
     # level on the median, 1-4 % faster at some M >= 256 buckets, which it won (v23).
     "setmaxnreg": (False, True),
     # Split-K through a thread-block cluster's shared memory instead of the fp32 workspace:
     # 0.95-0.97x at M = 16-64, up to 0.75x (v23).
     "cluster_reduce": (False, True),
-    # Two consumer warpgroups taking alternate k-tiles of the same columns: correct, but 1.3-1.4x
-    # slower (median, M = 64-256) and never the fastest (v23): not searched.
-    "k_split": (False,),
     # Launched as the previous kernel drains (programmatic dependent launch): median 0.99x at
     # M = 16-64 (18 pairs), 0.996x above (49 pairs, 0.92-1.05) (session 8, perf-notes v28).
     "pdl": (False, True),
@@ -77,9 +68,6 @@ AXES = {
     # 0.93-0.99x at M = 4096 (8 pairs), 0.90-1.13x at 2048, 1.0-1.02x at 512-1024 (session 9, v30).
     # 8 is left out: never better than 2 or 4 where there are more than 8 M tiles.
     "panel_m": (0, 2, 4),
-    # P blocks share every tile's k-tiles evenly (stream-K), partial tiles meeting in the split-K
-    # workspace: no wave quantization. CPU-checked, not measured (perf-notes v29).
-    "stream_k": (0,),
     # The consumers' k-loop unrolled by the stages, every stage index a constant: 18 % fewer
     # instructions per k-tile at block_m 16; 0.91-0.98x at M = 16-256 (median 0.96, 17 pairs), but
     # 1.4x where ptxas hoisted the constant descriptors into 148 registers (qkv 32, split 2 in a
@@ -100,9 +88,6 @@ AXES = {
     # (0.74-0.88x); at down / o 16, 0.59-0.98x at split_k 4, 1.06-1.29x at split_k 2 and 8 (25
     # same-run pairs, median 0.98; session 24, perf-notes v49).
     "fold_lag": (False, True),
-    # At most B blocks per SM (shared memory padded): a variant of the M = 1-32 winners, not searched
-    # (session 25-26, perf-notes v50-v51); named here so that the axes keep the Knobs fields' order.
-    "max_blocks": (0,),
     # The weight words read from shared memory without bank conflicts (each lane quarter of a warp
     # shifted to the next 16-column quarter of the slab): 0.92-0.99x at every M = 16-64 winner (12
     # same-run pairs, median 0.955; session 28, perf-notes v54). Not measured from M = 128 on; the
@@ -143,4 +128,4 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
-           "workspace_elems", "kernel_args", "layout", "VARIANT_AXES"]
+           "workspace_elems", "kernel_args", "layout", "VARIANT_AXES", "TRAITS", "KNOB_FACTORS"]

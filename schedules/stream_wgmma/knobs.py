@@ -3,99 +3,79 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import Arch, padding_for_at_most
+from ..arch import Arch
 from ..marlin_mma.layout import SLAB_N, TILE_K
 from ..knob_space import tiling_reason
 from ..problem import Problem
 
 WARPGROUP = 128
-CORE_ROWS = 8        # a wgmma core matrix: 8 rows of 16 bytes
 PRODUCER_REGISTERS = 40   # setmaxnreg: what the producer warpgroup keeps (TMA issue and barrier waits)
 
 
 @dataclass(frozen=True)
 class Knobs:
-    """One point of the stream_wgmma schedule space.
+    """One point of the stream_wgmma schedule space (kernel.py says why the kernel looks as it does;
+    docs/performance.md has each technique's measurements, under its knob's name).
 
     A block is `warpgroups` consumer warpgroups side by side along N. Per k-step of 16 every warp of a
     warpgroup decodes `groups` packed words (16 weight columns each) straight into wgmma A fragments,
     so one warpgroup covers 64 * groups weight columns with `groups` wgmma m64n{block_m}k16 per
-    k-step; block_m rows of M are the wgmma's N and come from shared memory. block_k rows of K per
-    pipeline stage: the activations of `stages` stages are in flight by cp.async, the weights of
-    `ahead` stages in registers. overlap decodes stage t + 1 while the wgmmas of stage t run (two
-    A fragment buffers; one stage less of activations in flight). split_k > 1 spreads the k-tiles
-    over that many blocks per output tile (fp32 workspace, schedules/epilogue.py); with the producer
-    warp's tma pipeline they need not divide evenly (the first k_tiles % split_k splits take one more). smem_weights
-    moves the packed words and scale rows through the activation stages by cp.async (then `ahead`
-    must be 1: the stages are the buffers), so that the k-loop loads nothing from global memory into
-    registers: ptxas waits for all of a loop's global loads on one scoreboard, which made the
-    register prefetch wait for the newest loads, and the proxy fence before every wgmma waits for
-    outstanding loads too (perf-notes v11). tma (with smem_weights, block_k 64 or 128) fills the
-    stages by TMA against one mbarrier per stage (activations in the 128-byte swizzle, wgmma's
-    canonical K-major layout, one 64-wide box per swizzle width): no cp.async, no address
-    arithmetic and no proxy fence in the k-loop.
-    release_barriers (with tma) frees each stage through an mbarrier that every thread arrives on
-    once done with it, instead of a block barrier per k-tile: warp 0 waits on it before refilling
-    the stage, and the warpgroups no longer meet. producer_warp (with release_barriers) adds a 9th
-    (or 5th) warp that only refills stages, warp specialization: no consumer warp ever waits for a
-    release or issues a copy, and all `stages` stages fill at once. persistent = P > 0 (with
-    producer_warp, split_k 1) launches P blocks that loop over the output tiles pid, pid + P, ...
-    (M tiles fastest): the stages' barrier phases run on across tiles, so the producer fills the
-    next tile's stages while the warpgroups store this one (no pipeline fill, no block launch per
-    tile). P is tuned per GPU like any knob (its SM count times blocks per SM); any P is correct.
+    k-step; block_m rows of M are the wgmma's N and come from shared memory. block_k (64 or 128) rows
+    of K per stage: TMA fills each of the `stages` stages with the k-tile's activations (the 128-byte
+    swizzle, one 64-wide box per swizzle width), packed words and scale row against the stage's
+    mbarrier, and a warpgroup decodes k-tile t + 1 into a second fragment buffer while k-tile t's
+    wgmmas run. split_k > 1 spreads the k-tiles over that many blocks per output tile (fp32
+    workspace, schedules/epilogue.py); with the producer warp they need not divide evenly (the first
+    k_tiles % split_k splits take one more).
+    Without release_barriers every k-tile ends in a block barrier, after which one elected thread
+    refills the freed stage. release_barriers frees each stage through an mbarrier that every
+    consumer thread arrives on once done with it instead: warp 0 waits on it before refilling the
+    stage, and the warpgroups no longer meet. producer_warp (with release_barriers) adds a 9th (or
+    5th) warp that only refills stages, warp specialization: no consumer warp ever waits for a
+    release or issues a copy, and all `stages` stages fill at once.
     setmaxnreg (with producer_warp, two warpgroups, split_k 1) makes the producer a whole warpgroup
     that drops to PRODUCER_REGISTERS with setmaxnreg.dec and hands the rest to the two consumer
     warpgroups (setmaxnreg.inc): 232 registers each instead of the 224 that 288 threads leave them,
-    with ptxas's headroom for wgmmas in flight (v15), so block_m 256 can have a producer (v18).
+    with ptxas's headroom for wgmmas in flight, so block_m 256 can have a producer.
     cluster_reduce (split_k 2-8) launches a tile's splits as one thread-block cluster that adds the
     partial tiles through distributed shared memory (schedules/epilogue.py, as stream_mma does)
-    instead of the fp32 workspace in global memory. k_split (with producer_warp, split_k 1) doubles
-    the consumer warpgroups over the same columns: the two take alternate k-tiles of the shared
-    stages (two decode-and-wgmma chains per block where the tiles are too few for the SMs), and the
-    second adds its sums into the first's through shared memory at the end. pdl (not with
-    cluster_reduce, whose launches already are) launches the kernel with programmatic stream
-    serialization: it starts as the previous kernel drains and waits for its writes first.
-    staged_store (producer_warp, split_k 1) stores the output tile through a shared tile of its own:
-    the sums go into it in C's row-major order and leave as 16-byte chunks of whole rows, instead of
-    each thread storing its fragment's 2-byte elements (4 rows x 16 bytes per warp store, half of
-    each 32-byte sector). early_start (n > 0, with pdl or cluster_reduce, not persistent) lets the
-    next kernel launch once all of this kernel's blocks run and asks L2 for the block's first n
-    k-tiles of weights and scales before the wait for the previous kernel (as in stream_mma).
+    instead of the fp32 workspace in global memory. pdl (not with cluster_reduce, whose launches
+    already are) launches the kernel with programmatic stream serialization: it starts as the
+    previous kernel drains and waits for its writes first.
+    staged_store (split_k 1) stores the output tile through a shared tile of its own: the sums go into
+    it in C's row-major order and leave as 16-byte chunks of whole rows, instead of each thread
+    storing its fragment's 2-byte elements (4 rows x 16 bytes per warp store, half of each 32-byte
+    sector). early_start (n > 0, with pdl or cluster_reduce) lets the next kernel launch once all of
+    this kernel's blocks run and asks L2 for the block's first n k-tiles of weights and scales before
+    the wait for the previous kernel (as in stream_mma).
     panel_m (P >= 2) hands out the output tiles in panels of P M tiles: the blocks launched one after
     another walk the P M tiles of a panel, then the next N tile, so that a wave of blocks reads P
     M tiles' activations and 132 / P N tiles' weights (about 16 MB at P = 4, block 256 x 128, K =
     4096), which L2 holds, instead of every M tile's activations (32 MB at M = 4096, 90 MB for
-    down_proj) once per wave; 0 keeps the grid's order (M tiles fastest). stream_k (P > 0, the
-    producer warp's tma pipeline, split_k 1) launches P blocks that share all tiles' k-tiles evenly
-    in units of two k-tiles; partial tiles meet in the split-K workspace (stream-K). stage_unroll
-    (tma with overlap; not persistent, stream_k or k_split) unrolls the consumers' k-loop by a
-    multiple of `stages`, so that every stage index, barrier phase and descriptor offset in it is a
-    constant instead of a division per k-tile; with producer_warp (not setmaxnreg's producer
-    warpgroup, whose 40 registers were not checked for the unrolled copies) the producer warp's loop
-    is unrolled by the stages too. ring = D > 0 (the overlapped tma k-loop, not k_split; D divides
+    down_proj) once per wave; 0 keeps the grid's order (M tiles fastest).
+    stage_unroll unrolls the consumers' k-loop by a multiple of `stages`, so that every stage index,
+    barrier phase and descriptor offset in it is a constant instead of a division per k-tile; with
+    producer_warp (not setmaxnreg's producer warpgroup, whose 40 registers were not checked for the
+    unrolled copies) the producer warp's loop is unrolled by the stages too. ring = D > 0 (D divides
     the k-steps of a stage) commits each k-step's wgmmas as a group of their own and decodes k-step u
     into fragment slot u % D once the wgmmas that read the slot last, D groups back, are done: D
     k-steps of wgmmas in flight with D k-steps of A fragments instead of two whole stages' (ptxas at
     block_m 16, block_k 128: ~67 registers with D = 8 or 4, ~54 with D = 2, against ~104), so that
-    more blocks fit per SM (perf-notes v43); 0 keeps the two whole buffers.
-    scale_on_acc (group scales; the overlapped tma k-loop without ring, k_split, persistent, stream_k or
-    setmaxnreg) decodes the words unscaled (code - 8, exact) and gives each k-tile's wgmmas sums of
-    their own (the first k-step overwrites them): once k-tile t + 1 is decoded under k-tile t's
-    wgmmas, the warpgroup waits for all of them, adds k-tile t's sums times its group's scales to the
-    running fp32 sums and issues k-tile t + 1. Four HMUL2 per word become one FFMA per sum and k-tile
-    (perf-notes v48). fold_lag (with scale_on_acc) keeps two sets of k-tile sums by parity and folds
-    k-tile t's after the wait that completes it, while k-tile t + 1's wgmmas run; ptxas allows that
-    only within the unrolled trip of the k-loop, so the warpgroup waits for all its wgmmas once per
-    trip (lcm(2, stages) k-tiles with stage_unroll) instead of once per k-tile.
-    max_blocks (B > 0, smem_weights) pads the weight stages' shared memory so that at most B blocks
-    fit on an SM: a grid of less than a wave then spreads over more SMs instead of packing several
-    of a cluster's blocks onto one (down_proj 16 in clusters of 3: 11.8 us at 2 blocks per SM by
-    registers, 13.8 at 3; perf-notes v50); 0 leaves the count to registers and shared memory.
+    more blocks fit per SM; 0 keeps the two whole buffers.
+    scale_on_acc (group scales; no ring or setmaxnreg) decodes the words unscaled (code - 8, exact)
+    and gives each k-tile's wgmmas sums of their own (the first k-step overwrites them): once k-tile
+    t + 1 is decoded under k-tile t's wgmmas, the warpgroup waits for all of them, adds k-tile t's
+    sums times its group's scales to the running fp32 sums and issues k-tile t + 1. Four HMUL2 per
+    word become one FFMA per sum and k-tile. fold_lag (with scale_on_acc) keeps two sets of k-tile
+    sums by parity and folds k-tile t's after the wait that completes it, while k-tile t + 1's
+    wgmmas run; ptxas allows that only within the unrolled trip of the k-loop, so the warpgroup
+    waits for all its wgmmas once per trip (lcm(2, stages) k-tiles with stage_unroll) instead of
+    once per k-tile.
     rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
-    slab (kernel.slab_quarter), so that a warp's loads of its packed words from shared memory touch
-    every bank once instead of 8 banks four times (perf-notes v54); the sums and scales follow.
-    split_wait (split-K through the workspace, the producer warp's tma pipeline): every split but the
-    last stores its tile into a workspace slot of its own and leaves, without fence or counter; after
+    slab (plan.slab_quarter), so that a warp's loads of its packed words from shared memory touch
+    every bank once instead of 8 banks four times; the sums and scales follow.
+    split_wait (split-K through the workspace, with the producer warp): every split but the last
+    stores its tile into a workspace slot of its own and leaves, without fence or counter; after
     its k-loop the last split reads the slots (again where a value has not landed yet), adds them to
     its own tile, zeroes them and stores (epilogue.SPLIT_WAIT_SUM); uneven splits give the extra
     k-tiles to the last splits, so that the waiting one, launched last, also has the most to do.
@@ -106,27 +86,19 @@ class Knobs:
     warpgroups: int = 1
     block_k: int = 64
     stages: int = 3
-    ahead: int = 1
-    overlap: bool = False
     split_k: int = 1
-    smem_weights: bool = False
-    tma: bool = False
     release_barriers: bool = False
     producer_warp: bool = False
-    persistent: int = 0
     setmaxnreg: bool = False
     cluster_reduce: bool = False
-    k_split: bool = False
     pdl: bool = False
     staged_store: bool = False
     early_start: int = 0
     panel_m: int = 0
-    stream_k: int = 0
     stage_unroll: bool = False
     ring: int = 0
     scale_on_acc: bool = False
     fold_lag: bool = False
-    max_blocks: int = 0
     rotate: bool = False
     split_wait: bool = False
 
@@ -136,8 +108,8 @@ class Knobs:
 
     @property
     def consumer_threads(self) -> int:
-        """The warpgroups that decode and issue wgmmas (with k_split twice as many, in K)."""
-        return WARPGROUP * self.warpgroups * (2 if self.k_split else 1)
+        """The warpgroups that decode and issue wgmmas."""
+        return WARPGROUP * self.warpgroups
 
     @property
     def producer_threads(self) -> int:
@@ -166,15 +138,8 @@ class Knobs:
         return self.block_k // TILE_K
 
     @property
-    def prefetch(self) -> int:
-        """Activation stages loading while one is multiplied: with overlap a stage stays busy one
-        iteration longer (its wgmmas finish while the next stage's are issued); with tma a stage is
-        freed by the block barrier after the wgmma wait."""
-        return self.stages - (2 if self.overlap and not self.tma else 1)
-
-    @property
     def uses_workspace(self) -> bool:
-        return self.split_k > 1 and not self.cluster_reduce or self.stream_k > 0
+        return self.split_k > 1 and not self.cluster_reduce
 
     @property
     def workspace_slots(self) -> int:
@@ -183,16 +148,13 @@ class Knobs:
 
     @property
     def name(self) -> str:
-        flags = (("_ov", self.overlap), ("_sw", self.smem_weights), ("_tma", self.tma), ("_rb", self.release_barriers),
-                 ("_pw", self.producer_warp), (f"_p{self.persistent}", self.persistent), ("_nreg", self.setmaxnreg),
-                 ("_cl", self.cluster_reduce), ("_ks", self.k_split), ("_pdl", self.pdl),
-                 ("_st", self.staged_store), (f"_es{self.early_start}", self.early_start),
-                 (f"_pm{self.panel_m}", self.panel_m), (f"_streamk{self.stream_k}", self.stream_k),
+        flags = (("_rb", self.release_barriers), ("_pw", self.producer_warp), ("_nreg", self.setmaxnreg),
+                 ("_cl", self.cluster_reduce), ("_pdl", self.pdl), ("_st", self.staged_store),
+                 (f"_es{self.early_start}", self.early_start), (f"_pm{self.panel_m}", self.panel_m),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), (f"_mb{self.max_blocks}", self.max_blocks), ("_rot", self.rotate),
-                 ("_wait", self.split_wait))
+                 ("_fl", self.fold_lag), ("_rot", self.rotate), ("_wait", self.split_wait))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
-                f"_a{self.ahead}_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
+                f"_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
     def k_tiles(self, problem: Problem) -> int:
         return problem.k // self.block_k
@@ -203,35 +165,19 @@ class Knobs:
         return self.k_tiles(problem) % self.split_k
 
     def shared_bytes(self, problem: Problem) -> int:
-        return self._unpadded_shared_bytes() + self.pad_stages * self.block_k * self.block_n // 2
-
-    def _unpadded_shared_bytes(self) -> int:
         x = self.stages * self.block_m * self.block_k * 2
-        w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2) if self.smem_weights else 0
-        c = self.block_m * self.block_n * 4 if self.split_k > 1 or self.k_split else 0
+        w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2)
+        c = self.block_m * self.block_n * 4 if self.split_k > 1 else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
         return x + w + c + y + 64
 
-    @property
-    def pad_stages(self) -> int:
-        """Unused weight stages that max_blocks adds to the allocation: enough that B + 1 blocks (each
-        with the 1 KB the SM reserves per block) overflow the SM's shared memory, with 8 KB to spare
-        for what the estimate counts and TileLang's merge overlaps (the split-K tile: 4 KB at
-        block_m 16)."""
-        if not self.max_blocks:
-            return 0
-        return padding_for_at_most(self.max_blocks, self._unpadded_shared_bytes(), self.block_k * self.block_n // 2,
-                                   spare=8192)
-
     def registers_estimate(self) -> int:
         # the total and one (scale_on_acc) or two (fold_lag) sets of k-tile sums
         acc = self.groups * self.block_m // 2 * (3 if self.fold_lag else 2 if self.scale_on_acc else 1)
-        a = self.k_steps * self.groups * 4 * (2 if self.overlap else 1)
-        bufs = 1 if self.smem_weights else self.ahead + 1
-        raw = bufs * self.k_steps * self.groups + bufs * self.groups
-        tile_loop = 24 if self.persistent else 0     # ptxas spilled 10 registers with 16 here (block_m 256)
-        return acc + a + raw + 40 + tile_loop
+        a = self.k_steps * self.groups * 4 * 2      # two fragment buffers: decode under the wgmmas
+        raw = self.k_steps * self.groups + self.groups
+        return acc + a + raw + 40
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
@@ -239,7 +185,7 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     kb = knobs
     if not arch.hopper:
         return f"wgmma needs sm_90a; {arch.name} has none"
-    for field in ("block_m", "groups", "warpgroups", "block_k", "stages", "ahead", "split_k"):
+    for field in ("block_m", "groups", "warpgroups", "block_k", "stages", "split_k"):
         if getattr(kb, field) < 1:
             return f"{field}={getattr(kb, field)} must be positive"
     if kb.block_m % 8 or kb.block_m > 256:
@@ -253,36 +199,19 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     reason = tiling_reason(problem, kb.block_n, kb.block_k, "one scale row per stage")
     if reason:
         return reason
-    if kb.tma and not (kb.smem_weights and kb.block_k in (64, 128)):
-        return ("tma fills the stages with weights too (smem_weights) in 64-wide swizzled tiles (block_k=64, "
-                "or 128 as two of them)")
-    if kb.release_barriers and not kb.tma:
-        return "release_barriers replaces the block barrier of the tma pipeline: it needs tma"
+    if kb.block_k not in (64, 128):
+        return (f"block_k={kb.block_k}: TMA fills the stages in 64-wide swizzled tiles (block_k=64, or 128 as two "
+                "of them)")
     if kb.producer_warp and not kb.release_barriers:
-        return "producer_warp refills the stages that the consumers release: it needs release_barriers (and tma)"
-    if kb.persistent < 0:
-        return f"persistent={kb.persistent}: 0 (one block per tile) or the number of blocks"
-    if kb.persistent and not (kb.producer_warp and kb.split_k == 1):
-        return "persistent blocks need producer_warp (it runs ahead into the next tile) and split_k=1"
-    if kb.setmaxnreg and not (kb.producer_warp and kb.warpgroups == 2 and kb.split_k == 1 and not kb.persistent):
+        return "producer_warp refills the stages that the consumers release: it needs release_barriers"
+    if kb.setmaxnreg and not (kb.producer_warp and kb.warpgroups == 2 and kb.split_k == 1):
         return ("setmaxnreg moves the producer's registers to two consumer warpgroups: it needs producer_warp, "
-                "warpgroups=2, split_k=1 (the producer keeps too few for the epilogue) and no persistent loop")
-    if kb.k_split and not (kb.producer_warp and kb.split_k == 1 and not kb.persistent and not kb.setmaxnreg):
-        return ("k_split shares the producer's stages between two consumer warpgroups and adds their sums at "
-                "the end: it needs producer_warp, split_k=1, no persistent loop and no setmaxnreg")
-    if kb.k_split and kb.overlap and kb.stages < 3:
-        # A warpgroup releases k-tile j once it has issued j + 2, which the producer fills only after
-        # the release of j + 2 - stages: with two stages it would wait for itself.
-        return f"k_split with overlap needs stages >= 3 (a warpgroup frees a stage two k-tiles later), got {kb.stages}"
-    if kb.k_split and kb.k_tiles(problem) % 2:
-        return f"k_split gives the two k warpgroups alternate k-tiles: {kb.k_tiles(problem)} k-tiles is odd"
-    if kb.pdl and kb.persistent:
-        return "pdl is wired into the tiled launch only, not the persistent loop"
+                "warpgroups=2 and split_k=1 (the producer keeps too few for the epilogue)")
     if kb.pdl and kb.cluster_reduce:
         return "cluster_reduce kernels are already launched with programmatic stream serialization; drop pdl"
     if kb.early_start < 0:
         return f"early_start={kb.early_start} must be 0 (off) or a number of k-tiles"
-    if kb.early_start and not (kb.pdl or kb.cluster_reduce) or kb.early_start and kb.persistent:
+    if kb.early_start and not (kb.pdl or kb.cluster_reduce):
         return "early_start overlaps a programmatic launch of the tiled kernel: it needs pdl or cluster_reduce"
     if kb.early_start * kb.k_steps + kb.early_start > 32:
         return f"early_start={kb.early_start} asks for more rows than the 32 lanes of one warp prefetch"
@@ -290,70 +219,39 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"early_start={kb.early_start} exceeds the block's {kb.k_tiles(problem) // kb.split_k} k-tiles"
     if kb.rotate and kb.groups >= 4:
         return "rotate shifts each lane quarter's 16-column quarter of the slab: at groups 4 a warp reads all four already"
-    if kb.stream_k < 0:
-        return f"stream_k={kb.stream_k}: 0 (one block per tile) or the number of blocks"
-    if kb.stream_k:
-        if not (kb.tma and kb.producer_warp and kb.split_k == 1) or kb.setmaxnreg or kb.staged_store or \
-                kb.k_split or kb.persistent or kb.cluster_reduce or kb.pdl or kb.early_start or kb.panel_m:
-            return ("stream_k is wired into the producer warp's tma pipeline with split_k=1 and the direct store "
-                    "(no setmaxnreg, staged_store, k_split, persistent, cluster_reduce, pdl, early_start or panel_m)")
-        if kb.k_tiles(problem) % 2:
-            return f"stream_k shares units of two k-tiles: {kb.k_tiles(problem)} k-tiles is odd"
-        if kb.stream_k > problem.n // kb.block_n * kb.k_tiles(problem) // 2:
-            return (f"stream_k={kb.stream_k} blocks exceed the {problem.n // kb.block_n * kb.k_tiles(problem) // 2} "
-                    "units of one row of tiles (some would have no work at small M)")
-    if kb.stage_unroll and not (kb.tma and kb.overlap and not kb.persistent and not kb.stream_k and not kb.k_split):
-        return ("stage_unroll makes the stage indices of the overlapped tma k-loop constants: it needs tma and "
-                "overlap, and no persistent, stream_k or k_split (whose k-tile numbers start at run time)")
-    if kb.ring and not (kb.tma and kb.overlap and not kb.k_split):
-        return ("ring overlaps the decode with the previous k-tile's wgmmas one k-step at a time: it needs the "
-                "tma pipeline with overlap, and no k_split (two warpgroups on alternate k-tiles)")
     if kb.ring < 0 or kb.ring and (kb.ring < 2 or kb.k_steps % kb.ring):
         return (f"ring={kb.ring}: 0 (two whole fragment buffers) or k-steps in flight, at least 2 and dividing "
                 f"the stage's {kb.k_steps} k-steps")
     if kb.scale_on_acc and problem.channelwise:
         return "scale_on_acc scales each k-tile's sums by its group's scales: channelwise scales have no groups"
-    if kb.scale_on_acc and (not (kb.tma and kb.overlap) or kb.ring or kb.k_split or kb.persistent or kb.stream_k
-                            or kb.setmaxnreg):
-        return ("scale_on_acc folds k-tile t - 1's sums after the wait of the overlapped tma k-loop: it needs tma "
-                "and overlap, and no ring, k_split, persistent, stream_k or setmaxnreg")
-    if kb.max_blocks < 0 or kb.max_blocks and not kb.smem_weights:
-        return f"max_blocks={kb.max_blocks}: 0 (no cap) or the blocks per SM, padding the weight stages (smem_weights)"
+    if kb.scale_on_acc and (kb.ring or kb.setmaxnreg):
+        return ("scale_on_acc folds k-tile t - 1's sums after the wait for all wgmmas: it takes no ring (a wait "
+                "a k-step) and no setmaxnreg")
     if kb.fold_lag and not kb.scale_on_acc:
         return "fold_lag delays scale_on_acc's fold of each k-tile's sums: it needs scale_on_acc"
     if kb.panel_m < 0 or kb.panel_m == 1:
         return f"panel_m={kb.panel_m}: 0 (the grid's order) or at least 2 M tiles per panel"
-    if kb.panel_m and kb.persistent:
-        return "panel_m orders the tiled launch; persistent blocks walk their tiles in their own order"
     if kb.cluster_reduce and not 2 <= kb.split_k <= 8:
         return f"cluster_reduce needs 2 <= split_k <= 8 (a portable cluster), got split_k={kb.split_k}"
-    if kb.split_wait and not (kb.split_k > 1 and kb.tma and kb.producer_warp) or kb.split_wait and (
-            kb.cluster_reduce or kb.persistent or kb.stream_k or kb.setmaxnreg or kb.k_split):
+    if kb.split_wait and not (kb.split_k > 1 and kb.producer_warp) or kb.split_wait and (
+            kb.cluster_reduce or kb.setmaxnreg):
         return ("split_wait has the last split of a tile read the others' workspace slots: it is wired into "
-                "split_k > 1 through the workspace (no cluster_reduce) with the producer warp's tma pipeline, "
-                "and no persistent loop, stream_k, setmaxnreg or k_split")
+                "split_k > 1 through the workspace (no cluster_reduce) with the producer warp, and no setmaxnreg")
     mine = -(-kb.block_m * kb.block_n // 4 // kb.threads)
     if kb.split_wait and (kb.split_k - 1) * mine > 64:
         return (f"split_wait's last split keeps a bit per slot and 4-column chunk of a thread, at most 64: "
                 f"{kb.split_k - 1} slots of {mine} chunks (block_m={kb.block_m}, block_n={kb.block_n}, "
                 f"{kb.threads} threads)")
-    if kb.persistent and kb.k_tiles(problem) % 2:
-        return "persistent blocks alternate two fragment buffers per tile: they need an even number of k-tiles"
-    if kb.staged_store and not (kb.tma and kb.split_k == 1 and not kb.k_split and not kb.persistent):
-        return ("staged_store is wired into the tma pipeline with split_k=1 only (split-K tiles meet in the common "
-                "epilogue; no k_split, no persistent loop)")
-    if kb.smem_weights and kb.ahead != 1:
-        return "smem_weights keeps the weights in the stages: ahead must be 1"
-    if kb.prefetch < 1:
-        return f"stages={kb.stages} leaves no activation stage in flight" + (" with overlap" if kb.overlap else "")
-    if kb.longer_splits(problem) and not (kb.tma and kb.producer_warp):
+    if kb.staged_store and kb.split_k > 1:
+        return "staged_store is wired into split_k=1 only (split-K tiles meet in the common epilogue)"
+    if kb.stages < 2:
+        # A stage is released once the wgmmas of the k-tile after it are issued (decode under the wgmmas).
+        return f"stages={kb.stages} leaves no stage in flight: a stage is refilled a k-tile after its use"
+    if kb.longer_splits(problem) and not kb.producer_warp:
         return (f"{kb.k_tiles(problem)} k-tiles do not split evenly into split_k={kb.split_k}; uneven splits "
-                "(the first ones a k-tile longer) need the producer warp's tma pipeline")
+                "(the first ones a k-tile longer) need the producer warp")
     if kb.k_tiles(problem) // kb.split_k < kb.stages:
         return f"each split has fewer k-tiles than stages={kb.stages}"
-    chunks = kb.block_m * kb.block_k // 8
-    if not kb.tma and chunks % kb.threads and kb.threads % chunks:
-        return f"{chunks} 16-byte activation chunks per stage do not spread over {kb.threads} threads"
     regs = kb.registers_estimate()
     if regs > kb.max_registers + 1:     # ptxas fitted estimates up to 255 without spilling
         return f"about {regs} registers per thread would spill ({kb.max_registers} for {kb.threads} threads)"

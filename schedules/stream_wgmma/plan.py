@@ -1,0 +1,166 @@
+"""What the pieces of one stream_wgmma kernel share: its sizes, derived once from (problem, knobs)
+(Plan), its buffers (Buffers), and the maps from a lane's registers to weight columns, output rows
+and shared-memory offsets.
+
+Why the maps look the way they do:
+- A 64-column slab's k-step is 128 packed words, lane l's word for the slab's 16-column quarter q at
+  4 l + q (marlin_mma's layout), and one word decodes into the lane's share of an m64k16 A fragment
+  (rows g and g + 8 of 16 weight columns). The wgmma does not mind which weight columns a lane
+  brings: its rows of A are then other columns, and its rows of the sums the same ones (weight_col
+  says which), since every row of A*B is that row of A times B. rotate uses that freedom to read
+  the words from shared memory without bank conflicts (slab_quarter).
+- wgmma computes C^T = W^T X^T: its accumulator holds, per group and 8 rows of M, rows g / g + 8 of
+  the warp's 16 weight columns at columns (rows of M) 2t and 2t + 1 (fragment_element).
+- The activations of a stage are [block_m, 64] tiles in TMA's 128-byte swizzle, wgmma's canonical
+  K-major SW128 layout: 8-row atoms of 1024 bytes, a k-step 32 bytes into the atom (x_offset).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import tilelang.language as T
+
+from templates import dequant_function_names, mma_operand_dtype
+
+from ..epilogue import split_k_prelude, store_tile, store_tile_split_wait, wait_for_prior_grids
+from ..marlin_mma.layout import SLAB_N
+from ..problem import Problem
+from .knobs import Knobs
+
+# The wgmma descriptor of a stage's activations: the 128-byte swizzle (layout type 1), leading byte
+# offset 1 (unused by a swizzled K-major operand), stride byte offset one 8-row atom (1024 bytes), in
+# 16-byte units; a k-step is 32 bytes into the atom.
+SW128, LEADING_OFFSET, ATOM_OFFSET, STEP_UNITS = 1, 1, 1024 // 16, 2
+
+
+def panel_tile(launch, m_tiles, n_tiles, panel, minimum=min, div=operator.floordiv, mod=operator.mod):
+    """(M tile, N tile) of the block launched `launch`-th, with the tiles handed out in panels of
+    `panel` M tiles (the last panel may be shorter): within a panel the M tiles go fastest, then the
+    N tiles. Integers, or TileLang expressions with minimum=T.min and C's division (every operand is
+    non-negative, so truncating is flooring and needs no sign fix-ups); a bijection onto the grid
+    (tests/test_codegen_stream_wgmma.py)."""
+    per_panel = panel * n_tiles
+    first = div(launch, per_panel) * panel           # the panel's first M tile
+    rows = minimum(panel, m_tiles - first)
+    within = mod(launch, per_panel)
+    return first + mod(within, rows), div(within, rows)
+
+
+# A warp that reads one slab quarter for all its lanes hits 8 banks, four lanes each: 4-way conflicts,
+# 4 wavefronts per 32-bit load (2 per 64-bit load at groups 2). rotate: the lanes of each 8-lane
+# quarter of the warp take the warp's quarter (pair of quarters at groups 2) shifted by that lane
+# quarter's number, so that one load touches every bank once.
+def slab_quarter(wq, lane, i, groups: int, rotate: bool):
+    """The 16-column quarter (within its 64-column slab) of lane `lane` of warp `wq`'s group i (ints or
+    TileLang expressions)."""
+    quarters = 4 // groups                # a warp's share of the slab, in steps of `groups` quarters
+    if rotate and quarters > 1:
+        return groups * ((wq % quarters + lane // 8) % quarters) + i
+    return (wq * groups + i) % 4
+
+
+class Plan:
+    """One kernel's constants, and the epilogue macros of schedules/epilogue.py configured for it.
+    The macros take it as their first argument and read it as plan.<name>."""
+
+    def __init__(self, problem: Problem, knobs: Knobs):
+        kb = self.kb = knobs
+        self.n, self.group, self.dtype, self.bits = problem.n, problem.group, problem.dtype, problem.bits
+        self.m = T.dynamic("m")              # rows of A and C, known at launch
+        self.tiles = T.dynamic("tiles")      # split-K tile counters
+        self.bm, self.bn, self.bk, self.g = kb.block_m, kb.block_n, kb.block_k, kb.groups
+        self.steps, self.stages = kb.k_steps, kb.stages
+        self.threads = kb.threads
+        self.consumers = kb.consumer_threads    # the warpgroups; with producer_warp one warp (or warpgroup) more
+        # K-tiles per split; the first `extra` splits take one more, with split_wait the last ones (uneven
+        # splits: with the producer warp only, where each block's count is a constant of one of two
+        # copies of the pipeline, see kernel.body)
+        self.trips, self.extra = kb.k_tiles(problem) // kb.split_k, kb.longer_splits(problem)
+        # split_wait: the short splits come first, so that the last split (which waits) is a long one
+        self.short = kb.split_k - self.extra if kb.split_wait else 0
+        self.grouped = not problem.channelwise
+        self.grid_n = problem.n // self.bn
+        self.ab = mma_operand_dtype(problem.dtype)
+        self.decode, self.decode_scaled = dequant_function_names(problem.dtype, problem.bits, operand="a")
+        self.cluster = kb.cluster_reduce     # the splits add their tiles through distributed shared memory
+        self.release = kb.release_barriers   # stages freed by per-stage barriers, not a block barrier
+        self.producer = kb.producer_warp     # ... and refilled by a warp of their own
+        # scale_on_acc: acc holds the running sums, then one k-tile's wgmma sums; sc two sets of scales
+        # (by the k-tile's parity), since k-tile t - 1's fold comes after k-tile t's words and scales
+        # are read. fold_lag: two sets of k-tile sums by parity, k-tile t's folded while k-tile t + 1's
+        # wgmmas run.
+        self.sacc, self.lag = kb.scale_on_acc, kb.fold_lag
+        self.per_w = self.steps * self.g     # packed words per lane and stage
+        self.per_s = 2 * self.g              # group scales per lane and stage: rows g and g + 8 of each group
+        self.a_len = self.steps * self.g * 8  # decoded halves per lane and stage
+        self.acc_len = self.g * self.bm // 2  # fp32 sums: `groups` wgmma m64n{bm} accumulators
+        self.acc_all = self.acc_len * (3 if self.lag else 2 if self.sacc else 1)
+        self.wgmma_shape = f"m64n{self.bm}k16"
+        self.atoms = self.bk // 64           # [block_m, 64] swizzled tiles per stage, side by side along K
+        self.stage_units = self.bm * self.bk * 2 // 16
+        self.out_chunks = self.bm * self.bn // 8     # 16-byte chunks of the output tile (staged_store)
+        self.out_rounds = -(-self.out_chunks // self.consumers)
+        self.split_k_prelude = split_k_prelude(self.bm, self.bn, kb.split_k, self.threads, problem.n,
+                                               problem.channelwise, self.cluster, kb.split_wait)
+        self.wait_prior = wait_for_prior_grids(self.cluster, kb.pdl)
+        self.store_split = store_tile(self.bm, self.bn, self.grid_n, kb.split_k, self.dtype, problem.channelwise,
+                                      cluster=self.cluster) if kb.split_k > 1 else None
+        self.store_split_wait = store_tile_split_wait(self.bm, self.bn, kb.split_k, problem.n, problem.channelwise) \
+            if kb.split_wait else None
+
+    def weight_col(self, bx, wg, wq, lane, i, h):
+        """Output column of a lane's fragment row h (g or g + 8) of group i."""
+        g = self.g
+        slab = (wq * g + i) // 4
+        return (bx * self.bn + wg * SLAB_N * g + slab * SLAB_N + slab_quarter(wq, lane, i, g, self.kb.rotate) * 16 +
+                lane // 4 + 8 * h)
+
+    def fragment_element(self, by, bx, wg, wq, lane, i, c, e):
+        """(row of C, column of C, index in acc) of a lane's accumulator element e of row block c of
+        group i: the wgmma's C^T fragment, transposed back."""
+        row = by * self.bm + 8 * c + 2 * (lane % 4) + e % 2
+        return row, self.weight_col(bx, wg, wq, lane, i, e // 2), i * (self.bm // 2) + c * 4 + e
+
+    def fragment_slot(self, u):
+        """K-step u's fragments within their buffer (ring = D: slot u % D of D)."""
+        return u % self.kb.ring if self.kb.ring else u
+
+    def x_offset(self, u):
+        """K-step u's activations from its stage's start, in 16-byte units (block_k 128: the steps of
+        the second 64-wide tile start block_m rows of 128 bytes later)."""
+        return u // 4 * (self.bm * 64 * 2 // 16) + u % 4 * STEP_UNITS
+
+    def output_value(self, total, S, col):
+        """An output element from its fp32 sum: group scales are in the sums already, channelwise ones
+        come here."""
+        return T.cast(total if self.grouped else total * T.cast(S[0, col], "float32"), self.dtype)
+
+    def in_producer_warp(self):
+        """producer_warp: whether this thread's warp is the producer (a warp-uniform condition)."""
+        return T.call_extern("int32", "tm_warp_index") >= self.consumers // 32
+
+
+@dataclass
+class Buffers:
+    """A block's tensors (A [M, K], packed B, scales S, C, and for split-K the workspace and tile
+    counters), shared stages (X_s activations, W_s packed words, S_s scale rows, Y_s staged_store's
+    tile), stage barriers and registers (w words, sc scales, a A fragments, acc sums, desc the wgmma
+    descriptor), handed to the macros as one argument."""
+    A: object
+    B: object
+    S: object
+    C: object
+    ws: object
+    counters: object
+    X_s: object
+    full: object
+    empty: object
+    W_s: object
+    S_s: object
+    w: object
+    sc: object
+    a: object
+    acc: object
+    desc: object
+    Y_s: object
