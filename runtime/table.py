@@ -23,6 +23,7 @@ puts back an older timing over a newer one. Files are replaced atomically: a rea
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -172,10 +173,14 @@ def knobs_reason(schedule: Schedule, problem: Problem, arch_name: str) -> str | 
     from schedules.arch import get_arch
 
     fam = schedule.module
-    for name, allowed in fam.AXES.items():
+    defaults = {f.name: f.default for f in dataclasses.fields(fam.Knobs)}
+    for name, values in fam.AXES.items():
+        # The axis values, and the knob's default (a form a search may have left out of the axes
+        # once it stopped winning, while tuned winners still use it).
+        allowed = tuple(values) + ((defaults[name],) if name in defaults else ())
         value = getattr(schedule.knobs, name)
         if not any(type(value) is type(a) and value == a for a in allowed):
-            return f"knob {name}={value!r} is not one of the {fam.NAME} axis values {allowed}"
+            return f"knob {name}={value!r} is not one of the {fam.NAME} axis values {tuple(values)}"
     return fam.check(problem, schedule.knobs, get_arch(arch_name))
 
 
@@ -425,6 +430,7 @@ def atomic_write(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)      # mkstemp's 0600 would hide a shared cache's tables from other users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -20,6 +20,7 @@ within its family? A winner outside the knob space (reached by `gen tune --varia
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import math
 import statistics
 import sys
@@ -65,9 +66,19 @@ def load_timings(table_paths: list[str], sweep_paths: list[str]) -> dict:
         try:
             with open(path) as f:
                 data = json.load(f)
-            records = [(e["problem"], e["bucket"], e.get("harness", REPLAY), e.get("all_timings", []))
-                       for e in data["entries"]] if kind == "table" else \
-                [(r["problem"], r["m"], r.get("harness", REPLAY), r["results"]) for r in data]
+            if kind == "table":      # the candidates' timings: inline, or in the history file beside it
+                from runtime.table import history_path_of
+
+                history = history_path_of(Path(path))
+                inline = {(json.dumps(e["problem"], sort_keys=True), e["bucket"]): e.get("all_timings", [])
+                          for e in data["entries"]}
+                if history.exists():
+                    for h in json.loads(history.read_text())["entries"]:
+                        inline[(json.dumps(h["problem"], sort_keys=True), h["bucket"])] = h["all_timings"]
+                records = [(e["problem"], e["bucket"], e.get("harness", REPLAY),
+                            inline[(json.dumps(e["problem"], sort_keys=True), e["bucket"])]) for e in data["entries"]]
+            else:
+                records = [(r["problem"], r["m"], r.get("harness", REPLAY), r["results"]) for r in data]
         except OSError as exc:
             raise ValueError(f"{path}: {exc.strerror}") from None
         except (json.JSONDecodeError, KeyError, TypeError) as exc:

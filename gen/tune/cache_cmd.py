@@ -47,7 +47,7 @@ def _read(path: Path):
     from runtime.table import TableError, TunedTable
 
     try:
-        table = TunedTable.read(path)
+        table = TunedTable.read(path, history=True)
     except TableError as exc:
         return None, f"ignored: {exc}"
     reason = table.stale_reason()
