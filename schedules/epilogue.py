@@ -12,7 +12,7 @@ store_tile_split_wait) every split but the last stores its tile into a workspace
 leaves, and the last split reads the slots after its own k-loop: no atomics, no counter.
 Both sums move 16-byte vectors and issue all of a thread's loads before the first is used
 (split_k_prelude): summed one element at a time, each element waited for a round trip of its own, which
-made split-K 1.3-2x slower at M >= 64 (perf-notes v31, v32).
+made split-K 1.3-2x slower at M >= 64 (H200; docs/performance.md).
 Channelwise scales (one row, S[0, n]) are applied here, to the fp32 sums.
 """
 # No `from __future__ import annotations`: TileLang macros evaluate their annotations.
@@ -156,7 +156,7 @@ __device__ __forceinline__ void tm_workspace_store(float* ws, Out* out, int rows
 # once, adds each 4-value chunk once all four of its words have landed (a 16-byte store need not land
 # at once) and zeroes it, loads again what is still missing, and stores the sums. The last block to
 # arrive at the tile's counter paid two L2 round trips (its reductions' fence, the counter; ~0.9 us
-# each under the weights' stream at down_proj 16, perf-notes v56) before it could even read the sums;
+# each under the weights' stream at down_proj 16, docs/performance.md) before it could even read the sums;
 # here the last split reads them at once. It waits only for blocks launched before it, so it cannot
 # hold a slot that one of them needs. (A first form polled from the producer warp during the k-loop:
 # its ~1200 instructions a round, issued beside 14 busy warps, took ~6 us, v56.)

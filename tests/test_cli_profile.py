@@ -31,7 +31,7 @@ def test_without_shape_or_m_it_says_what_is_needed(capsys):
 
 
 def test_read_ncu_summarizes_where_the_warps_waited(capsys):
-    # tests/data/ncu_source_sample.csv: five lines of ncu's source page (session 15, gate_up at M = 16).
+    # tests/data/ncu_source_sample.csv: five lines of ncu's source page (an earlier tune, gate_up at M = 16).
     assert main(["profile", "--read-ncu", str(NCU_SAMPLE), "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "154112 warp instructions executed, 266 stall samples" in out

@@ -159,7 +159,7 @@ def test_prepared_stream_knobs_are_estimated_cheaper_where_they_should_be():
 def test_blocks_that_crowd_some_sms_cost_the_busiest_sm():
     """qkv at M = 16, one 64-row tile per block: 192 blocks put 2 on 60 SMs and 1 on 72, so the
     unsplit kernel takes as long as two tiles per SM; split in two (384 blocks, 3 on 120 SMs) each
-    SM does at most 1.5 tiles. Measured on the H200: 14.8 against 10.7 us (perf-notes v42); an even
+    SM does at most 1.5 tiles. Measured on the H200: 14.8 against 10.7 us (H200; docs/performance.md); an even
     share of the blocks had it the other way round (12.1 against 13.7 us estimated)."""
     from schedules.stream_wgmma import Knobs as SWK
     base = dict(block_m=16, groups=1, warpgroups=1, block_k=128, stages=6, release_barriers=True, producer_warp=True,

@@ -2,7 +2,7 @@
 power and the active clock-throttle reasons, sampled in the background, so that a report says when a
 ratio was taken under the power limit. On the H200 at M = 4096 both tilemarlin and FP16 ran at
 1.3-1.6 GHz instead of 1.98, held there by the 700 W cap, and the clock of each round decided the
-ratio more than the kernels did (docs/perf-notes.md v39).
+ratio more than the kernels did (H200; docs/performance.md).
 """
 from __future__ import annotations
 

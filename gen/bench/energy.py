@@ -4,7 +4,7 @@ installs), for `gen bench --sustain`.
 Under a sustained load the H200 sits at its 700 W power cap from M = 256 on, and the clock then
 follows the power each kernel draws: a point timed for tens of milliseconds meets the power
 controller mid-correction, while one run for a second or more shows the clock the kernel holds at
-the cap and the joules it spends per call (docs/perf-notes.md v45). NVML's total-energy counter
+the cap and the joules it spends per call (H200; docs/performance.md). NVML's total-energy counter
 (millijoules since the driver loaded) gives the joules exactly, where nvidia-smi's power readings
 are samples.
 """

@@ -1,7 +1,7 @@
 """Where a kernel's warps wait, from Nsight Compute's source page: `ncu --import R.ncu-rep --page source
 --csv --print-source sass` gives a row per SASS instruction with its executions, its stall samples and
 one column per stall reason. ncu runs on the GPU machine only; this reads its text anywhere (`gen profile
---read-ncu FILE.csv`), which is how session 15 compared the M = 16 and M = 8 kernels (perf-notes v39).
+--read-ncu FILE.csv`), which is how the M = 16 and M = 8 kernels were compared (H200; docs/performance.md).
 """
 from __future__ import annotations
 

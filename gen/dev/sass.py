@@ -4,7 +4,7 @@ soon each global load is waited for.
 Why: ptxas tracks loads with six scoreboards, and an instruction can only wait for a scoreboard to
 drain, not for one load on it. When every global load of a loop shares one scoreboard, the first
 consumer of an old load also waits for the loads issued just before it, and a register prefetch
-buys nothing (docs/perf-notes.md v11). The PTX cannot show this; the control bits of the SASS do.
+buys nothing (H200; docs/performance.md). The PTX cannot show this; the control bits of the SASS do.
 
 Needs `ptxas`, `cuobjdump` and `nvdisasm` on PATH (the last two come in NVIDIA's
 nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels).
@@ -63,7 +63,7 @@ def disassemble(ptx: str, arch: str) -> str:
 
 def ptxas_findings(ptx: str, arch: str) -> list[str]:
     """ptxas's register and spill line for `ptx` and every performance warning it gives, such as
-    wgmmas it serializes (each waited for before the next: perf-notes v15 lists the causes met)."""
+    wgmmas it serializes (each waited for before the next: docs/performance.md lists the causes met)."""
     with tempfile.TemporaryDirectory() as tmp:
         _, log = _assemble(ptx, arch, tmp)
     keep = ("Used ", "spill stores", "Potential Performance Loss", "is injected")
@@ -123,7 +123,7 @@ def conversions_before_the_last_wait(code: list[Instruction]) -> list[Instructio
     """The F2FP (fp32 -> fp16/bf16) instructions between the kernel's last HGMMA and the first
     `WARPGROUP.DEPBAR.LE gsb0, 0x0` after it: reads of wgmma accumulators that the last wgmmas may
     still be writing. ptxas hoisted unconditional conversions above that wait (staged_store on branch
-    wip/staged-store, session 7: ~25 % of the outputs missed their last k-tile); under a predicate
+    a staged_store form that was never merged: ~25 % of the outputs missed their last k-tile); under a predicate
     (the row guard of every epilogue here) it kept them below."""
     mma = [i for i, ins in enumerate(code) if ins.opcode == "HGMMA"]
     if not mma:

@@ -7,7 +7,7 @@ this process allocates: its address is compiled into the kernel, so the stamped 
 and never enters the kernel cache. Each block keeps its last RING calls (a per-block call counter picks
 the slot), and the summary times every call from the previous call's last exit: how long the next
 kernel's wait, first loads, k-loop and epilogue take, and how far apart its blocks finish.
-%globaltimer ticks in 32 ns steps on the H200 but updates about every 256 ns (perf-notes v53).
+%globaltimer ticks in 32 ns steps on the H200 but updates about every 256 ns (H200; docs/performance.md).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def stamp_source(code: str, stamps: int, counters: int, max_blocks: int) -> str:
     head, body = code[:entry.start()], code[entry.start():]
     cut = entry.end() - entry.start()
     # Thread 0 keeps the stamps in shared memory: held in registers through the kernel they cost ten,
-    # which took down_proj 16's kernel from 128 to 134 and from 3 blocks per SM to 2 (perf-notes v55).
+    # which took down_proj 16's kernel from 128 to 134 and from 3 blocks per SM to 2 (H200; docs/performance.md).
     body = (body[:cut] + "\n  __shared__ unsigned long long tm_ts[5];\n  bool tm_zero = threadIdx.x == 0;"
             "\n  if (tm_zero) { tm_ts[1] = tm_ts[2] = tm_ts[3] = 0; tm_ts[0] = tm_globaltimer(); }"
             "\n  bool tm_first_stage = true;" + body[cut:])

@@ -38,39 +38,39 @@ workspace_elems, kernel_args = marlin_mma.workspace_elems, marlin_mma.kernel_arg
 
 AXES = {
     "m_tiles": (1, 2, 4),
-    "slabs": (1,),          # 2 slabs per warp measured slower on every Llama-2-7B layer (perf-notes v6)
+    "slabs": (1,),          # 2 slabs per warp measured slower on every Llama-2-7B layer (H200; docs/performance.md)
     "warps": (4, 8),        # 2 warps never won a sweep or a tune
     "unroll": (4, 8),       # nor did unroll 2
     "split_k": (1, 2, 3, 4, 6, 8, 16),
-    # Batches in flight per warp. 3 and 4 lost while the loads went into registers (perf-notes v6); through
-    # async_weights' shared slots they win 18 of the 24 buckets up to M = 32 (sessions 11-12, v35-v36).
+    # Batches in flight per warp. 3 and 4 lost while the loads went into registers (H200; docs/performance.md); through
+    # async_weights' shared slots they win 18 of the 24 buckets up to M = 32 (H200; docs/performance.md).
     "ahead": (1, 2, 3, 4),
-    # Measured on the H200 (docs/perf-notes.md v6, v36) and left out of the search: capping registers for
+    # Measured on the H200 (H200; docs/performance.md) and left out of the search: capping registers for
     # occupancy gained nothing (v36: two m-tiles at 142 instead of 229 registers, 3 blocks per SM instead
     # of 2, 1.03-1.7x slower), and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
     "occupancy": (0,),
     "scale_on_acc": (False,),
-    # Measured correct and each faster somewhere (perf-notes v7-v9): raw codes into the MMA at
+    # Measured correct and each faster somewhere (H200; docs/performance.md): raw codes into the MMA at
     # M <= 16, the cluster's split-K reduction on the small layers, ldmatrix activations at M >= 32.
     "fold_zero_point": (False, True),
     "cluster_reduce": (False, True),
     "x_ldmatrix": (False, True),
     # Weights through the warp's cp.async slots (with x_ldmatrix): measured correct and a median 5 %
-    # (M = 1) to 8 % (M = 16) faster than the same knobs without (perf-notes v13).
+    # (M = 1) to 8 % (M = 16) faster than the same knobs without (H200; docs/performance.md).
     "async_weights": (False, True),
     # The warps' sums meet through a slice each (two barriers, not warps + 1): the end of a ~5 us
-    # kernel. Faster in all 16 measured pairs at M = 1 and 8, by 2.5-8 % (perf-notes v25).
+    # kernel. Faster in all 16 measured pairs at M = 1 and 8, by 2.5-8 % (H200; docs/performance.md).
     "sum_slices": (False, True),
     # Launched as the previous kernel drains (programmatic dependent launch): 0-2.5 % faster in all
-    # 16 measured pairs at M = 1 and 8 (perf-notes v25).
+    # 16 measured pairs at M = 1 and 8 (H200; docs/performance.md).
     "pdl": (False, True),
     # Let the next kernel launch at the start and ask L2 for the first 2 batches before the wait:
-    # 0.94-1.46x, median 1.06 over 60 pairs at M = 1-32; it won 4 buckets by 1-4 % (perf-notes v28).
+    # 0.94-1.46x, median 1.06 over 60 pairs at M = 1-32; it won 4 buckets by 1-4 % (H200; docs/performance.md).
     "early_start": (0, 2),
     # early_start's launch of the next kernel after the k-loop instead of first: median 0.96x of
-    # early_start alone (13 pairs at M = 1-8, 0.83-1.03), 1.02x of neither (session 9, perf-notes v30).
+    # early_start alone (13 pairs at M = 1-8, 0.83-1.03), 1.02x of neither (H200; docs/performance.md).
     "late_trigger": (False, True),
-    # fold_zero_point's fold of a batch's sums one batch late, from a second set (session 22).
+    # fold_zero_point's fold of a batch's sums one batch late, from a second set (H200).
     "fold_lag": (False, True),
 }
 # Axes that the first search round does not spread over (gen/search.py one_per_variant): the model

@@ -33,8 +33,7 @@ class Knobs:
     k-step and m-tile (which flood the load pipe at M >= 16). async_weights (with x_ldmatrix) moves
     the weights and scales through the warp's shared slots too, so that the k-loop has no load into
     registers from global memory: ptxas tracks all of a loop's global loads on one scoreboard, so a
-    register buffer `ahead` batches early is waited for together with the newest loads (perf-notes
-    v11); cp.async groups are counted in order and waited for one batch at a time. sum_slices: at
+    register buffer `ahead` batches early is waited for together with the newest loads (H200; docs/performance.md); cp.async groups are counted in order and waited for one batch at a time. sum_slices: at
     the end every warp stores its sums into its own shared slice and each thread then adds one
     element's slices (two barriers), instead of the warps adding into one tile in turn (warps + 1).
     pdl (sm_90, not with cluster_reduce, whose launches already are) launches the kernel with
@@ -51,7 +50,7 @@ class Knobs:
     second set of sums, so that the fold does not wait for the MMAs it reads.
     max_blocks (B > 0, sm_90, x_ldmatrix) pads the activation slots' shared memory so that at most B
     blocks fit an SM: a split-K cluster grid under one wave then spreads over more SMs (stream_wgmma's
-    clusters packed onto fewer SMs when more fit, perf-notes v50; on this family's M = 1-8 winners it
+    clusters packed onto fewer SMs when more fit, docs/performance.md; on this family's M = 1-8 winners it
     moved nothing, v51); 0 leaves the count to registers and shared memory.
     """
 
@@ -118,7 +117,7 @@ class Knobs:
         """Dynamic shared memory as TileLang allocates it: with x_ldmatrix each warp's activation slots,
         with async_weights its weight and scale slots, all live during the k-loop; after it, the fp32
         tile in which the warps' sums meet and with sum_slices a slice of sums per warp, which TileLang
-        lays over the slots (measured in its host launch code, perf-notes v37-v38)."""
+        lays over the slots (measured in its host launch code, docs/performance.md)."""
         slices = self.warps * self.block_m * self.block_n * 4 if self.sum_slices else 0
         return max(self._k_loop_bytes() + self.pad_warps * self.x_slots_bytes,
                    self.block_m * self.block_n * 4 + slices)
