@@ -62,16 +62,9 @@ def kernel_dir() -> Path:
 def writable_kernel_dir() -> Path:
     """kernel_dir(), created, for a build: an unwritable one is a clear error, not a failure deep
     inside TileLang (an installed package's folder is often read-only)."""
-    path = kernel_dir()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise PermissionError(f"cannot create the compiled-kernel cache {path} ({exc.strerror}); "
-                              "point TILEMARLIN_CACHE_DIR at a writable folder") from None
-    if not os.access(path, os.W_OK):
-        raise PermissionError(f"the compiled-kernel cache {path} is not writable; point "
-                              "TILEMARLIN_CACHE_DIR at a writable folder")
-    return path
+    from .table import writable_folder
+
+    return writable_folder(kernel_dir())
 
 
 class CompiledKernel:
