@@ -1,10 +1,10 @@
 """Every schedule family's kernels against the fp32 reference, on a GPU.
 
-For each Llama-2-7B layer, group 128 and channelwise, several knob settings per family (split-K
-among them): one compiled kernel (M is dynamic) must match the reference for every M, with inputs
-drawn from a seed fixed per case (printed on failure), the output poisoned with NaN before each call,
-the comparison of tests/reference.py (relative norm and every element), and any split-K workspace
-left zeroed. stream_wgmma runs only on sm_90a GPUs.
+Many knob settings per family (split-K among them), each on Llama-2-7B's down_proj and on one more
+of its layers and groupings (group 128 or channelwise): one compiled kernel (M is dynamic) must match
+the reference for every M, with inputs drawn from a seed fixed per case (printed on failure), the
+output poisoned with NaN before each call, the comparison of tests/reference.py (relative norm and
+every element), and any split-K workspace left zeroed. stream_wgmma runs only on sm_90a GPUs.
 """
 import dataclasses
 
@@ -215,8 +215,22 @@ SCHEDULES = {**{name: Schedule("marlin_mma", kb) for name, kb in KNOBS.items()},
              **{name: Schedule("stream_wgmma", kb) for name, kb in STREAM_WGMMA_KNOBS.items()}}
 BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_split4", "stream_m16_aw_split4",
                   "swg_m128_g2", "swg_m256_g1_wg2", "swg_m256_setmaxnreg_staged", "swg_m32_g2_split4_sacc")
-CASES = [(layer, group, name) for layer in LAYERS for group in (128, -1) for name in SCHEDULES
-         if not (group == -1 and getattr(SCHEDULES[name].knobs, "scale_on_acc", False))]
+
+
+def _cases():
+    """Each knob form on down_proj at group 128 (K = 11008: the uneven k-tile and split counts the
+    forms above are written for) and on one more (layer, group) pair, rotating through the other
+    seven so that every pair meets many forms. Scales on the sums need groups: no channelwise there."""
+    others = [(layer, group) for layer in LAYERS for group in (128, -1) if (layer, group) != ("down", 128)]
+    cases = []
+    for index, name in enumerate(SCHEDULES):
+        grouped_only = getattr(SCHEDULES[name].knobs, "scale_on_acc", False)
+        options = [pair for pair in others if not (grouped_only and pair[1] == -1)]
+        cases += [("down", 128, name), (*options[index % len(options)], name)]
+    return cases
+
+
+CASES = _cases()
 
 
 def problem_of(layer, group, dtype="float16"):
