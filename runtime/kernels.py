@@ -176,6 +176,12 @@ def kernel_folder(problem: Problem, schedule: Schedule, arch: Arch) -> Path:
     return kernel_dir() / arch.name / problem.name / f"{readable}-{digest[:16]}"
 
 
+def is_stored(problem: Problem, schedule: Schedule, arch: Arch) -> bool:
+    """Whether the store holds the kernel, built by the CUDA toolkit found here (compile_schedule
+    would only load it)."""
+    return _is_current(kernel_folder(problem, schedule, arch))
+
+
 def _is_current(folder: Path) -> bool:
     """A complete entry built by the CUDA toolkit found here (any, where none is installed)."""
     try:

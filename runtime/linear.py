@@ -16,6 +16,8 @@ from schedules.quant import quantize_rtn
 
 from . import gptq
 from .op import DEFAULT_LAYOUT, dtype_name, layout_family, packed_shapes, problem_of, w4a16_gemm
+from .zero_points import add_zero_point_correction
+from .precompile import precompile_layers
 
 
 class QuantLinear(nn.Module):
@@ -23,12 +25,17 @@ class QuantLinear(nn.Module):
 
     Build one with :meth:`from_linear` (round-to-nearest), :meth:`from_gptq` (a GPTQ checkpoint's
     tensors) or :meth:`from_codes`; or construct an empty one of the right shape and load a state dict.
+    On a CUDA device each of them builds, before it returns, every kernel the layer will run for M up
+    to `max_m` (all M buckets by default; runtime/precompile.py); `precompile=False` or
+    TILEMARLIN_PRECOMPILE=0 leaves that to the first calls.
     """
 
     bits = 4
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128,
-                 dtype: torch.dtype = torch.float16, device=None, layout: str = DEFAULT_LAYOUT):
+                 dtype: torch.dtype = torch.float16, device=None, layout: str = DEFAULT_LAYOUT,
+                 act_order: bool = False, zero_points: bool = False,
+                 precompile: bool = True, max_m: int | None = None):
         super().__init__()
         problem = problem_of(out_features, in_features, group_size, dtype_name(dtype), layout)
         self.in_features, self.out_features = in_features, out_features
@@ -38,6 +45,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", torch.zeros(weight_shape, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(scales_shape, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        # Checkpoint layers (runtime/checkpoint): the act-order gather of x's columns, and the offsets of
+        # zero points other than 8 (runtime/zero_points.py). None for symmetric weights in natural order.
+        self.register_buffer("perm", torch.arange(in_features, device=device) if act_order else None)
+        self.register_buffer("zero_offsets", torch.zeros(scales_shape, dtype=dtype, device=device)
+                             if zero_points else None)
+        if precompile:
+            precompile_layers([(problem, self.qweight.device)], max_m, layout)
 
     @property
     def problem(self) -> Problem:
@@ -46,13 +60,13 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                   layout: str = DEFAULT_LAYOUT) -> "QuantLinear":
+                   layout: str = DEFAULT_LAYOUT, precompile: bool = True, max_m: int | None = None) -> "QuantLinear":
         """From INT4 codes [K, N] (zero point 8) and scales [K / group, N], on their device."""
         k, n = codes.shape
         if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
             raise ValueError(f"scales {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}")
         layer = cls(k, n, bias=bias is not None, group_size=k // scales.shape[0], dtype=scales.dtype,
-                    device=codes.device, layout=layout)
+                    device=codes.device, layout=layout, precompile=precompile, max_m=max_m)
         qweight, packed_scales = layout_family(layout).pack(codes, scales)
         layer.qweight.copy_(qweight)
         layer.scales.copy_(packed_scales)
@@ -61,32 +75,38 @@ class QuantLinear(nn.Module):
         return layer
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 128) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, group_size: int = 128, precompile: bool = True,
+                    max_m: int | None = None) -> "QuantLinear":
         """Round-to-nearest symmetric INT4 quantization of an fp16/bf16 nn.Linear, on its device."""
         weight = linear.weight.detach()
         codes, scales = quantize_rtn(weight.t(), group_size, cls.bits, dtype_name(weight.dtype))
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls.from_codes(codes, scales, bias)
+        return cls.from_codes(codes, scales, bias, precompile=precompile, max_m=max_m)
 
     @classmethod
     def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                   g_idx: torch.Tensor | None, bias: torch.Tensor | None = None, bits: int = 4,
-                  group_size: int = 128, checkpoint_format: str = "gptq") -> "QuantLinear":
+                  group_size: int = 128, checkpoint_format: str = "gptq", precompile: bool = True,
+                  max_m: int | None = None) -> "QuantLinear":
         """From one layer's tensors of a GPTQ checkpoint (see runtime/gptq.py for the layout).
 
         Refuses, with a ValueError that says why, other bit widths, asymmetric zero points and
         act-order (desc_act) checkpoints.
         """
         codes, unpacked_scales = gptq.from_gptq(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
-        return cls.from_codes(codes, unpacked_scales, bias)
+        return cls.from_codes(codes, unpacked_scales, bias, precompile=precompile, max_m=max_m)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes uint8 [K, N], scales [K / group, N]): the inverse of from_codes."""
         return layout_family(self.layout).unpack(self.qweight, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         y = w4a16_gemm(x, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
                        self.layout)
+        if self.zero_offsets is not None:
+            y = add_zero_point_correction(y, x, self.zero_offsets, self.group_size)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -95,7 +115,8 @@ class QuantLinear(nn.Module):
 
 
 def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | Iterable[str] | None = None,
-                   group_size: int = 128, skip: Iterable[str] = ("lm_head",)) -> nn.Module:
+                   group_size: int = 128, skip: Iterable[str] = ("lm_head",), precompile: bool = True,
+                   max_m: int | None = None) -> nn.Module:
     """Swap the nn.Linear layers of `model` for QuantLinear (round-to-nearest INT4), in place.
 
     Parameters
@@ -105,6 +126,9 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         substrings (a layer is converted when its name contains one of them).
     group_size : input rows per scale; -1 for one scale per output column.
     skip : name substrings never converted; the default keeps the (often tied) lm_head in fp16.
+    precompile, max_m : after converting, build every kernel the converted layers will run for M up
+        to `max_m` (all buckets for None), each distinct shape once, in one parallel compile; skipped
+        with precompile=False, TILEMARLIN_PRECOMPILE=0, or weights not on a CUDA device.
 
     Returns the model. Raises ValueError, naming the layer, for a layer the kernel cannot hold (its
     N must be a multiple of 64, K of 16 and of the group size), and when no layer matched.
@@ -117,7 +141,7 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
             continue
         if id(module) not in converted:
             try:
-                converted[id(module)] = QuantLinear.from_linear(module, group_size)
+                converted[id(module)] = QuantLinear.from_linear(module, group_size, precompile=False)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"cannot convert {name!r} ({module}): {exc}. Leave it out with "
                                  f"skip=(..., {name!r}) or a filter") from None
@@ -126,6 +150,8 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
     if not converted:
         raise ValueError("replace_linear found no nn.Linear to convert (already converted, or the filter "
                          "and skip left none)")
+    if precompile:
+        precompile_layers([(layer.problem, layer.qweight.device) for layer in converted.values()], max_m)
     return model
 
 

@@ -218,23 +218,25 @@ def schedule_for(problem: Problem, m: int, device=None, layout: str = DEFAULT_LA
     """The schedule the op runs for `problem` at M = m on `device`: the tuned table's, else the best
     of the tuned winners that fit (runtime/fallback.py), warning once per problem. Its family must
     use `layout`."""
+    device = _cuda_device(device)
+    # The bucket's upper edge, as the tuner measures it: one choice per bucket.
+    schedule, how = dispatch_for(device).choose(problem, bucket_of(m), layout)
+    if how is not None:
+        _warn_untuned(problem, device, schedule, how)
+    return schedule
+
+
+def dispatch_for(device=None):
+    """What the op's choices on `device` depend on (runtime.precompile.Dispatch): its arch, its cost-model
+    numbers, its tuned table and the arch's tuned winners, each read once per process."""
     from schedules.arch import current_arch
     from schedules.cost import GpuSpec
 
-    from .fallback import fallback_schedule
+    from .precompile import Dispatch
 
     device = _cuda_device(device)
-    bucket = bucket_of(m)
-    schedule = _tuned_table(device).lookup(problem, bucket)
-    if schedule is None:
-        arch = current_arch(device)
-        # The bucket's upper edge, as the tuner measures it: one choice per bucket.
-        schedule, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), _winners(arch.name))
-        _warn_untuned(problem, device, schedule, how)
-    if schedule.module.LAYOUT != layout:
-        raise ValueError(f"{schedule.name} reads weights in layout {schedule.module.LAYOUT}, but these are "
-                         f"packed in {layout}; repack the layer for it")
-    return schedule
+    arch = current_arch(device)
+    return Dispatch(arch, GpuSpec.current(device), _tuned_table(device), _winners(arch.name))
 
 
 def _tuned_table(device: torch.device):
@@ -275,16 +277,13 @@ def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule, ho
 
 def precompile(problems: Iterable[Problem], ms: Iterable[int], device=None, layout: str = DEFAULT_LAYOUT,
                workers: int | None = None) -> dict:
-    """Compile, in parallel, every kernel the op will run for `problems` at the M values `ms`, so
-    that first calls only load them from the compiled cache. Returns {(problem, schedule): error or None}."""
-    from schedules.arch import current_arch
+    """Compile, in parallel, every kernel the op will run for `problems` at the M values `ms`
+    (runtime.precompile.plan), so that first calls only load them from the store; kernels already
+    there are not rebuilt. Returns {(problem, schedule): error or None}."""
+    from .precompile import build_missing, plan
 
-    from .kernels import compile_many
-
-    device = _cuda_device(device)
-    buckets = {bucket_of(m) for m in ms}
-    jobs = {(p, schedule_for(p, b, device, layout)) for p in set(problems) for b in buckets}
-    return compile_many(sorted(jobs, key=lambda job: (job[0].name, job[1].name)), current_arch(device), workers)
+    dispatch = dispatch_for(device)
+    return build_missing(list(plan(problems, ms, dispatch, layout)), dispatch.arch, workers)
 
 
 def _cuda_device(device) -> torch.device:

@@ -1,0 +1,125 @@
+"""Compiling ahead: the kernels a set of layers will run, planned as the op chooses them, built in
+parallel before the first call.
+
+The op (runtime/op.py) runs one kernel per (problem, M bucket): the tuned table's entry for this GPU,
+else the fallback's pick among the arch's tuned winners (runtime/fallback.py). `Dispatch.choose` is
+that choice as a function of its inputs alone, and the op's `schedule_for` makes it through the same
+function, so `plan` (problems x buckets -> the (problem, schedule) pairs to build) names exactly the
+kernels the op will load. Only a kernel that fails its first-run check is replaced by one the plan
+could not foresee (runtime/selfcheck.py).
+
+Converting a model (`replace_linear`) and constructing a `QuantLinear` on a GPU call
+`precompile_layers`: every kernel of every bucket up to `max_m`, each distinct problem once, kernels
+already in the store skipped, the rest in one `kernels.compile_many` call per arch (worker processes),
+so that serving only loads. `precompile=False` or TILEMARLIN_PRECOMPILE=0 turns it off; weights that
+are not on a CUDA device skip it (the arch to build for is the GPU's).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+from schedules.arch import Arch
+from schedules.problem import Problem
+from schedules.registry import Schedule
+
+from .table import BUCKETS, bucket_of
+
+PRECOMPILE_ENV = "TILEMARLIN_PRECOMPILE"
+_OFF = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What the op's choice of a kernel depends on, for one GPU: its arch, its cost-model numbers
+    (schedules.cost.GpuSpec), its tuned table, and the arch's tuned winners an untuned shape
+    chooses from (runtime.table.winners_for_arch)."""
+
+    arch: Arch
+    gpu: object
+    table: object
+    winners: tuple[Schedule, ...]
+
+    def choose(self, problem: Problem, bucket: int, layout: str) -> tuple[Schedule, str | None]:
+        """(schedule, how it was chosen: None for the tuned table's entry, else the fallback's note).
+        The schedule's family must read weights packed in `layout`."""
+        from . import fallback
+
+        schedule, how = self.table.lookup(problem, bucket), None
+        if schedule is None:
+            schedule, how = fallback.fallback_schedule(problem, bucket, self.arch, self.gpu, self.winners)
+        if schedule.module.LAYOUT != layout:
+            raise ValueError(f"{schedule.name} reads weights in layout {schedule.module.LAYOUT}, but these are "
+                             f"packed in {layout}; repack the layer for it")
+        return schedule, how
+
+
+def plan(problems: Iterable[Problem], buckets: Iterable[int], dispatch: Dispatch,
+         layout: str) -> dict[tuple[Problem, Schedule], list[tuple[int, str | None]]]:
+    """The kernels the op will load for `problems` at `buckets`: (problem, schedule) -> the buckets
+    it serves, each with how it was chosen (Dispatch.choose). Each distinct problem and bucket is
+    planned once; the order is by problem, then schedule name, whatever the order of the inputs."""
+    kernels: dict[tuple[Problem, Schedule], list[tuple[int, str | None]]] = {}
+    for problem in sorted(set(problems), key=lambda p: p.name):
+        for bucket in sorted({bucket_of(b) for b in buckets}):
+            schedule, how = dispatch.choose(problem, bucket, layout)
+            kernels.setdefault((problem, schedule), []).append((bucket, how))
+    return dict(sorted(kernels.items(), key=lambda kv: (kv[0][0].name, kv[0][1].name)))
+
+
+def buckets_up_to(max_m: int | None) -> tuple[int, ...]:
+    """The buckets that serve M = 1..max_m (all of them for None)."""
+    if max_m is None:
+        return BUCKETS
+    return BUCKETS[:BUCKETS.index(bucket_of(max_m)) + 1]
+
+
+def build_missing(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int | None = None,
+                  progress=None) -> dict[tuple[Problem, Schedule], str | None]:
+    """Build the jobs the store lacks, in one compile_many call (none when the store has them all);
+    returns job -> error or None for every job. `progress(job, error)` follows each build."""
+    from . import kernels
+
+    missing = [job for job in jobs if not kernels.is_stored(*job, arch)]
+    results = dict.fromkeys(jobs)
+    if missing:
+        results.update(kernels.compile_many(missing, arch, workers, progress))
+    return results
+
+
+def enabled() -> bool:
+    """False when TILEMARLIN_PRECOMPILE turns the constructors' precompile off (0, false, no, off)."""
+    return os.environ.get(PRECOMPILE_ENV, "1").strip().lower() not in _OFF
+
+
+def _on_cuda(device) -> bool:
+    return device.type == "cuda"
+
+
+def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | None = None,
+                      layout: str | None = None) -> None:
+    """Build every kernel that layers of these (problem, torch device) pairs will run at M up to
+    `max_m` (all buckets for None), as the constructors and replace_linear do: nothing when
+    TILEMARLIN_PRECOMPILE is off, nothing for devices other than CUDA GPUs, one compile_many call per
+    arch. Raises RuntimeError naming the kernels that failed to build (their first calls would fail)."""
+    from .op import DEFAULT_LAYOUT, dispatch_for
+
+    if not enabled():
+        return
+    by_device: dict = {}
+    for problem, device in layers:
+        if _on_cuda(device):
+            by_device.setdefault(device, set()).add(problem)
+    jobs_by_arch: dict[Arch, dict] = {}
+    for device, problems in by_device.items():
+        dispatch = dispatch_for(device)
+        planned = plan(problems, buckets_up_to(max_m), dispatch, layout or DEFAULT_LAYOUT)
+        jobs_by_arch.setdefault(dispatch.arch, {}).update(dict.fromkeys(planned))
+    failed = {}
+    for arch, jobs in jobs_by_arch.items():
+        failed.update((job, error) for job, error in build_missing(list(jobs), arch).items() if error)
+    if failed:
+        listed = "; ".join(f"{p.name} {s.name}: {error}" for (p, s), error in list(failed.items())[:5])
+        raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); their buckets' first calls would "
+                           f"fail too. Serve smaller M with max_m=..., or build later with precompile=False")

@@ -1,0 +1,202 @@
+"""Compiling ahead without a GPU: the plan is the op's own choice per (problem, bucket), and the
+constructors and replace_linear build it in one parallel call (or not at all when turned off)."""
+import random
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import runtime.kernels as store
+import runtime.op as op
+import runtime.precompile as precompile
+from runtime import QuantLinear, replace_linear
+from runtime.precompile import PRECOMPILE_ENV, Dispatch, buckets_up_to, plan
+from runtime.table import BUCKETS, TunedTable, winners_for_arch
+from schedules import marlin_mma
+from schedules.arch import get_arch
+from schedules.cost import GpuSpec
+from schedules.problem import Problem
+from schedules.registry import Schedule
+
+SM90 = get_arch("sm_90a")
+H200 = GpuSpec.for_arch(SM90)
+COMMITTED = Path(__file__).resolve().parent.parent / "cache" / "tuned" / "nvidia-h200_sm_90a_132sm.json"
+UNTUNED = [Problem(15360, 5120), Problem(5120, 13824)]          # Llama-2-13B's: in no committed table
+CUDA0 = torch.device("cuda", 0)
+PROBLEM = Problem(n=128, k=256, group=128)
+SMALL_M = Schedule("marlin_mma", marlin_mma.Knobs(block_m=16, split_k=2))
+LARGE_M = Schedule("marlin_mma", marlin_mma.Knobs(block_m=64, split_k=1))
+
+
+class StubTable:
+    """Every problem tuned: one schedule up to M = 16, another above."""
+
+    def lookup(self, problem, m):
+        return SMALL_M if m <= 16 else LARGE_M
+
+
+@pytest.fixture(scope="module")
+def h200():
+    """The op's inputs on an H200, from the committed table: tuned problems and untuned ones."""
+    table = TunedTable.read(COMMITTED)
+    tuned = sorted({problem for (problem, _), _ in table.items()}, key=lambda p: p.name)
+    assert tuned, "the committed H200 table should hold tuned problems"
+    return Dispatch(SM90, H200, table, winners_for_arch("sm_90a")), tuned
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+def test_the_plan_is_the_ops_choice_for_every_problem_and_bucket(h200, monkeypatch):
+    import schedules.arch
+
+    dispatch, tuned = h200
+    monkeypatch.setattr(op, "_tuned_table", lambda device: dispatch.table)
+    monkeypatch.setattr(op, "_winners", lambda arch: dispatch.winners)
+    monkeypatch.setattr(op, "_WARNED", set())
+    monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: SM90)
+    monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: H200))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stub GPU")
+    problems = tuned[:2] + UNTUNED
+    planned = plan(problems, BUCKETS, dispatch, op.DEFAULT_LAYOUT)
+    served = {(p, b): s for (p, s), buckets in planned.items() for b, _ in buckets}
+    assert sorted(served, key=lambda k: (k[0].name, k[1])) == sorted(
+        ((p, b) for p in problems for b in BUCKETS), key=lambda k: (k[0].name, k[1]))   # each pair once
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", op.UntunedShapeWarning)
+        for (problem, bucket), schedule in served.items():
+            assert op.schedule_for(problem, bucket, CUDA0) == schedule, (problem.name, bucket)
+
+
+def test_tuned_pairs_are_the_tables_and_the_rest_the_fallbacks(h200):
+    dispatch, tuned = h200
+    planned = plan([tuned[0], UNTUNED[0]], BUCKETS, dispatch, op.DEFAULT_LAYOUT)
+    for (problem, schedule), served in planned.items():
+        for bucket, how in served:
+            if problem == tuned[0] and dispatch.table.lookup(problem, bucket) is not None:
+                assert how is None and dispatch.table.lookup(problem, bucket) == schedule
+            else:
+                assert "tuned winners" in how and schedule in dispatch.winners
+
+
+def test_the_plan_does_not_depend_on_the_order_of_its_inputs(h200):
+    dispatch, tuned = h200
+    problems, buckets, winners = tuned + UNTUNED, list(BUCKETS), list(dispatch.winners)
+    first = list(plan(problems, buckets, dispatch, op.DEFAULT_LAYOUT).items())
+    rng = random.Random(0)
+    for _ in range(2):
+        for items in (problems, buckets, winners):
+            rng.shuffle(items)
+        shuffled = Dispatch(SM90, H200, dispatch.table, tuple(winners))
+        assert list(plan(problems + problems[:1], buckets, shuffled, op.DEFAULT_LAYOUT).items()) == first
+
+
+def test_m_values_plan_their_buckets_and_max_m_limits_them():
+    assert buckets_up_to(None) == BUCKETS
+    assert buckets_up_to(1) == (1,)
+    assert buckets_up_to(100) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert buckets_up_to(10**6) == BUCKETS
+    dispatch = Dispatch(SM90, None, StubTable(), ())
+    planned = plan([PROBLEM], [3, 4, 100], dispatch, op.DEFAULT_LAYOUT)
+    assert [b for served in planned.values() for b, _ in served] == [4, 128]
+
+
+def test_a_schedule_for_another_layout_is_refused():
+    with pytest.raises(ValueError, match="layout"):
+        plan([PROBLEM], [1], Dispatch(SM90, None, StubTable(), ()), "other.v9")
+
+
+# --- building: once, only what the store lacks -------------------------------------------------
+
+@pytest.fixture
+def compiler(monkeypatch):
+    """GPU weights as the precompile sees them, the stub table's choices, and a recording compiler
+    whose store holds nothing."""
+    calls = []
+
+    def compile_many(jobs, arch, workers=None, progress=None):
+        calls.append((list(jobs), arch))
+        return dict.fromkeys(jobs)
+
+    monkeypatch.delenv(PRECOMPILE_ENV, raising=False)
+    monkeypatch.setattr(precompile, "_on_cuda", lambda device: True)
+    monkeypatch.setattr(op, "dispatch_for", lambda device=None: Dispatch(SM90, None, StubTable(), ()))
+    monkeypatch.setattr(store, "is_stored", lambda problem, schedule, arch: False)
+    monkeypatch.setattr(store, "compile_many", compile_many)
+    return calls
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj = nn.Linear(128, 128, bias=False)
+        self.up_proj = nn.Linear(128, 256, bias=False)
+        self.down_proj = nn.Linear(256, 128, bias=True)
+
+
+def _model():
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    return model.half()
+
+
+def test_replace_linear_builds_every_layers_kernels_in_one_call(compiler):
+    replace_linear(_model(), group_size=64)
+    assert len(compiler) == 1
+    jobs, arch = compiler[0]
+    problems = {Problem(128, 128, 64), Problem(256, 128, 64), Problem(128, 256, 64)}
+    assert arch == SM90 and len(jobs) == len(set(jobs))
+    assert set(jobs) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
+
+
+def test_max_m_limits_the_buckets(compiler):
+    replace_linear(_model(), group_size=64, max_m=16)
+    (jobs, _), = compiler
+    assert {s for _, s in jobs} == {SMALL_M}
+
+
+def test_kernels_in_the_store_are_not_built(compiler, monkeypatch):
+    monkeypatch.setattr(store, "is_stored", lambda problem, schedule, arch: schedule == SMALL_M)
+    replace_linear(_model(), group_size=64)
+    (jobs, _), = compiler
+    assert {s for _, s in jobs} == {LARGE_M}
+    monkeypatch.setattr(store, "is_stored", lambda problem, schedule, arch: True)
+    replace_linear(_model(), group_size=64)
+    assert len(compiler) == 1          # all stored: no compile, no worker pool
+
+
+def test_each_constructor_builds_its_own_kernels(compiler):
+    linear = nn.Linear(256, 128, bias=False).half()
+    QuantLinear.from_linear(linear, group_size=64, max_m=4)
+    QuantLinear(256, 128, group_size=64, dtype=torch.float16, max_m=64)
+    from runtime.gptq import to_gptq
+
+    layer = QuantLinear.from_linear(linear, group_size=64, precompile=False)
+    QuantLinear.from_gptq(*to_gptq(*layer.unpack()).values(), group_size=64, max_m=1)
+    assert [{s for _, s in jobs} for jobs, _ in compiler] == [{SMALL_M}, {SMALL_M, LARGE_M}, {SMALL_M}]
+    assert all({p for p, _ in jobs} == {Problem(128, 256, 64)} for jobs, _ in compiler)
+
+
+def test_precompile_off_by_option_or_environment(compiler, monkeypatch):
+    replace_linear(_model(), group_size=64, precompile=False)
+    QuantLinear.from_linear(nn.Linear(256, 128).half(), group_size=64, precompile=False)
+    monkeypatch.setenv(PRECOMPILE_ENV, "0")
+    replace_linear(_model(), group_size=64)
+    QuantLinear(256, 128, group_size=64)
+    assert compiler == []
+
+
+def test_weights_off_the_gpu_are_not_precompiled(monkeypatch):
+    monkeypatch.setattr(op, "dispatch_for", lambda device=None: pytest.fail("planned for CPU weights"))
+    monkeypatch.setattr(store, "compile_many", lambda *a, **k: pytest.fail("compiled for CPU weights"))
+    monkeypatch.delenv(PRECOMPILE_ENV, raising=False)
+    replace_linear(_model(), group_size=64)
+    QuantLinear(256, 128, group_size=64)
+
+
+def test_a_kernel_that_fails_to_build_is_an_error_naming_it(compiler, monkeypatch):
+    monkeypatch.setattr(store, "compile_many", lambda jobs, arch, workers=None, progress=None:
+                        {job: ("nvcc: out of memory" if job[1] == LARGE_M else None) for job in jobs})
+    with pytest.raises(RuntimeError, match=r"3 kernels failed.*marlin_mma:m64.*nvcc: out of memory.*max_m"):
+        replace_linear(_model(), group_size=64)
