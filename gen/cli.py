@@ -6,8 +6,8 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ("gen.tune.command", "gen.tune.cache_cmd", "gen.bench.command", "gen.dev.sweep", "gen.dev.compile_cmd",
-               "gen.dev.profile", "gen.dev.modelcheck", "gen.dev.timeline")
+SUBCOMMANDS = ("gen.tune.command", "gen.tune.cache_cmd", "gen.bench.command", "gen.deploy.precompile_cmd",
+               "gen.dev.sweep", "gen.dev.compile_cmd", "gen.dev.profile", "gen.dev.modelcheck", "gen.dev.timeline")
 
 
 def build_parser() -> argparse.ArgumentParser:

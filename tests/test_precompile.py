@@ -1,6 +1,9 @@
-"""Compiling ahead without a GPU: the plan is the op's own choice per (problem, bucket), and the
-constructors and replace_linear build it in one parallel call (or not at all when turned off)."""
+"""Compiling ahead without a GPU: the plan is the op's own choice per (problem, bucket), the
+constructors and replace_linear build it in one parallel call (or not at all when turned off), and
+`gen precompile` lists, builds and sums up."""
+import json
 import random
+import shutil
 import warnings
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from torch import nn
 import runtime.kernels as store
 import runtime.op as op
 import runtime.precompile as precompile
+from gen.cli import main as gen_main
 from runtime import QuantLinear, replace_linear
 from runtime.precompile import PRECOMPILE_ENV, Dispatch, buckets_up_to, plan
 from runtime.table import BUCKETS, TunedTable, winners_for_arch
@@ -200,3 +204,77 @@ def test_a_kernel_that_fails_to_build_is_an_error_naming_it(compiler, monkeypatc
                         {job: ("nvcc: out of memory" if job[1] == LARGE_M else None) for job in jobs})
     with pytest.raises(RuntimeError, match=r"3 kernels failed.*marlin_mma:m64.*nvcc: out of memory.*max_m"):
         replace_linear(_model(), group_size=64)
+
+
+# --- gen precompile ----------------------------------------------------------------------------
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A cache holding the committed H200 table and an empty store; no GPU; a fixed toolkit."""
+    (tmp_path / "tuned").mkdir()
+    shutil.copy(COMMITTED, tmp_path / "tuned")
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(store, "cuda_toolkit", lambda: "cuda_test")
+    return tmp_path
+
+
+def fake_entry(problem, schedule, arch=SM90, toolkit="cuda_test"):
+    """A store entry as a build leaves it (the library's bytes are not a real library)."""
+    folder = store.kernel_folder(problem, schedule, arch)
+    folder.mkdir(parents=True)
+    (folder / "kernel.so").write_bytes(b"\x7fELF not really")
+    (folder / "kernel.cu").write_text("// device source\n")
+    (folder / "meta.json").write_text(json.dumps({**store.identity(problem, schedule, arch), "cuda": toolkit}))
+    return folder
+
+
+def _expected_4096(cache):
+    table = TunedTable.read(cache / "tuned" / COMMITTED.name)
+    problem = Problem(4096, 4096)
+    return problem, {table.lookup(problem, b) for b in BUCKETS}
+
+
+def test_dry_run_lists_the_tables_kernels_for_an_arch_without_a_gpu(cache, capsys):
+    problem, expected = _expected_4096(cache)
+    stored = sorted(expected, key=lambda s: s.name)[0]
+    fake_entry(problem, stored)
+    assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    listed = {line.strip().split("  ")[2] for line in out.splitlines() if line.startswith("  ")}
+    assert listed == {s.name for s in expected}
+    assert f"{len(expected)} kernels (13 pairs tuned, 0 chosen by the fallback)" in out
+    assert f"in store  {problem.name} (4096x4096)  {stored.name}" in out
+    assert f"would build {len(expected) - 1}, 1 already in the store" in out
+    assert not list(store.kernel_dir().glob("*/*/*.tmp"))
+
+
+def test_precompile_builds_what_is_missing_and_sums_up(cache, capsys, monkeypatch):
+    problem, expected = _expected_4096(cache)
+    stored = sorted(expected, key=lambda s: s.name)[0]
+    fake_entry(problem, stored)
+    broken = sorted(expected, key=lambda s: s.name)[1]
+    calls = []
+
+    def compile_many(jobs, arch, workers=None, progress=None):
+        calls.append(jobs)
+        results = {job: ("ptxas: too many registers" if job[1] == broken else None) for job in jobs}
+        for job, error in results.items():
+            progress(job, error)
+        return results
+
+    monkeypatch.setattr(store, "compile_many", compile_many)
+    assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096"]) == 1
+    captured = capsys.readouterr()
+    (jobs,) = calls
+    assert {s for _, s in jobs} == expected - {stored}
+    assert f"[{len(jobs)}/{len(jobs)}]" in captured.out and "FAILED: ptxas: too many registers" in captured.out
+    assert f"{len(jobs) - 1} built, 1 already in the store, 1 failed" in captured.out
+    assert f"failed: {problem.name} (4096x4096) {broken.name}: ptxas" in captured.err
+
+
+def test_without_a_gpu_or_an_arch_the_command_says_what_to_name(cache, capsys):
+    assert gen_main(["precompile", "--shapes", "4096x4096"]) == 2
+    assert "no CUDA GPU is visible: name the target with --arch" in capsys.readouterr().err
+    assert gen_main(["precompile", "--gpu", "nvidia-b200_sm_100a_148sm", "--shapes", "4096x4096"]) == 2
+    assert "no tuned table 'nvidia-b200_sm_100a_148sm'" in capsys.readouterr().err

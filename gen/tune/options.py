@@ -31,7 +31,7 @@ def targets_from_args(args) -> list[Target]:
     from gen.models import model_layers, parse_shapes
 
     if not args.model and not args.shapes:
-        raise ValueError("say what to tune: --model NAME|PATH/config.json and/or --shapes KxN,...")
+        raise ValueError("name the layers: --model NAME|PATH/config.json and/or --shapes KxN,...")
     layers = (model_layers(args.model, tp=args.tp) if args.model else []) + \
         (parse_shapes(args.shapes) if args.shapes else [])
     targets: dict[Problem, Target] = {}

@@ -1,0 +1,1 @@
+"""Deployment: `gen precompile` builds ahead of time every kernel a model's layers will run."""

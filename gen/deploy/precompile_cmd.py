@@ -1,0 +1,87 @@
+"""`gen precompile`: build ahead of time every kernel a model's linear layers will run.
+
+    gen precompile --model llama-2-7b                      # this GPU: all 13 M buckets
+    gen precompile --model llama-3-70b --tp 4 --buckets 1,2,4,8,16
+    gen precompile --shapes 4096x4096 --arch sm_90a        # no GPU needed: nvcc builds for the arch
+    gen precompile --model llama-2-7b --arch sm_90a --dry-run
+
+The kernels are the op's own choices (runtime/precompile.py `plan`: the tuned table's winner of each
+(problem, bucket), else the fallback's pick), built into the compiled-kernel store in parallel worker
+processes; kernels already there are skipped. Serving then loads them without compiling, and
+`gen export` packs them for other machines.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from gen.deploy.targets import add_arguments, deployment_from_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("precompile", help="build every kernel a model's layers will run, ahead of serving",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.add_argument("--workers", type=int, help="parallel compile processes (default: one per CPU core)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the kernels and whether the store has them; build nothing")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from runtime.kernels import is_stored, kernel_dir
+    from runtime.precompile import build_missing
+
+    try:
+        deployment = deployment_from_args(args)
+    except ValueError as exc:
+        print(f"gen precompile: {exc}", file=sys.stderr)
+        return 2
+    planned = deployment.plan()
+    arch = deployment.dispatch.arch
+    labels = deployment.labels()
+    stored = {job for job in planned if is_stored(*job, arch)}
+    print(summary_line(deployment, planned))
+    if args.dry_run:
+        for (problem, schedule), served in planned.items():
+            status = "in store" if (problem, schedule) in stored else "to build"
+            print(f"  {status}  {labels[problem]}  {schedule.name}  {served_text(served)}")
+        print(f"would build {len(planned) - len(stored)}, {len(stored)} already in the store ({kernel_dir()})")
+        return 0
+
+    started, done = time.monotonic(), [0]
+    to_build = len(planned) - len(stored)
+
+    def progress(job, error) -> None:
+        done[0] += 1
+        status = "built" if error is None else f"FAILED: {error}"
+        print(f"[{done[0]}/{to_build}] {time.monotonic() - started:6.1f}s  {labels[job[0]]}  {job[1].name}  {status}",
+              flush=True)
+
+    results = build_missing(list(planned), arch, args.workers, progress)
+    failed = {job: error for job, error in results.items() if error}
+    built = len(planned) - len(stored) - len(failed)
+    print(f"{built} built, {len(stored)} already in the store, {len(failed)} failed ({kernel_dir()})")
+    for (problem, schedule), error in failed.items():
+        print(f"  failed: {labels[problem]} {schedule.name}: {error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def summary_line(deployment, planned: dict) -> str:
+    """'4 problems x 13 buckets on <GPU>: 17 kernels (48 pairs tuned, 4 chosen by the fallback)'."""
+    pairs = [how for served in planned.values() for _, how in served]
+    untuned = sum(how is not None for how in pairs)
+    problems = len(deployment.targets)
+    return (f"{problems} problem{'s' * (problems != 1)} x {len(deployment.buckets)} buckets on "
+            f"{deployment.describe()}: {len(planned)} kernels ({len(pairs) - untuned} pairs tuned, "
+            f"{untuned} chosen by the fallback)")
+
+
+def served_text(served: list) -> str:
+    """'buckets 1,2,4 (tuned)' or '... (fallback)', per how each bucket was chosen."""
+    parts = []
+    for kind in ("tuned", "fallback"):
+        buckets = [str(b) for b, how in served if (how is None) == (kind == "tuned")]
+        if buckets:
+            parts.append(f"buckets {','.join(buckets)} ({kind})")
+    return "; ".join(parts)

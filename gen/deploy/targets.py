@@ -1,0 +1,116 @@
+"""What `gen precompile` and `gen export` act on: a model's problems, the M buckets, and the GPU whose
+kernel choices they follow, this one or, with --arch, the tuned table of another (no GPU needed).
+
+With a GPU whose arch is --arch (or no --arch) the choices are exactly the op's on this GPU
+(runtime.op.dispatch_for). Otherwise they follow the tuned table named by --gpu, or the only one of
+--arch, and rank untuned shapes with the arch's nominal GPU numbers (schedules.cost.GpuSpec.for_arch):
+a tuned (problem, bucket) is planned exactly, an untuned one as closely as the cost model's numbers
+for that GPU allow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.table import BUCKETS
+from schedules.problem import SUPPORTED_DTYPES
+
+
+def add_arguments(p) -> None:
+    """The flags that name the layers, the buckets and the target GPU."""
+    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over")
+    p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
+    p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
+    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
+    p.add_argument("--buckets", help=f"M buckets, comma separated (default: all of {','.join(map(str, BUCKETS))})")
+    p.add_argument("--arch", help="target arch, e.g. sm_90a (default: this GPU's); needs no GPU")
+    p.add_argument("--gpu", metavar="SLUG", help="the tuned table to follow (see `gen cache list`; default: this "
+                   "GPU's, or without one the only table of --arch)")
+
+
+@dataclass
+class Deployment:
+    """The layers (gen.tune.options.Target), the buckets and the choices of one GPU."""
+
+    targets: list
+    buckets: list[int]
+    dispatch: object          # runtime.precompile.Dispatch
+    gpu: object               # runtime.table.GpuKey of the table followed; None where there is none
+    here: bool                # the choices are this GPU's own
+
+    def plan(self) -> dict:
+        """(problem, schedule) -> [(bucket, how chosen)], as runtime.precompile.plan gives it."""
+        from runtime.op import DEFAULT_LAYOUT
+        from runtime.precompile import plan
+
+        return plan([t.problem for t in self.targets], self.buckets, self.dispatch, DEFAULT_LAYOUT)
+
+    def labels(self) -> dict:
+        """problem -> its name and the layers that share it."""
+        return {t.problem: f"{t.problem.name} ({t.label})" for t in self.targets}
+
+    def describe(self) -> str:
+        arch = self.dispatch.arch.name
+        if self.here:
+            return f"{self.gpu.name} ({arch}, {self.gpu.sm_count} SMs)"
+        table = f"the tuned table {self.gpu.slug}" if self.gpu else "no tuned table"
+        return f"{arch}, following {table} (untuned shapes ranked with the nominal {arch} numbers)"
+
+
+def deployment_from_args(args) -> Deployment:
+    """The Deployment the flags name; a bad or ambiguous flag is a ValueError that says which."""
+    from gen.tune.options import parse_buckets, targets_from_args
+
+    targets = targets_from_args(args)
+    buckets = parse_buckets(args.buckets)
+    dispatch, gpu, here = _dispatch(args.arch, args.gpu)
+    return Deployment(targets, buckets, dispatch, gpu, here)
+
+
+def _dispatch(arch_name: str | None, slug: str | None):
+    """(Dispatch, GpuKey or None, whether it is this GPU's)."""
+    import torch
+
+    from runtime.op import dispatch_for
+    from runtime.precompile import Dispatch
+    from runtime.table import GpuKey, winners_for_arch
+    from schedules.arch import get_arch
+    from schedules.cost import GpuSpec
+
+    arch = get_arch(arch_name) if arch_name else None
+    if torch.cuda.is_available():
+        here = GpuKey.current()
+        if (arch is None or arch.name == here.arch) and slug in (None, here.slug):
+            return dispatch_for(), here, True
+    elif arch is None and slug is None:
+        raise ValueError("no CUDA GPU is visible: name the target with --arch (e.g. sm_90a) and, where several "
+                         "tuned tables share it, the table to follow with --gpu")
+    table, gpu = _tuned_table(arch, slug)
+    arch = arch or get_arch(gpu.arch)
+    return Dispatch(arch, GpuSpec.for_arch(arch), table, winners_for_arch(arch.name)), gpu, False
+
+
+def _tuned_table(arch, slug: str | None):
+    """(the trusted entries, GpuKey) of the tuned table named `slug`, or of the only table of `arch`;
+    (an empty table, None) when no table is of `arch` and none is named."""
+    from runtime.table import TableError, TunedTable, tables_dir
+
+    found = {}
+    for path in sorted(tables_dir().glob("*.json")):
+        try:
+            header = TunedTable.read(path)
+        except TableError:
+            continue
+        if (slug is None or path.stem == slug) and (arch is None or header.gpu.arch == arch.name):
+            found[path] = header.gpu
+    what = f"{slug!r}" if slug else "of " + arch.name
+    if slug and not found:
+        known = ", ".join(p.stem for p in sorted(tables_dir().glob("*.json"))) or "none"
+        raise ValueError(f"no tuned table {what}{' for ' + arch.name if arch else ''} in {tables_dir()} "
+                         f"(tables: {known})")
+    if len(found) > 1:
+        raise ValueError(f"several tuned tables {what}: {', '.join(p.stem for p in found)}; pick one with --gpu")
+    if not found:
+        return TunedTable(), None
+    ((path, gpu),) = found.items()
+    return TunedTable.load(path), gpu
