@@ -70,7 +70,7 @@ class Fp16Baseline:
 LAUNCH_COVER_CYCLES = 200_000   # ~0.1 ms at H200 clocks: far more than a graph launch takes
 
 
-def _captured(calls: list[Callable[[], object]], warmup: int = 3) -> torch.cuda.CUDAGraph:
+def capture_graph(calls: list[Callable[[], object]], warmup: int = 3) -> torch.cuda.CUDAGraph:
     """`calls` captured in order into one CUDA graph, after a first run of each and `warmup` replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -106,7 +106,7 @@ def _timed_replays(graph: torch.cuda.CUDAGraph, replays: int) -> float:
 
 def time_calls(calls: list[Callable[[], object]], replays: int = 30, warmup: int = 3) -> float:
     """Median microseconds per call of `calls`, captured in order into one CUDA graph."""
-    graph = _captured(calls, warmup)
+    graph = capture_graph(calls, warmup)
     samples = [_timed_replays(graph, 1) * 1000.0 / len(calls) for _ in range(replays)]
     del graph
     return statistics.median(samples)
@@ -121,7 +121,7 @@ def time_sustained(calls: list[Callable[[], object]], seconds: float, nvml=None)
     the whole run, "mj_per_call": the board's millijoules per call (NVML's energy counter, read
     around the run, which also holds the short spins between chunks, ~0.2 % of it), "sm_mhz": the
     median SM clock read between chunks}. Without `nvml` (a gen.bench.energy.Nvml) the last two are None."""
-    graph = _captured(calls)
+    graph = capture_graph(calls)
     chunk = max(1, int(SUSTAIN_CHUNK_S * 1000.0 / _timed_replays(graph, 1)))
     busy_ms, replays, clocks = 0.0, 0, []
     energy_before = nvml.energy_mj() if nvml else None

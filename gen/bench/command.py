@@ -9,6 +9,9 @@ reference where the kernel computes exactly our quantized weight; a wrong result
 failure, never as a time. The run is saved as JSON (`meta` + one row per layer, M and kernel) after
 every layer, and the report (gen/bench/report.py) is built from that JSON alone, so `--from-json` can
 rebuild tables and plots on a machine without a GPU.
+
+`--e2e` measures a whole model instead (gen/bench/e2e.py): decode steps and prefills in CUDA graphs,
+the dense model against its INT4 variants.
 """
 from __future__ import annotations
 
@@ -103,7 +106,8 @@ def register(subparsers) -> None:
                     "except with --from-json.")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default="llama-2-7b",
-                        help="model name or config path (default: %(default)s)")
+                        help="model name or config path (default: %(default)s); with --e2e, a config.json "
+                             "needs its model_type")
     source.add_argument("--shapes", metavar="KxN,...",
                         help="layer shapes instead of a model's, e.g. 4096x12288,4096x4096")
     source.add_argument("--from-json", metavar="FILE",
@@ -131,10 +135,21 @@ def register(subparsers) -> None:
                         help="folder for the JSON, plots and markdown (default: %(default)s)")
     parser.add_argument("--markdown", action="store_true",
                         help="also write the layers-summed table as markdown, for the docs")
+    from gen.bench import e2e   # it builds on this module's helpers
+
+    e2e.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from gen.bench import e2e
+
+    if args.e2e:
+        return e2e.run(args)
+    misplaced = e2e.misplaced_e2e_flags(args)
+    if misplaced:
+        print(f"gen bench: {', '.join(misplaced)} apply to --e2e runs only", file=sys.stderr)
+        return 2
     if args.from_json:
         return _report_from_json(args)
     if args.sustain and args.between:

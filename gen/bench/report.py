@@ -297,7 +297,7 @@ def _color(kernel: str) -> str:
     return _COLORS.get(kernel, "C3")
 
 
-def _figure(**kwargs):
+def figure(**kwargs):
     """A matplotlib Figure drawn off-screen (no pyplot, so no display or global state is involved)."""
     try:
         from matplotlib.figure import Figure
@@ -318,7 +318,7 @@ def plot_speedup(data: dict, path: str | Path) -> Path:
     panels.append(("all layers summed", summed_times(data), [(k, n) for _, k, n in names]))
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
-    fig = _figure(figsize=(5 * cols, 3.8 * rows), layout="constrained")
+    fig = figure(figsize=(5 * cols, 3.8 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     ms = batch_sizes(data)
     for ax, (title, times, shapes) in zip(axes, panels):
@@ -351,7 +351,7 @@ def plot_roofline(data: dict, path: str | Path) -> Path:
     """Each (layer, M, kernel) point at its arithmetic intensity against the measured ceilings."""
     meta = data["meta"]
     bw, peak = meta["ceilings"]["hbm_read_gbps"] * 1e9, meta["ceilings"]["fp16_tflops"] * 1e12
-    fig = _figure(figsize=(7.5, 5.5), layout="constrained")
+    fig = figure(figsize=(7.5, 5.5), layout="constrained")
     ax = fig.subplots()
     markers = "osD^v<>p*h"
     intensities = []

@@ -1,0 +1,227 @@
+"""The models `gen bench --e2e` measures: a Hugging Face causal LM built from its config with random
+weights, and the same model with its linear layers converted.
+
+Variants (each built afresh from the same seed, so all hold the same weights before conversion):
+
+- `dense`: the model as it is, in float16 or bfloat16;
+- `tilemarlin`: `runtime.replace_linear` (round-to-nearest INT4, one scale per `group` input rows;
+  lm_head stays dense), served from the tuned table;
+- `humming`: every linear layer but lm_head as a humming-kernels `HummingLayer` (its own INT4
+  quantization of the same weights, with the same group size), where humming is importable.
+
+`to_dequantized` turns a tilemarlin model back into plain linear layers holding exactly the weights
+the INT4 kernels compute with, the reference of the token check.
+
+The registry (gen/models.py) holds the fields that decide the linear shapes; building a model also
+needs its architecture, depth and vocabulary, which ARCHITECTURES adds per registered name, as in each
+model's published config.json. Fields that change values but not the work done (the rope base, norm
+epsilon) keep transformers' defaults.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+VARIANTS = ("dense", "tilemarlin", "humming")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+SEED = 0
+# lm_head stays dense in every variant: often tied to the embeddings, and outside what the kernels serve.
+KEEP_DENSE = ("lm_head",)
+
+_LLAMA_2 = dict(model_type="llama", vocab_size=32000, max_position_embeddings=4096)
+_LLAMA_3 = dict(model_type="llama", vocab_size=128256, max_position_embeddings=8192)
+_QWEN_2_5 = dict(model_type="qwen2", vocab_size=152064, max_position_embeddings=32768)
+ARCHITECTURES: dict[str, dict] = {
+    "llama-2-7b": dict(_LLAMA_2, num_hidden_layers=32),
+    "llama-2-13b": dict(_LLAMA_2, num_hidden_layers=40),
+    "llama-2-70b": dict(_LLAMA_2, num_hidden_layers=80),
+    "llama-3-8b": dict(_LLAMA_3, num_hidden_layers=32),
+    "llama-3-70b": dict(_LLAMA_3, num_hidden_layers=80),
+    # v0.2 and later: full attention over the whole context (no sliding window)
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, max_position_embeddings=32768, num_hidden_layers=32,
+                       sliding_window=None),
+    "qwen2.5-7b": dict(_QWEN_2_5, num_hidden_layers=28),
+    "qwen2.5-14b": dict(_QWEN_2_5, num_hidden_layers=48),
+    "qwen2.5-32b": dict(_QWEN_2_5, num_hidden_layers=64),
+    "qwen2.5-72b": dict(_QWEN_2_5, num_hidden_layers=80),
+}
+# config.json fields that would make transformers build something other than a dense model
+_DROPPED_FIELDS = ("quantization_config", "auto_map", "torch_dtype", "dtype")
+
+
+class VariantUnavailable(Exception):
+    """The variant cannot be built in this environment: skipped for the run, with this reason."""
+
+
+# --- configs -------------------------------------------------------------------------------------
+
+def config_fields(name_or_path: str) -> dict:
+    """The config.json fields of a registered model (gen.models.MODELS + ARCHITECTURES) or of a
+    config.json given by path, with `model_type`."""
+    from gen import models
+
+    name = str(name_or_path).lower()
+    if name in models.MODELS:
+        return {**models.MODELS[name], **ARCHITECTURES[name]}
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"unknown model {name_or_path!r}: neither a registered model "
+                         f"({', '.join(models.MODELS)}) nor a config.json file")
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read model config {path}: {exc}") from None
+    if isinstance(fields, dict) and "hidden_size" not in fields and isinstance(fields.get("text_config"), dict):
+        fields = fields["text_config"]   # multimodal configs keep the language model's fields here
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        raise ValueError(f"model config {path} has no model_type, which says which architecture to build")
+    models.layers_from_config(fields)   # a malformed shape field is named here, before any GPU work
+    return {key: value for key, value in fields.items() if key not in _DROPPED_FIELDS}
+
+
+def hf_config(fields: dict):
+    """The transformers config object of `fields`."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def kv_bytes(config, batch: int, context: int, dtype: torch.dtype) -> int:
+    """Bytes of a static KV cache of `batch` x `context` positions (keys and values, every layer)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * batch * context * kv_heads * head_dim * dtype.itemsize
+
+
+# --- building ------------------------------------------------------------------------------------
+
+def _dtype_keyword() -> str:
+    """transformers 5 calls the model dtype `dtype`; 4.x calls it `torch_dtype`."""
+    import transformers
+
+    return "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+
+
+def build_dense(config, dtype: torch.dtype, device="cuda") -> nn.Module:
+    """The model of `config` with random weights (seeded), created on `device` in `dtype`: its layers
+    are allocated and initialized there, not on the CPU first."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(SEED)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **{_dtype_keyword(): dtype})
+    return model.eval().requires_grad_(False)
+
+
+def _converted_names(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and not any(keep in name for keep in KEEP_DENSE)]
+
+
+def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)
+
+
+def to_tilemarlin(model: nn.Module, group: int, max_m: int | None = None) -> nn.Module:
+    """replace_linear, which on a GPU also builds every kernel the layers will run for M up to `max_m`."""
+    from runtime import replace_linear
+
+    return replace_linear(model, group_size=group, skip=KEEP_DENSE, max_m=max_m)
+
+
+def to_dequantized(model: nn.Module) -> nn.Module:
+    """Every QuantLinear of `model` as an nn.Linear holding dequantize(codes, scales), in place."""
+    from runtime import QuantLinear
+    from schedules.quant import dequantize
+
+    names = [name for name, module in model.named_modules() if isinstance(module, QuantLinear)]
+    for name in names:
+        quant = model.get_submodule(name)
+        codes, scales = quant.unpack()
+        linear = nn.utils.skip_init(nn.Linear, quant.in_features, quant.out_features, bias=quant.bias is not None,
+                                    device=scales.device, dtype=scales.dtype)
+        linear.weight.data.copy_(dequantize(codes, scales).t())
+        if quant.bias is not None:
+            linear.bias.data.copy_(quant.bias)
+        _swap(model, name, linear.requires_grad_(False))
+    return model
+
+
+class HummingLinear(nn.Module):
+    """A HummingLayer in an nn.Linear's place: humming takes 2-D activations, so the leading
+    dimensions are flattened and restored around it; the bias is added after it."""
+
+    def __init__(self, layer: nn.Module, bias: torch.Tensor | None):
+        super().__init__()
+        self.layer, self.in_features, self.out_features = layer, layer.shape_k, layer.shape_n
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.layer(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def _humming_layer_class():
+    try:
+        from humming.layer import HummingLayer
+    except ImportError as exc:
+        raise VariantUnavailable(f"humming is not importable: {exc}") from None
+    return HummingLayer
+
+
+def to_humming(model: nn.Module, group: int) -> nn.Module:
+    """Every linear layer but lm_head as a humming INT4 layer of the same weights, in place."""
+    HummingLayer = _humming_layer_class()
+    for name in _converted_names(model):
+        linear = model.get_submodule(name)
+        config = {"dtype": "int4", "group_size": 0 if group == -1 else group}   # 0: one scale per column
+        layer = HummingLayer(shape_n=linear.out_features, shape_k=linear.in_features, weight_config=config,
+                             torch_dtype=linear.weight.dtype).cuda()
+        layer.load_from_unquantized(linear.weight)
+        layer.transform()
+        bias = None if linear.bias is None else linear.bias.detach()
+        _swap(model, name, HummingLinear(layer, bias))
+    return model
+
+
+def build_variant(variant: str, config, dtype: torch.dtype, group: int, max_m: int | None = None) -> nn.Module:
+    """The model of `variant` on the GPU, its kernels built for M up to `max_m`. Raises
+    VariantUnavailable where it cannot be built here."""
+    if variant == "humming":
+        _humming_layer_class()   # before building anything
+    model = build_dense(config, dtype)
+    if variant == "tilemarlin":
+        return to_tilemarlin(model, group, max_m)
+    if variant == "humming":
+        return to_humming(model, group)
+    return model
+
+
+# --- what a variant holds ------------------------------------------------------------------------
+
+def _tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (tied and shared tensors count once)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (a QuantLinear's packed weights and scales are buffers)."""
+    return _tensor_bytes([*model.parameters(), *model.buffers()])
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes held by the converted layers (QuantLinear or HummingLinear); 0 for a dense model."""
+    from runtime import QuantLinear
+
+    layers = [m for m in model.modules() if isinstance(m, (QuantLinear, HummingLinear))]
+    return _tensor_bytes([t for m in layers for t in (*m.parameters(), *m.buffers())])
