@@ -2,3 +2,4 @@
 
 from .linear import QuantLinear, replace_linear  # noqa: E402
 from .op import w4a16_gemm  # noqa: E402
+from .checkpoint import CheckpointError, load_quantized  # noqa: E402

@@ -1,0 +1,63 @@
+"""GPTQ checkpoints (AutoGPTQ, GPTQModel, Hugging Face): `quant_method: "gptq"`.
+
+Per linear layer with K input and N output features, group size g (-1: one group spanning K):
+- qweight int32 [K / 8, N], packed along K: row 8r + i of the codes is nibble i of word row r;
+- qzeros int32 [K / g, N / 8], packed along N: column 8c + i is nibble i of word column c;
+- scales [K / g, N]; g_idx int32 [K], the group of each input row (act-order when not k // g);
+- w[k, n] = scales[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]).
+`checkpoint_format` "gptq" (v1, the default) stores z - 1; GPTQModel's "gptq_v2" stores z. A v1
+nibble of 15 would mean z = 16, which no 4-bit zero point is: it is what v1's packing leaves of
+z = 0, and is refused. Symmetric or not (`sym`) and act-order or not (`desc_act`) are read from the
+tensors themselves (zero points all 8, g_idx the trivial map), so the flags need not be trusted.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .files import LayerTensors, config_error
+from .layer import BITS, NIBBLES, QuantizedLayer, build_layer, group_size_problem, unpack_columns, unpack_rows
+
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+
+
+class GptqFormat:
+    marker = "qweight"   # the tensor whose presence makes a layer quantized
+
+    def __init__(self, qcfg: dict):
+        bits = qcfg.get("bits")
+        if bits != BITS:
+            raise config_error("bits", f"{bits}-bit weights: tilemarlin runs 4-bit weights only")
+        self.group_size = qcfg.get("group_size", 128)
+        problem = group_size_problem(self.group_size)
+        if problem:
+            raise config_error("group_size", problem)
+        key = "checkpoint_format" if "checkpoint_format" in qcfg else "format"
+        self.checkpoint_format = str(qcfg.get(key, "gptq")).lower()
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise config_error(key, f"{self.checkpoint_format!r} is not a layout tilemarlin reads; it reads "
+                                    f"{CHECKPOINT_FORMATS}")
+        if str(qcfg.get("pack_dtype", "int32")) != "int32":
+            raise config_error("pack_dtype", f"{qcfg['pack_dtype']!r}: only int32 words are read")
+        if qcfg.get("dynamic"):
+            raise config_error("dynamic", "per-layer overrides of bits or group size are not supported")
+
+    def convert(self, t: LayerTensors, module: nn.Module, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> QuantizedLayer:
+        k, n = module.in_features, module.out_features
+        group = k if self.group_size == -1 else self.group_size
+        if k % NIBBLES or k % group:
+            raise t.error("qweight", f"K={k} in_features is not a multiple of 8 and of the group size {self.group_size}")
+        shapes = f"for in_features={k}, out_features={n}, group_size={self.group_size}"
+        qweight = t.require("qweight", torch.int32, (k // NIBBLES, n), shapes)
+        qzeros = t.require("qzeros", torch.int32, (k // group, -(-n // NIBBLES)), shapes)
+        scales = t.require("scales", shape=(k // group, n), why=shapes)
+        if not scales.is_floating_point():
+            raise t.error("scales", f"expected floating-point scales, found {scales.dtype}")
+        zeros = unpack_columns(qzeros)[:, :n]
+        if self.checkpoint_format == "gptq":
+            zeros = zeros + 1
+            if bool((zeros > 15).any()):
+                raise t.error("qzeros", "a v1 (checkpoint_format 'gptq') zero point reads 16: v1 stores z - 1 and "
+                                        "cannot hold z = 0; re-save the model as gptq_v2")
+        return build_layer(unpack_rows(qweight), scales, zeros, t.optional("g_idx"), self.group_size, bias, dtype)

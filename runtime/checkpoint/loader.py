@@ -1,0 +1,169 @@
+"""load_quantized: a Hugging Face model folder with a GPTQ, AWQ or compressed-tensors checkpoint,
+served by tilemarlin's kernels.
+
+1. config.json's `quantization_config` picks the format (`quant_method`) and is checked first, so
+   that bit widths, group sizes and layouts the kernels cannot run are refused before any tensor is
+   read.
+2. The transformers model is built from config.json with its parameters on the meta device: no
+   download, no memory and no time spent on random initialization. Buffers computed at construction
+   (rotary frequencies) are real.
+3. Every module whose quantized tensors (GPTQ/AWQ `qweight`, compressed-tensors `weight_packed`) are
+   in the safetensors files becomes a QuantLinear: the format's tensors are read onto `device`,
+   unpacked into a QuantizedLayer (runtime/checkpoint/layer.py) and repacked for the kernels
+   (build.py). Which layers are quantized is read from the files, so lm_head, `ignore` lists and
+   `modules_to_not_convert` need no rules of their own.
+4. The other parameters are read from the files in `dtype`, tied parameters once.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..op import DEFAULT_LAYOUT
+from .awq import AwqFormat
+from .build import quant_linear
+from .compressed_tensors import CompressedTensorsFormat
+from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
+from .gptq import GptqFormat
+
+FORMATS = {"gptq": GptqFormat, "awq": AwqFormat, "compressed-tensors": CompressedTensorsFormat}
+
+
+def checkpoint_format(qcfg: dict):
+    """The format reader for a `quantization_config` dict; raises CheckpointError naming the field."""
+    if not isinstance(qcfg, dict):
+        raise config_error("", f"expected an object, found {type(qcfg).__name__}")
+    method = str(qcfg.get("quant_method", "")).lower()
+    if method not in FORMATS:
+        raise config_error("quant_method", f"{qcfg.get('quant_method')!r}: tilemarlin loads {sorted(FORMATS)}")
+    return FORMATS[method](qcfg)
+
+
+def read_quantization_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / CONFIG_FILE
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(str(path), f"cannot be read as JSON ({exc})") from None
+    qcfg = config.get("quantization_config")
+    if qcfg is None:
+        raise CheckpointError(f"{CONFIG_FILE}: quantization_config", "missing: not a quantized checkpoint")
+    return qcfg
+
+
+def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda", layout: str = DEFAULT_LAYOUT):
+    """A transformers causal LM from a quantized checkpoint folder, its quantized linears on tilemarlin.
+
+    Parameters
+    ----------
+    model_dir : a local folder with config.json (its `quantization_config`: quant_method "gptq",
+        "awq" or "compressed-tensors") and model.safetensors or model.safetensors.index.json + shards.
+    dtype : torch.float16 or torch.bfloat16, for activations, scales and the dense parameters.
+    device : where the model goes. On a machine without CUDA, "cpu" builds the same model (its
+        QuantLinear layers hold the repacked weights), but running it needs a GPU.
+    layout : the kernels' weight layout.
+
+    Returns the model in eval mode. Raises CheckpointError (a ValueError) whose message starts with
+    the file, the layer and the field at fault: another bit width or layout, a group size the kernels
+    cannot run, a missing or malformed tensor, a shape that disagrees with config.json.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    fmt = checkpoint_format(read_quantization_config(model_dir))
+    files = TensorFiles(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config   # the model is built dense; this module does the quantized part
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    replace_quantized_linears(model, fmt, files, dtype, device, layout)
+    load_dense_parameters(model, files, dtype, device)
+    model.to(device)   # the buffers computed at construction
+    return model.eval()
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Every nn.Parameter created inside goes to the meta device (initializing it costs nothing);
+    buffers stay where they are created."""
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout) -> int:
+    """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear; returns how many."""
+    suffix = "." + fmt.marker
+    pending = {name[:-len(suffix)] for name in files.names() if name.endswith(suffix)}
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if name not in pending:
+            continue
+        pending.discard(name)
+        t = LayerTensors(files, name, device)
+        if not isinstance(module, nn.Linear):
+            raise t.error(fmt.marker, f"quantized tensors for a {type(module).__name__}, not an nn.Linear")
+        bias = _bias(t, module)
+        try:
+            new = quant_linear(fmt.convert(t, module, bias, dtype), layout)
+        except CheckpointError:
+            raise
+        except (ValueError, TypeError) as exc:
+            file = files.file_of(name + suffix)
+            raise CheckpointError(f"{file.name}: {name}", str(exc)) from None
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        replaced += 1
+    if pending:
+        first = sorted(pending)[0]
+        raise CheckpointError(f"{files.file_of(first + suffix).name}: {first}{suffix}",
+                              f"quantized tensors for a layer the model built from {CONFIG_FILE} does not have "
+                              f"({len(pending)} such layers)")
+    if not replaced:
+        raise CheckpointError(files.source, f"no quantized layer ({fmt.marker} tensors) in the checkpoint")
+    return replaced
+
+
+def _bias(t: LayerTensors, module: nn.Linear) -> torch.Tensor | None:
+    if module.bias is None:
+        if t.has("bias"):
+            raise t.error("bias", f"the checkpoint has a bias that the layer built from {CONFIG_FILE} lacks")
+        return None
+    return t.require("bias", shape=(module.out_features,), why=f"for out_features={module.out_features}")
+
+
+def load_dense_parameters(model: nn.Module, files: TensorFiles, dtype, device) -> None:
+    """Read every parameter still on the meta device from `files`; a tied parameter is read once and
+    stays tied."""
+    names_of: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), (param, []))[1].append(name)
+    for param, names in names_of.values():
+        source = next((n for n in names if n in files), None)
+        if source is None:
+            raise CheckpointError(f"{files.source}: {names[0]}", "missing from the checkpoint")
+        tensor = files.get(source)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(f"{files.file_of(source).name}: {source}",
+                                  f"shape {tuple(tensor.shape)}, but the model built from {CONFIG_FILE} "
+                                  f"expects {tuple(param.shape)}")
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        loaded = nn.Parameter(tensor.to(device), requires_grad=False)
+        for name in names:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, loaded)

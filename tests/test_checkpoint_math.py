@@ -1,0 +1,108 @@
+"""The act-order gather and the zero-point correction against dense fp32 references, on the CPU.
+
+Where QuantLinear's forward must compute, the op's CUDA launch is replaced by the fp32 reference
+(`cpu_op`), so that everything around the kernel is what runs: the gather by perm, the op's shapes,
+the correction, the bias.
+"""
+import pytest
+import torch
+
+import runtime.op as op
+from runtime.checkpoint.build import quant_linear
+from runtime.checkpoint.layer import build_layer
+from runtime.checkpoint.loader import load_quantized
+from runtime.zero_points import add_zero_point_correction, group_sums, zero_point_offsets
+from schedules import marlin_mma
+from schedules.quant import dequantize, reference_matmul
+from tests.checkpoint_writers import dense_model, draw_layer, write_checkpoint
+from tests.reference import assert_matches_reference
+
+
+def reference_launch(a, qweight, scales, out, problem, layout):
+    codes, unpacked_scales = marlin_mma.unpack(qweight, scales)
+    out.copy_(reference_matmul(a, codes, unpacked_scales).to(out.dtype))
+
+
+@pytest.fixture
+def cpu_op(monkeypatch):
+    monkeypatch.setattr(op, "_check_device", lambda *tensors: None)
+    monkeypatch.setattr(op, "_launch", reference_launch)
+
+
+def test_group_sums():
+    x = torch.arange(12.0).reshape(2, 6)
+    assert group_sums(x, 3).tolist() == [[3.0, 12.0], [21.0, 30.0]]
+    assert group_sums(x.half(), 6).dtype == torch.float32
+
+
+@pytest.mark.parametrize("group", [64, 256])
+def test_zero_point_correction_is_exact_math(group):
+    """x @ (s (q - 8)) + groupsum(x) @ (s (8 - z)) == x @ (s (q - z)), all in fp32."""
+    gen = torch.Generator().manual_seed(group)
+    k, n = 256, 192
+    codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(k // group, n, generator=gen) + 0.5
+    zeros = torch.randint(0, 16, (k // group, n), generator=gen)
+    x = torch.randn(5, k, generator=gen)
+    w = (codes.float().reshape(-1, group, n) - zeros.float().unsqueeze(1)) * scales.unsqueeze(1)
+    symmetric = x @ dequantize(codes, scales)
+    got = add_zero_point_correction(symmetric, x, zero_point_offsets(scales, zeros), group)
+    torch.testing.assert_close(got, x @ w.reshape(k, n), rtol=1e-5, atol=1e-4)
+
+
+def test_offsets_are_computed_in_fp32_and_stored_in_the_scales_dtype():
+    scales = torch.tensor([[0.1, 3.0]], dtype=torch.bfloat16)
+    zeros = torch.tensor([[1, 15]])
+    offsets = zero_point_offsets(scales, zeros)
+    assert offsets.dtype == torch.bfloat16
+    assert torch.equal(offsets, (scales.float() * torch.tensor([[7.0, -7.0]])).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("symmetric, act_order, group", [
+    (True, True, 128), (False, False, 64), (False, True, 128), (False, False, -1)])
+def test_quant_linear_matches_the_dense_weight(cpu_op, dtype, symmetric, act_order, group):
+    gen = torch.Generator().manual_seed(7)
+    k, n = 512, 256
+    drawn = draw_layer(k, n, group, symmetric, act_order, dtype, gen)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    layer = build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, group, bias, dtype)
+    module = quant_linear(layer)
+    x = torch.randn(3, 5, k, generator=gen).to(dtype)
+    ref = x.float() @ drawn.weight + bias.float()
+    assert_matches_reference(module(x), ref, context=f"{dtype} sym={symmetric} act_order={act_order} g={group}")
+
+
+def test_act_order_gathers_the_input_columns(cpu_op):
+    """Row i of the stored codes is input feature perm[i]: a one-hot x picks that row."""
+    gen = torch.Generator().manual_seed(3)
+    drawn = draw_layer(256, 64, 128, True, True, torch.float16, gen)
+    layer = build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, 128, None, torch.float16)
+    module = quant_linear(layer)
+    feature = int(layer.perm[5])
+    x = torch.zeros(1, 256, dtype=torch.float16)
+    x[0, feature] = 1
+    torch.testing.assert_close(module(x).float()[0], drawn.weight[feature], rtol=1e-3, atol=1e-5)
+
+
+# Logits of the two-layer model in float16 / bfloat16 against the fp32 dense model: measured on the
+# CPU with the reference in place of the kernel, 8e-4 / 6.3e-3 in norm and 8e-4 / 8.3e-3 of the largest
+# logit element-wise; twice tests/reference.py's tolerance of one GEMM leaves room for the GPU's
+# attention and norm kernels.
+MODEL_TOLERANCE = {torch.float16: dict(rel_tol=4e-3, elem_tol=8e-3), torch.bfloat16: dict(rel_tol=2e-2, elem_tol=4e-2)}
+
+
+@pytest.mark.parametrize("fmt, symmetric, act_order, dtype", [
+    ("gptq", False, True, torch.float16), ("awq", False, False, torch.bfloat16),
+    ("compressed-tensors", True, True, torch.bfloat16), ("compressed-tensors", False, False, torch.float16)])
+def test_loaded_model_logits_on_cpu(cpu_op, tmp_path, fmt, symmetric, act_order, dtype):
+    folder = tmp_path / "ckpt"
+    drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order)
+    model = load_quantized(folder, dtype=dtype, device="cpu")
+    reference = dense_model(folder, drawn)
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(tokens).logits
+        ref = reference(tokens).logits
+    assert logits.dtype == dtype
+    assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype}")
