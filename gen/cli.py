@@ -7,7 +7,8 @@ import importlib
 import sys
 
 SUBCOMMANDS = ("gen.tune.command", "gen.tune.cache_cmd", "gen.bench.command", "gen.deploy.precompile_cmd",
-               "gen.dev.sweep", "gen.dev.compile_cmd", "gen.dev.profile", "gen.dev.modelcheck", "gen.dev.timeline")
+               "gen.deploy.export_cmd", "gen.dev.sweep", "gen.dev.compile_cmd", "gen.dev.profile",
+               "gen.dev.modelcheck", "gen.dev.timeline")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,4 +2,5 @@
 
 from .linear import QuantLinear, replace_linear  # noqa: E402
 from .op import w4a16_gemm  # noqa: E402
+from .artifact import ArtifactError, load_artifact  # noqa: E402
 from .checkpoint import CheckpointError, load_quantized  # noqa: E402

@@ -250,6 +250,14 @@ def _tuned_table(device: torch.device):
     return table
 
 
+def forget_tables() -> None:
+    """Read the tuned tables again at the next choice (runtime.load_artifact installs entries); the
+    kernels already chosen keep serving."""
+    with _LOCK:
+        _TABLES.clear()
+        _WINNERS.clear()
+
+
 def _winners(arch: str) -> tuple:
     winners = _WINNERS.get(arch)
     if winners is None:

@@ -333,9 +333,19 @@ class TunedTable:
                           TableWarning, stacklevel=2)
         return table
 
-    def save(self, path) -> None:
+    def subset(self, keys) -> "TunedTable":
+        """A table of the same GPU and versions with only the entries of these (problem, bucket) keys
+        (those it holds), without their history: what a deployment artifact ships."""
+        part = TunedTable(self.gpu, self.versions)
+        part._entries = {key: dataclasses.replace(self._entries[key], all_timings=[])
+                         for key in keys if key in self._entries}
+        return part
+
+    def save(self, path, overwrite: bool = False) -> None:
         """Write the winners and the history atomically, merged under a file lock with what other
-        tuners saved meanwhile: per key, the more recent measurement wins (see the module docstring)."""
+        tuners saved meanwhile: per key, the more recent measurement wins (see the module docstring).
+        With `overwrite` every entry of this table wins whatever its age: installing a deployment
+        artifact, whose kernels were built for exactly these entries."""
         from filelock import FileLock
 
         if self.gpu is None:
@@ -351,9 +361,9 @@ class TunedTable:
                 warnings.warn(f"replacing tuned table {path}: {exc}", TableWarning, stacklevel=2)
                 on_disk = None
             merged = dict(on_disk._entries) if on_disk is not None else {}
-            for key in self._recorded:
+            for key in set(self._entries) if overwrite else self._recorded:
                 theirs = merged.get(key)
-                if theirs is None or self._entries[key].measured_at >= theirs.measured_at:
+                if overwrite or theirs is None or self._entries[key].measured_at >= theirs.measured_at:
                     merged[key] = self._entries[key]
             self._entries = merged
             self.versions = current_versions()

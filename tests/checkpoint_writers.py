@@ -109,7 +109,6 @@ def write_checkpoint(folder: Path, fmt: str, dtype=torch.float16, group: int = 1
                      packed_zeros: bool = True, seed: int = 0) -> dict[str, Layer]:
     """A Llama checkpoint folder in `fmt` ("gptq", "awq", "compressed-tensors"); returns the layers
     drawn, by module name. Dense parameters are random, in `dtype`; lm_head stays dense."""
-    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
     gen = torch.Generator().manual_seed(seed)

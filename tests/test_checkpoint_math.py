@@ -106,3 +106,14 @@ def test_loaded_model_logits_on_cpu(cpu_op, tmp_path, fmt, symmetric, act_order,
         ref = reference(tokens).logits
     assert logits.dtype == dtype
     assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype}")
+
+
+def test_checkpoint_layer_traces_in_one_graph(cpu_op):
+    """The gather and the correction add no graph break: torch.compile(fullgraph=True) traces them
+    with the op (aot_eager: the trace without code generation)."""
+    gen = torch.Generator().manual_seed(5)
+    drawn = draw_layer(256, 128, 128, False, True, torch.float16, gen)
+    module = quant_linear(build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, 128, None, torch.float16))
+    x = torch.randn(4, 256, generator=gen).half()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), module(x))

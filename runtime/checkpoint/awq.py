@@ -37,9 +37,9 @@ class AwqFormat:
                 dtype: torch.dtype) -> QuantizedLayer:
         k, n = module.in_features, module.out_features
         group = k if self.group_size == -1 else self.group_size
-        if n % NIBBLES or k % group:
-            raise t.error("qweight", f"out_features={n} is not a multiple of 8 or in_features={k} not of the "
-                                     f"group size {self.group_size}")
+        problem = group_size_problem(self.group_size, k)
+        if problem or n % NIBBLES:
+            raise t.error("qweight", problem or f"out_features={n} is not a multiple of 8")
         shapes = f"for in_features={k}, out_features={n}, group_size={self.group_size}"
         qweight = t.require("qweight", torch.int32, (k, n // NIBBLES), shapes)
         qzeros = t.require("qzeros", torch.int32, (k // group, n // NIBBLES), shapes)

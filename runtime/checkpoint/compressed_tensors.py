@@ -108,11 +108,10 @@ class CompressedTensorsFormat:
         if scheme is None:
             raise t.error("weight_packed", "packed weights, but no config_groups scheme targets this layer "
                                            "(or it is in ignore)")
-        group = k if scheme.group_size == -1 else scheme.group_size
-        if k % NIBBLES or k % group:
-            raise t.error("weight_packed", f"in_features={k} is not a multiple of 8 and of the group size "
-                                           f"{scheme.group_size}")
-        groups = k // group
+        groups = 1 if scheme.group_size == -1 else k // scheme.group_size
+        problem = group_size_problem(scheme.group_size, k)
+        if problem or k % NIBBLES:
+            raise t.error("weight_packed", problem or f"in_features={k} is not a multiple of 8")
         shapes = f"for in_features={k}, out_features={n}, group size {scheme.group_size}"
         stored_shape = t.require("weight_shape")
         if stored_shape.tolist() != [n, k]:

@@ -46,8 +46,9 @@ class GptqFormat:
                 dtype: torch.dtype) -> QuantizedLayer:
         k, n = module.in_features, module.out_features
         group = k if self.group_size == -1 else self.group_size
-        if k % NIBBLES or k % group:
-            raise t.error("qweight", f"K={k} in_features is not a multiple of 8 and of the group size {self.group_size}")
+        problem = group_size_problem(self.group_size, k)
+        if problem or k % NIBBLES:
+            raise t.error("qweight", problem or f"in_features={k} is not a multiple of 8")
         shapes = f"for in_features={k}, out_features={n}, group_size={self.group_size}"
         qweight = t.require("qweight", torch.int32, (k // NIBBLES, n), shapes)
         qzeros = t.require("qzeros", torch.int32, (k // group, -(-n // NIBBLES)), shapes)

@@ -131,8 +131,8 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
     if pending:
         first = sorted(pending)[0]
         raise CheckpointError(f"{files.file_of(first + suffix).name}: {first}{suffix}",
-                              f"quantized tensors for a layer the model built from {CONFIG_FILE} does not have "
-                              f"({len(pending)} such layers)")
+                              f"quantized tensors for a layer the model built from {CONFIG_FILE} does not have"
+                              + (f" (and {len(pending) - 1} more)" if len(pending) > 1 else ""))
     if not replaced:
         raise CheckpointError(files.source, f"no quantized layer ({fmt.marker} tensors) in the checkpoint")
     return replaced

@@ -1,0 +1,75 @@
+"""`gen export`: a model's tuned entries and compiled kernels in one artifact for a serving fleet.
+
+    gen precompile --model llama-2-7b && gen export --model llama-2-7b --out llama-2-7b-h200.tar.gz
+    gen export --model llama-3-70b --tp 4 --arch sm_90a --gpu nvidia-h200_sm_90a_132sm --out l3-70b.tar.gz
+
+The artifact (runtime/artifact.py) holds the tuned table's entries for the model's (problem, bucket)
+pairs, the store entries of every kernel the op will load for them (runtime/precompile.py `plan`),
+and a manifest of the versions and the GPU they were built for. Serving machines load it with
+`runtime.load_artifact(path)`, which refuses it where any of them differs.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from gen.deploy.targets import add_arguments, deployment_from_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("export", help="pack a model's tuned entries and compiled kernels for serving machines",
+                              description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.add_argument("--out", type=Path, required=True, help="the artifact to write, e.g. llama-2-7b-h200.tar.gz")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from runtime.artifact import ArtifactError, write_artifact
+    from runtime.kernels import is_stored, kernel_folder
+
+    try:
+        deployment = deployment_from_args(args)
+        if deployment.gpu is None:
+            raise ValueError(f"no tuned table of {deployment.dispatch.arch.name} to export: an artifact is for one "
+                             "GPU model; name its table with --gpu (see `gen cache list`)")
+    except ValueError as exc:
+        print(f"gen export: {exc}", file=sys.stderr)
+        return 2
+    planned = deployment.plan()
+    arch = deployment.dispatch.arch
+    missing = [job for job in planned if not is_stored(*job, arch)]
+    if missing:
+        print(f"gen export: {len(missing)} of the {len(planned)} kernels are not in the store (e.g. "
+              f"{missing[0][0].name} {missing[0][1].name}); build them first with: "
+              f"gen precompile {_same_layers(args)}", file=sys.stderr)
+        return 1
+    pairs = [(problem, bucket) for (problem, _), served in planned.items() for bucket, how in served if how is None]
+    untuned = sum(len(served) for served in planned.values()) - len(pairs)
+    if untuned:
+        print(f"note: {untuned} (problem, bucket) pairs are not tuned; the artifact carries the kernels the fallback "
+              "picks here, and a serving machine whose tuned tables differ may pick, and build, others. Tune them "
+              f"for an artifact that covers every choice: gen tune {_same_layers(args, with_target=False)}")
+    table = deployment.dispatch.table.subset(pairs)
+    table.gpu = deployment.gpu
+    about = {"model": args.model, "tp": args.tp, "shapes": args.shapes, "group": args.group, "dtype": args.dtype,
+             "buckets": deployment.buckets}
+    try:
+        manifest = write_artifact(args.out, table, [kernel_folder(p, s, arch) for p, s in planned], about)
+    except (ArtifactError, OSError) as exc:
+        print(f"gen export: {exc}", file=sys.stderr)
+        return 1
+    built = manifest["built_with"]
+    print(f"wrote {args.out} ({args.out.stat().st_size / 2**10:.0f} KiB): {len(manifest['kernels'])} kernels and "
+          f"{len(table)} tuned entries for {built['gpu']} ({built['arch']}, {built['sm_count']} SMs), built with "
+          f"tilemarlin {built['tilemarlin']}, TileLang {built['tilelang']}, {built['cuda_toolkit']}, "
+          f"torch {built['torch']} (CUDA {built['cuda']})")
+    return 0
+
+
+def _same_layers(args, with_target: bool = True) -> str:
+    """The flags that name the same layers (and target), for a command the user is told to run."""
+    names = ("model", "tp", "shapes", "group", "dtype", "buckets") + (("arch", "gpu") if with_target else ())
+    defaults = {"tp": 1, "group": 128, "dtype": "float16"}
+    return " ".join(f"--{name} {getattr(args, name)}" for name in names
+                    if getattr(args, name) is not None and defaults.get(name) != getattr(args, name))

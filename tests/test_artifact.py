@@ -1,0 +1,237 @@
+"""Deployment artifacts without a GPU: `gen export` packs the tuned entries and store entries of a
+model's kernels, `load_artifact` unpacks them on a matching machine so that the op loads without
+building, and refuses, naming each field, any machine that differs, and any member that could write
+outside the cache."""
+import io
+import json
+import shutil
+import tarfile
+
+import pytest
+import torch
+
+import runtime.kernels as store
+import runtime.op as op
+import runtime.table as tables
+from gen.cli import main as gen_main
+from runtime import ArtifactError, load_artifact
+from runtime.artifact import FIELDS, differences
+from runtime.table import BUCKETS, GpuKey, TunedTable, table_path
+from schedules.arch import get_arch
+from schedules.cost import GpuSpec
+from schedules.problem import Problem
+from tests.test_precompile import COMMITTED, fake_entry
+
+SM90 = get_arch("sm_90a")
+H200 = GpuKey("NVIDIA H200", "sm_90a", 132)
+TOOLKIT = "cuda_13.0.r13.0/compiler.36424714_0"
+PROBLEM = Problem(4096, 4096)
+THIS_GPU = GpuKey.__dict__["current"]
+
+
+@pytest.fixture
+def artifact(tmp_path, monkeypatch):
+    """An artifact of 4096x4096 exported for sm_90a from a store of fake entries (no GPU), then a
+    fresh cache on a machine like the one it was built on: (path, {bucket: schedule}, export cache)."""
+    source = tmp_path / "build"
+    (source / "tuned").mkdir(parents=True)
+    shutil.copy(COMMITTED, source / "tuned")
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(source))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(store, "cuda_toolkit", lambda: TOOLKIT)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    chosen = {b: TunedTable.read(COMMITTED).lookup(PROBLEM, b) for b in BUCKETS}
+    for schedule in set(chosen.values()):
+        fake_entry(PROBLEM, schedule, toolkit=TOOLKIT)
+    out = tmp_path / "llama.tar.gz"
+    assert gen_main(["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--out", str(out)]) == 0
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path / "serve"))
+    monkeypatch.setattr(GpuKey, "current", classmethod(lambda cls, device=None: H200))
+    return out, chosen, source
+
+
+def test_the_artifact_holds_the_entries_the_kernels_and_what_they_were_built_with(artifact):
+    out, chosen, _ = artifact
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+        table = json.loads(tar.extractfile(manifest["table"]).read())
+    root = store.cache_root()
+    kernels = {store.kernel_folder(PROBLEM, s, SM90).relative_to(root).as_posix() for s in chosen.values()}
+    assert manifest["kernels"] == sorted(kernels)
+    assert sorted(names) == sorted(["manifest.json", manifest["table"]]
+                                   + [f"{k}/{f}" for k in kernels for f in ("kernel.so", "kernel.cu", "meta.json")])
+    assert not any(n.startswith("/") or ".." in n for n in names)
+    built = manifest["built_with"]
+    assert set(built) == set(FIELDS)
+    assert (built["gpu"], built["arch"], built["sm_count"], built["cuda_toolkit"], built["cuda"]) == \
+        ("NVIDIA H200", "sm_90a", 132, TOOLKIT, "13.0")
+    assert built["tilelang"] == store.tilelang_version() and built["kernel_code"] == store._code_fingerprint()
+    assert {e["bucket"] for e in table["entries"]} == set(BUCKETS)
+    assert all("all_timings" not in e for e in table["entries"])
+
+
+def test_a_loaded_artifact_serves_without_building(artifact, monkeypatch):
+    import schedules.arch
+
+    out, chosen, source = artifact
+    monkeypatch.setattr(op, "_TABLES", {0: "read before the artifact came"})
+    manifest = load_artifact(out)
+    assert op._TABLES == {}                 # the next choice reads the new table
+    root = store.cache_root()
+    for relative in manifest["kernels"]:
+        for name in ("kernel.so", "kernel.cu", "meta.json"):
+            assert (root / relative / name).read_bytes() == (source / relative / name).read_bytes()
+    monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: SM90)
+    monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: GpuSpec.for_arch(SM90)))
+    monkeypatch.setattr(op, "_WINNERS", {})
+    monkeypatch.setattr(store, "_LOADED", {})
+    monkeypatch.setattr(store, "build_kernel", lambda *a: pytest.fail("built although the artifact holds it"))
+    monkeypatch.setattr(store, "_load_library", lambda path: lambda *args: f"library {path}")
+    for bucket, schedule in chosen.items():
+        assert op.schedule_for(PROBLEM, bucket, torch.device("cuda", 0)) == schedule      # the tuned entry
+        kernel = store.compile_schedule(PROBLEM, schedule, SM90)
+        assert kernel.folder.is_relative_to(root) and kernel("x") == f"library {kernel.folder / 'kernel.so'}"
+    load_artifact(out)                      # loading it again changes nothing
+
+
+def test_its_entries_replace_the_same_keys_and_keep_the_others(artifact):
+    out, chosen, _ = artifact
+    other = Problem(2048, 4096)
+    local = TunedTable(H200)
+    newer_but_different = chosen[4096]
+    local.record(PROBLEM, 1, newer_but_different, 1.0, measured_at="2999-01-01T00:00:00+00:00")
+    local.record(other, 1, newer_but_different, 2.0)
+    local.save(table_path(H200))
+    load_artifact(out)
+    installed = TunedTable.read(table_path(H200))
+    assert installed.lookup(PROBLEM, 1) == chosen[1] != newer_but_different
+    assert installed.lookup(other, 1) == newer_but_different
+
+
+def test_without_nvcc_any_toolkit_loads(artifact, monkeypatch):
+    monkeypatch.setattr(store, "cuda_toolkit", lambda: None)
+    assert load_artifact(artifact[0])["built_with"]["cuda_toolkit"] == TOOLKIT
+
+
+def _gpu(name, arch, sm_count):
+    return classmethod(lambda cls, device=None: GpuKey(name, arch, sm_count))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda mp: mp.setattr(store, "cuda_toolkit", lambda: "cuda_12.8.r12.8/compiler.35404655_0"),
+     f"artifact built with CUDA toolkit {TOOLKIT}, this machine has cuda_12.8.r12.8/compiler.35404655_0"),
+    (lambda mp: mp.setattr(torch.version, "cuda", "12.8"), "artifact built with CUDA 13.0, this machine has 12.8"),
+    (lambda mp: mp.setattr(store, "tilelang_version", lambda: "0.1.16"),
+     "artifact built with TileLang 0.1.15, this machine has 0.1.16"),
+    (lambda mp: mp.setattr(tables, "_tilemarlin_version", lambda: "0.2.0"),
+     "artifact built with tilemarlin 0.1.0, this machine has 0.2.0"),
+    (lambda mp: mp.setattr(torch, "__version__", "2.99.0"), "artifact built with torch"),
+    (lambda mp: mp.setattr(store, "_code_fingerprint", lambda: "edited"),
+     "artifact built with kernel code (schedules/, templates/) "),
+    (lambda mp: mp.setattr(GpuKey, "current", _gpu("NVIDIA H100 80GB HBM3", "sm_90a", 132)),
+     "artifact built for GPU NVIDIA H200, this machine has NVIDIA H100 80GB HBM3"),
+    (lambda mp: mp.setattr(GpuKey, "current", _gpu("NVIDIA H200", "sm_90a", 60)),
+     "artifact built for SM count 132, this machine has 60"),
+], ids=["toolkit", "cuda", "tilelang", "tilemarlin", "torch", "kernel-code", "gpu-model", "sm-count"])
+def test_a_machine_that_differs_is_refused_naming_the_field(artifact, monkeypatch, change, message):
+    change(monkeypatch)
+    with pytest.raises(ArtifactError, match="does not fit this machine") as refused:
+        load_artifact(artifact[0])
+    assert message in str(refused.value)
+    assert not store.cache_root().exists()        # nothing unpacked
+
+
+def test_every_field_that_differs_is_named():
+    here = {field: "here" for field in FIELDS}
+    built = dict(here, tilelang="0.1.15", gpu="NVIDIA H200", cuda_toolkit="cuda_13.0")
+    assert differences(built, here) == ["artifact built with TileLang 0.1.15, this machine has here",
+                                        "artifact built with CUDA toolkit cuda_13.0, this machine has here",
+                                        "artifact built for GPU NVIDIA H200, this machine has here"]
+    assert differences(built, dict(here, cuda_toolkit=None))[1].startswith("artifact built for GPU")
+
+
+def test_a_machine_without_a_gpu_is_refused(artifact, monkeypatch):
+    monkeypatch.setattr(GpuKey, "current", THIS_GPU)      # and torch sees no CUDA
+    with pytest.raises(ArtifactError, match="no CUDA GPU is visible"):
+        load_artifact(artifact[0])
+
+
+def _repacked(src, dst, member: tarfile.TarInfo, data: bytes = b""):
+    """The artifact at `src` with one more member."""
+    with tarfile.open(src) as old, tarfile.open(dst, "w:gz") as new:
+        for m in old.getmembers():
+            new.addfile(m, old.extractfile(m))
+        member.size = len(data) if member.isfile() else 0
+        new.addfile(member, io.BytesIO(data) if member.isfile() else None)
+    return dst
+
+
+def _symlink(name, target):
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = tarfile.SYMTYPE, target
+    return info
+
+
+@pytest.mark.parametrize("member, match", [
+    (tarfile.TarInfo("../escaped.txt"), "unsafe member '../escaped.txt'"),
+    (tarfile.TarInfo("kernels/sm_90a/../../../escaped.txt"), "unsafe member"),
+    (tarfile.TarInfo("/tmp/absolute.txt"), "unsafe member '/tmp/absolute.txt'"),
+    (_symlink("kernels/sm_90a/link", "/etc/passwd"), "a link or special file"),
+    (tarfile.TarInfo("kernels/sm_90a/n1_k1/extra-0/kernel.so"), "unexpected member"),
+    (tarfile.TarInfo("run.sh"), "unexpected member 'run.sh'"),
+], ids=["dotdot", "nested-dotdot", "absolute", "symlink", "unlisted-kernel", "unlisted-file"])
+def test_members_that_could_write_elsewhere_are_refused(artifact, tmp_path, member, match):
+    bad = _repacked(artifact[0], tmp_path / "bad.tar.gz", member, b"#!/bin/sh\n")
+    with pytest.raises(ArtifactError, match=match):
+        load_artifact(bad)
+    assert not store.cache_root().exists() and not (tmp_path / "escaped.txt").exists()
+
+
+def test_a_file_that_is_not_an_artifact_is_refused(tmp_path):
+    (tmp_path / "x.tar.gz").write_bytes(b"not a tar at all")
+    with pytest.raises(ArtifactError, match="is not a tilemarlin artifact"):
+        load_artifact(tmp_path / "x.tar.gz")
+    with tarfile.open(tmp_path / "y.tar.gz", "w:gz") as tar:
+        tar.addfile(tarfile.TarInfo("README"), io.BytesIO(b""))
+    with pytest.raises(ArtifactError, match="has no manifest.json"):
+        load_artifact(tmp_path / "y.tar.gz")
+
+
+def test_export_refuses_while_kernels_are_missing(artifact, monkeypatch, capsys):
+    out, chosen, source = artifact
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(source))
+    shutil.rmtree(store.kernel_folder(PROBLEM, chosen[1], SM90))
+    again = out.with_name("b.tar.gz")
+    assert gen_main(["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--out", str(again)]) == 1
+    err = capsys.readouterr().err
+    assert "1 of the" in err and "gen precompile --shapes 4096x4096 --arch sm_90a" in err
+    assert not again.exists()
+
+
+def test_export_without_a_table_for_the_arch_names_the_fix(artifact, monkeypatch, capsys):
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(artifact[2].parent / "empty"))
+    assert gen_main(["export", "--arch", "sm_80", "--shapes", "4096x4096", "--out", "x.tar.gz"]) == 2
+    assert "no tuned table of sm_80 to export" in capsys.readouterr().err
+
+
+def test_untuned_pairs_ship_the_fallbacks_kernels_and_no_entries(artifact, monkeypatch, capsys, tmp_path):
+    from runtime.op import DEFAULT_LAYOUT
+    from runtime.precompile import Dispatch, plan
+    from runtime.table import winners_for_arch
+
+    out, _, source = artifact
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(source))
+    untuned = Problem(5120, 5120)                 # in no committed table
+    dispatch = Dispatch(SM90, GpuSpec.for_arch(SM90), TunedTable.read(COMMITTED), winners_for_arch("sm_90a"))
+    planned = plan([untuned], BUCKETS, dispatch, DEFAULT_LAYOUT)
+    for problem, schedule in planned:
+        fake_entry(problem, schedule, toolkit=TOOLKIT)
+    both = tmp_path / "both.tar.gz"
+    assert gen_main(["export", "--arch", "sm_90a", "--shapes", "4096x4096,5120x5120", "--out", str(both)]) == 0
+    assert "note: 13 (problem, bucket) pairs are not tuned" in capsys.readouterr().out
+    with tarfile.open(both) as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+        entries = json.loads(tar.extractfile(manifest["table"]).read())["entries"]
+    assert len(manifest["kernels"]) == len(planned) + len(set(artifact[1].values()))
+    assert {(e["problem"]["n"], e["problem"]["k"]) for e in entries} == {(4096, 4096)} and len(entries) == 13

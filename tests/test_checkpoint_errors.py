@@ -1,0 +1,169 @@
+"""Checkpoints the loader refuses: every message names the file, the layer (or config field) and the
+tensor at fault, and says what would be accepted."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from runtime import CheckpointError, load_quantized
+from tests.checkpoint_writers import read_tensors, write_checkpoint, write_tensors
+
+LAYER = "model.layers.1.mlp.down_proj"
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """One checkpoint per format, written once; each test edits a copy."""
+    root = tmp_path_factory.mktemp("written")
+    for fmt in ("gptq", "awq", "compressed-tensors"):
+        write_checkpoint(root / fmt, fmt, symmetric=fmt == "gptq")
+    return root
+
+
+@pytest.fixture
+def copy_of(written, tmp_path):
+    def copy(fmt):
+        folder = tmp_path / fmt
+        shutil.copytree(written / fmt, folder)
+        return folder
+    return copy
+
+
+def edit_config(folder, edit):
+    config = json.loads((folder / "config.json").read_text())
+    edit(config["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(folder, edit):
+    tensors = read_tensors(folder)
+    edit(tensors)
+    write_tensors(folder, tensors)
+
+
+def refused(folder, *parts):
+    with pytest.raises(CheckpointError) as info:
+        load_quantized(folder, device="cpu")
+    for part in parts:
+        assert part in str(info.value), f"{part!r} not in: {info.value}"
+    return str(info.value)
+
+
+@pytest.mark.parametrize("fmt, field, edit", [
+    ("gptq", "quantization_config.bits", lambda q: q.update(bits=8)),
+    ("awq", "quantization_config.bits", lambda q: q.update(bits=8)),
+    ("compressed-tensors", "quantization_config.config_groups.group_0.weights.num_bits",
+     lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=8)),
+])
+def test_other_bit_widths(copy_of, fmt, field, edit):
+    folder = copy_of(fmt)
+    edit_config(folder, edit)
+    refused(folder, "config.json", field, "8-bit", "4-bit")
+
+
+@pytest.mark.parametrize("fmt, field, edit", [
+    ("gptq", "quantization_config.group_size", lambda q: q.update(group_size=32)),
+    ("compressed-tensors", "quantization_config.config_groups.group_0.weights.group_size",
+     lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32)),
+])
+def test_group_size_32(copy_of, fmt, field, edit):
+    folder = copy_of(fmt)
+    edit_config(folder, edit)
+    refused(folder, "config.json", field, "group size 32", "multiple of 64", "-1 (channelwise)")
+
+
+def test_group_size_that_does_not_divide_k(copy_of):
+    folder = copy_of("gptq")
+    edit_config(folder, lambda q: q.update(group_size=384))
+    refused(folder, "model.safetensors", "model.layers.0.self_attn.q_proj.qweight", "group size 384 with K=256",
+            "multiple of 64")
+
+
+def test_unknown_quant_method(copy_of):
+    folder = copy_of("gptq")
+    edit_config(folder, lambda q: q.update(quant_method="bitsandbytes"))
+    refused(folder, "config.json", "quantization_config.quant_method", "'bitsandbytes'", "gptq")
+
+
+def test_not_a_quantized_checkpoint(copy_of):
+    folder = copy_of("gptq")
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    refused(folder, "config.json", "quantization_config", "missing")
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_missing_qzeros(copy_of, fmt):
+    folder = copy_of(fmt)
+    edit_tensors(folder, lambda t: t.pop(f"{LAYER}.qzeros"))
+    refused(folder, "model.safetensors", f"{LAYER}.qzeros", "missing")
+
+
+def test_missing_zero_point_of_an_asymmetric_scheme(copy_of):
+    folder = copy_of("compressed-tensors")
+    edit_tensors(folder, lambda t: t.pop(f"{LAYER}.weight_zero_point"))
+    refused(folder, "model.safetensors", f"{LAYER}.weight_zero_point", "missing")
+
+
+def test_scales_of_the_wrong_shape(copy_of):
+    folder = copy_of("gptq")
+    edit_tensors(folder, lambda t: t.update({f"{LAYER}.scales": t[f"{LAYER}.scales"][:2]}))
+    refused(folder, "model.safetensors", f"{LAYER}.scales", "expected shape (4, 256)", "found (2, 256)",
+            "in_features=512")
+
+
+def test_weight_shape_that_disagrees_with_the_config(copy_of):
+    folder = copy_of("compressed-tensors")
+    edit_tensors(folder, lambda t: t.update({f"{LAYER}.weight_shape": torch.tensor([256, 1024])}))
+    refused(folder, "model.safetensors", f"{LAYER}.weight_shape", "[256, 1024]", "[256, 512]")
+
+
+def test_qweight_of_the_wrong_dtype(copy_of):
+    folder = copy_of("awq")
+    edit_tensors(folder, lambda t: t.update({f"{LAYER}.qweight": t[f"{LAYER}.qweight"].to(torch.int64)}))
+    refused(folder, "model.safetensors", f"{LAYER}.qweight", "torch.int32", "torch.int64")
+
+
+def test_v1_zero_point_of_zero(copy_of):
+    """GPTQ v1 stores z - 1: z = 0 leaves nibble 15, which reads back as 16."""
+    folder = copy_of("gptq")
+    def zero_nibble(t):
+        t[f"{LAYER}.qzeros"][0, 0] = (t[f"{LAYER}.qzeros"][0, 0] & ~0xF) | 0xF
+    edit_tensors(folder, zero_nibble)
+    refused(folder, "model.safetensors", f"{LAYER}.qzeros", "reads 16", "gptq_v2")
+
+
+def test_uneven_act_order_groups(copy_of):
+    folder = copy_of("gptq")
+    def uneven(t):
+        g_idx = t[f"{LAYER}.g_idx"]
+        g_idx[0] = 1   # group 0 loses a row to group 1
+    edit_tensors(folder, uneven)
+    refused(folder, "model.safetensors", LAYER, "g_idx", "128 input rows")
+
+
+def test_layout_only_other_kernels_read(copy_of):
+    folder = copy_of("gptq")
+    edit_config(folder, lambda q: q.update(checkpoint_format="marlin"))
+    refused(folder, "config.json", "quantization_config.checkpoint_format", "'marlin'")
+
+
+def test_quantized_tensors_of_a_layer_the_model_lacks(copy_of):
+    folder = copy_of("gptq")
+    edit_tensors(folder, lambda t: t.update({"model.layers.7.mlp.down_proj.qweight": t[f"{LAYER}.qweight"].clone()}))
+    refused(folder, "model.safetensors", "model.layers.7.mlp.down_proj.qweight", "does not have")
+
+
+def test_missing_dense_tensor(copy_of):
+    folder = copy_of("gptq")
+    edit_tensors(folder, lambda t: t.pop("model.norm.weight"))
+    refused(folder, "model.safetensors", "model.norm.weight", "missing")
+
+
+def test_quantized_activations(copy_of):
+    folder = copy_of("compressed-tensors")
+    edit_config(folder, lambda q: q["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "float"}))
+    refused(folder, "config.json", "config_groups.group_0.input_activations", "weight-only")
