@@ -3,14 +3,45 @@ the one way command-line text becomes a knob value."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Callable
 
 
-def valid_points(axes: dict[str, tuple], make: Callable[[tuple], object], check, problem, arch) -> list:
-    """make(values) for every combination of the axes' values (in AXES order) that check() accepts."""
-    points = (make(values) for values in itertools.product(*axes.values()))
-    return [knobs for knobs in points if check(problem, knobs, arch) is None]
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A condition on a few axes that every point check() accepts meets. The enumeration drops a
+    partial point that breaks a rule before spanning the axes after it, so a family whose flags
+    depend on each other need not build and check millions of points it would refuse. check()
+    still decides every full point: a rule only saves work, and must never refuse what check()
+    accepts (tests compare both ways)."""
+    axes: tuple[str, ...]
+    holds: Callable[..., bool]      # holds(problem, **{axis: value})
+
+
+def valid_points(axes: dict[str, tuple], make: Callable[[tuple], object], check, problem, arch,
+                 rules: tuple[Rule, ...] = ()) -> list:
+    """make(values) for every combination of the axes' values (in AXES order) that check() accepts,
+    enumerated depth-first: `rules` prune a prefix as soon as its last axis has a value."""
+    names = list(axes)
+    position = {name: i for i, name in enumerate(names)}
+    rules_at = [[] for _ in names]       # each rule is tested once its last axis is set
+    for rule in rules:
+        rules_at[max(position[a] for a in rule.axes)].append(rule)
+    points, values = [], []
+
+    def extend(depth: int) -> None:
+        if depth == len(names):
+            knobs = make(tuple(values))
+            if check(problem, knobs, arch) is None:
+                points.append(knobs)
+            return
+        for value in axes[names[depth]]:
+            values.append(value)
+            if all(rule.holds(problem, **{a: values[position[a]] for a in rule.axes}) for rule in rules_at[depth]):
+                extend(depth + 1)
+            values.pop()
+
+    extend(0)
+    return points
 
 
 def positional(knobs_cls) -> Callable[[tuple], object]:

@@ -8,7 +8,7 @@ from ..arch import Arch
 from ..knob_space import positional, valid_points
 from ..problem import Problem
 from .. import marlin_mma
-from .knobs import Knobs, check
+from .knobs import RULES, Knobs, check
 from .traits import KNOB_FACTORS, TRAITS
 
 
@@ -96,8 +96,8 @@ AXES = {
     # The splits but the last leaving their tiles in workspace slots, the last reading them after its
     # k-loop: a same-run variant of the workspace winners at M = 16-64, 0.94x at down_proj 16, 0.95x at
     # o_proj 32, 0.99x at down_proj 32 (H200; docs/performance.md); qkv_proj 16's split pair through
-    # the workspace level with the cluster pair (9.08 / 9.05 us); no M >= 128 winner took it (session
-    # 31, docs/performance.md). A variant axis: the first round keeps one of each pair.
+    # the workspace level with the cluster pair (9.08 / 9.05 us); no M >= 128 winner took it
+    # (docs/performance.md). A variant axis: the first round keeps one of each pair.
     "split_wait": (False, True),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
@@ -120,7 +120,7 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
     twins, not a product over the axis (which would double the enumeration for points check() refuses:
     ~20 s a shape on one core)."""
     waits = AXES["split_wait"]
-    points = valid_points({**AXES, "split_wait": (False,)}, from_axes, check, problem, arch)
+    points = valid_points({**AXES, "split_wait": (False,)}, from_axes, check, problem, arch, RULES)
     twins = [dataclasses.replace(kb, split_wait=True) for kb in points if kb.split_k > 1 and kb.uses_workspace] \
         if True in waits else []
     points = (points if False in waits else []) + [kb for kb in twins if check(problem, kb, arch) is None]

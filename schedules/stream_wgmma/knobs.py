@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from ..arch import Arch
 from ..marlin_mma.layout import SLAB_N, TILE_K
-from ..knob_space import tiling_reason
+from ..knob_space import Rule, tiling_reason
 from ..problem import Problem
 
 WARPGROUP = 128
@@ -263,3 +263,29 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
         return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
     return None
+
+
+# check()'s conditions on a few axes each, for the enumeration to prune with (knob_space.Rule): the
+# flags that depend on each other cut the product of AXES (about 5 million points) to a few percent
+# before check() sees a point.
+RULES = (
+    Rule(("groups", "warpgroups", "block_k"),
+         lambda p, groups, warpgroups, block_k: tiling_reason(p, SLAB_N * groups * warpgroups, block_k) is None),
+    Rule(("block_k", "stages", "split_k"), lambda p, block_k, stages, split_k: p.k // block_k // split_k >= stages),
+    Rule(("release_barriers", "producer_warp"), lambda p, release_barriers, producer_warp:
+         release_barriers or not producer_warp),
+    Rule(("block_k", "split_k", "producer_warp"), lambda p, block_k, split_k, producer_warp:
+         producer_warp or p.k // block_k % split_k == 0),
+    Rule(("warpgroups", "split_k", "producer_warp", "setmaxnreg"), lambda p, warpgroups, split_k, producer_warp,
+         setmaxnreg: not setmaxnreg or (producer_warp and warpgroups == 2 and split_k == 1)),
+    Rule(("split_k", "cluster_reduce"), lambda p, split_k, cluster_reduce: not cluster_reduce or 2 <= split_k <= 8),
+    Rule(("cluster_reduce", "pdl"), lambda p, cluster_reduce, pdl: not (cluster_reduce and pdl)),
+    Rule(("split_k", "staged_store"), lambda p, split_k, staged_store: not staged_store or split_k == 1),
+    Rule(("cluster_reduce", "pdl", "early_start"), lambda p, cluster_reduce, pdl, early_start:
+         not early_start or pdl or cluster_reduce),
+    Rule(("block_k", "ring"), lambda p, block_k, ring: ring == 0 or ring >= 2 and block_k // TILE_K % ring == 0),
+    Rule(("setmaxnreg", "ring", "scale_on_acc"), lambda p, setmaxnreg, ring, scale_on_acc:
+         not scale_on_acc or not (p.channelwise or ring or setmaxnreg)),
+    Rule(("scale_on_acc", "fold_lag"), lambda p, scale_on_acc, fold_lag: scale_on_acc or not fold_lag),
+    Rule(("groups", "rotate"), lambda p, groups, rotate: not rotate or groups < 4),
+)
