@@ -106,16 +106,18 @@ def quantization_config(fmt: str, group: int, symmetric: bool, act_order: bool, 
 
 def write_checkpoint(folder: Path, fmt: str, dtype=torch.float16, group: int = 128, symmetric: bool = True,
                      act_order: bool = False, checkpoint_format: str = "gptq", shards: int = 1,
-                     packed_zeros: bool = True, seed: int = 0) -> dict[str, Layer]:
+                     packed_zeros: bool = True, seed: int = 0, **config_overrides) -> dict[str, Layer]:
     """A Llama checkpoint folder in `fmt` ("gptq", "awq", "compressed-tensors"); returns the layers
-    drawn, by module name. Dense parameters are random, in `dtype`; lm_head stays dense."""
+    drawn, by module name. Dense parameters (biases too, e.g. with attention_bias=True in
+    `config_overrides`) are random, in `dtype`; lm_head stays dense."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    config = LlamaConfig(**LLAMA)
+    config = LlamaConfig(**{**LLAMA, **config_overrides})
     dense = LlamaForCausalLM(config).to(dtype).state_dict()
-    tensors = {name: t.contiguous() for name, t in dense.items() if not any(f".{lin}." in name for lin in LINEARS)}
+    tensors = {name: t.contiguous() for name, t in dense.items()
+               if not any(name.endswith(f".{lin}.weight") for lin in LINEARS)}
     layers = {}
     for i in range(config.num_hidden_layers):
         for lin in LINEARS:

@@ -92,12 +92,12 @@ def test_act_order_gathers_the_input_columns(cpu_op):
 MODEL_TOLERANCE = {torch.float16: dict(rel_tol=4e-3, elem_tol=8e-3), torch.bfloat16: dict(rel_tol=2e-2, elem_tol=4e-2)}
 
 
-@pytest.mark.parametrize("fmt, symmetric, act_order, dtype", [
-    ("gptq", False, True, torch.float16), ("awq", False, False, torch.bfloat16),
-    ("compressed-tensors", True, True, torch.bfloat16), ("compressed-tensors", False, False, torch.float16)])
-def test_loaded_model_logits_on_cpu(cpu_op, tmp_path, fmt, symmetric, act_order, dtype):
+@pytest.mark.parametrize("fmt, symmetric, act_order, dtype, bias", [
+    ("gptq", False, True, torch.float16, True), ("awq", False, False, torch.bfloat16, False),
+    ("compressed-tensors", True, True, torch.bfloat16, True), ("compressed-tensors", False, False, torch.float16, False)])
+def test_loaded_model_logits_on_cpu(cpu_op, tmp_path, fmt, symmetric, act_order, dtype, bias):
     folder = tmp_path / "ckpt"
-    drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order)
+    drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order, attention_bias=bias)
     model = load_quantized(folder, dtype=dtype, device="cpu")
     reference = dense_model(folder, drawn)
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -105,6 +105,7 @@ def test_loaded_model_logits_on_cpu(cpu_op, tmp_path, fmt, symmetric, act_order,
         logits = model(tokens).logits
         ref = reference(tokens).logits
     assert logits.dtype == dtype
+    assert (model.model.layers[0].self_attn.q_proj.bias is not None) == bias
     assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype}")
 
 
