@@ -81,16 +81,29 @@ class CompiledKernel:
         """The CUDA device source nvcc compiled."""
         return (self.folder / "kernel.cu").read_text()
 
-    def export_ptx(self, path) -> None:
-        """Write the kernel's PTX, compiled now from its stored source by TileLang's nvcc helper, as
-        TileLang's JITKernel.export_ptx does (developer tools and code-generation tests only: it
-        imports TileLang)."""
+    def ptx(self) -> str:
+        """The kernel's PTX, compiled from its stored source by TileLang's nvcc helper (as TileLang's
+        JITKernel.export_ptx does) the first time and kept beside it as kernel.ptx (developer tools and
+        code-generation tests only: it imports TileLang)."""
+        kept = self.folder / "kernel.ptx"
+        if kept.is_file():
+            return kept.read_text()
         from tilelang.contrib import nvcc
         from tvm.target import Target
 
         arch = get_arch(json.loads((self.folder / "meta.json").read_text())["arch"])
         with Target(arch.target):
-            Path(path).write_text(nvcc.get_ptx_from_source(self.get_kernel_source()))
+            ptx = nvcc.get_ptx_from_source(self.get_kernel_source())
+        staging = kept.with_name(f"kernel.ptx.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            staging.write_text(ptx)
+            staging.replace(kept)
+        except OSError:         # a read-only store: compiled again next time
+            staging.unlink(missing_ok=True)
+        return ptx
+
+    def export_ptx(self, path) -> None:
+        Path(path).write_text(self.ptx())
 
 
 def compile_schedule(problem: Problem, schedule: Schedule, arch: Arch) -> CompiledKernel:

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from runtime.kernels import build_kernel
+from runtime.kernels import compile_schedule
 from schedules.arch import get_arch
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
@@ -18,12 +18,13 @@ CASES = {
     "sm90a_splitk_scale_on_weights": ("sm_90a", Problem(512, 1024, 128), Knobs(32, 256, 64, 1, 4, 1, 4, 3)),
     "sm90a_channelwise": ("sm_90a", Problem.make(256, 512, -1), Knobs(64, 128, 128, 2, 2, 1, 3, 1)),
 }
+KERNELS = [(problem, Schedule("marlin_mma", knobs), get_arch(arch)) for arch, problem, knobs in CASES.values()]
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def compiled(request, tmp_path_factory):
     arch, problem, knobs = CASES[request.param]
-    kernel = build_kernel(problem, Schedule("marlin_mma", knobs), get_arch(arch))
+    kernel = compile_schedule(problem, Schedule("marlin_mma", knobs), get_arch(arch))
     ptx_path = tmp_path_factory.mktemp("ptx") / "kernel.ptx"
     kernel.export_ptx(str(ptx_path))
     return arch, problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()

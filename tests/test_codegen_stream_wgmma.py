@@ -187,6 +187,9 @@ def test_check_names_the_problem(knobs, fragment):
     assert fragment in stream_wgmma.check(Problem(4096, 4096, 128), knobs, SM90)
 
 
+KERNELS = [(problem, Schedule("stream_wgmma", knobs), SM90) for problem, knobs in CASES.values()]
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def compiled(request, tmp_path_factory):
     problem, knobs = CASES[request.param]
