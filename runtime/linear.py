@@ -61,10 +61,22 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                    layout: str = DEFAULT_LAYOUT, precompile: bool = True, max_m: int | None = None) -> "QuantLinear":
-        """From INT4 codes [K, N] (zero point 8) and scales [K / group, N], on their device."""
+        """From INT4 codes [K, N] (zero point 8) and scales [K / group, N], on their device.
+
+        Raises ValueError, before any kernel is built, for shapes or a group size the kernels cannot
+        run and for a scale that is not finite and positive (naming the first one).
+        """
         k, n = codes.shape
         if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
             raise ValueError(f"scales {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}")
+        problem_of(n, k, k // scales.shape[0], dtype_name(scales.dtype), layout)
+        _check_scales(scales)
+        return cls._packed(codes, scales, bias, layout, precompile, max_m)
+
+    @classmethod
+    def _packed(cls, codes, scales, bias, layout, precompile, max_m) -> "QuantLinear":
+        """from_codes after its checks."""
+        k, n = codes.shape
         layer = cls(k, n, bias=bias is not None, group_size=k // scales.shape[0], dtype=scales.dtype,
                     device=codes.device, layout=layout, precompile=precompile, max_m=max_m)
         qweight, packed_scales = layout_family(layout).pack(codes, scales)
@@ -77,11 +89,23 @@ class QuantLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, precompile: bool = True,
                     max_m: int | None = None) -> "QuantLinear":
-        """Round-to-nearest symmetric INT4 quantization of an fp16/bf16 nn.Linear, on its device."""
+        """Round-to-nearest symmetric INT4 quantization of an fp16/bf16 nn.Linear, on its device.
+
+        Raises ValueError, before quantizing, for shapes or a group size the kernels cannot run and
+        for a weight that is not finite (naming the first one: it would make its group's scale NaN
+        or infinite).
+        """
         weight = linear.weight.detach()
+        problem_of(linear.out_features, linear.in_features, group_size, dtype_name(weight.dtype))
+        bad = _first_false(torch.isfinite(weight))
+        if bad is not None:
+            row, column = bad
+            raise ValueError(f"weight {weight[row, column].item()} at row {row}, column {column} (output feature "
+                             f"{row}, input feature {column}): weights must be finite")
+        # The scales of finite weights are finite and positive (quantize_rtn's smallest is above 0).
         codes, scales = quantize_rtn(weight.t(), group_size, cls.bits, dtype_name(weight.dtype))
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls.from_codes(codes, scales, bias, precompile=precompile, max_m=max_m)
+        return cls._packed(codes, scales, bias, DEFAULT_LAYOUT, precompile, max_m)
 
     @classmethod
     def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
@@ -130,12 +154,14 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         to `max_m` (all buckets for None), each distinct shape once, in one parallel compile; skipped
         with precompile=False, TILEMARLIN_PRECOMPILE=0, or weights not on a CUDA device.
 
-    Returns the model. Raises ValueError, naming the layer, for a layer the kernel cannot hold (its
-    N must be a multiple of 64, K of 16 and of the group size), and when no layer matched.
+    Returns the model. Raises ValueError, naming the layer, for a layer the kernels cannot run (its N
+    must be a multiple of 64, K of 16, the group size a multiple of 64 dividing K or -1; every weight
+    finite), and when no layer matched; the model is then left as it was, and no kernel is built.
     """
     wanted = _name_filter(filter)
     skip = (skip,) if isinstance(skip, str) else tuple(skip)
     converted: dict[int, QuantLinear] = {}   # a module shared under two names is converted once
+    places: list[tuple[str, int]] = []
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if not isinstance(module, nn.Linear) or any(s in name for s in skip) or not wanted(name, module):
             continue
@@ -145,14 +171,34 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"cannot convert {name!r} ({module}): {exc}. Leave it out with "
                                  f"skip=(..., {name!r}) or a filter") from None
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(module)])
+        places.append((name, id(module)))
     if not converted:
         raise ValueError("replace_linear found no nn.Linear to convert (already converted, or the filter "
                          "and skip left none)")
+    for name, key in places:     # only once every layer converted: a refusal leaves the model whole
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[key])
     if precompile:
         precompile_layers([(layer.problem, layer.qweight.device) for layer in converted.values()], max_m)
     return model
+
+
+def _first_false(ok: torch.Tensor) -> tuple[int, ...] | None:
+    """The index of the first False in `ok`, or None when all are True (one host sync)."""
+    if bool(ok.all()):
+        return None
+    return tuple((~ok).nonzero()[0].tolist())
+
+
+def _check_scales(scales: torch.Tensor) -> None:
+    """A ValueError naming the first scale that is not finite and positive, and how many there are."""
+    ok = torch.isfinite(scales) & (scales > 0)
+    bad = _first_false(ok)
+    if bad is not None:
+        group, column = bad
+        more = int((~ok).sum()) - 1
+        raise ValueError(f"scale {scales[group, column].item()} at group {group}, column {column}"
+                         + (f" (and {more} more)" if more else "") + ": scales must be finite and positive")
 
 
 def _name_filter(filter) -> Callable[[str, nn.Module], bool]:

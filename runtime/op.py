@@ -24,7 +24,7 @@ from typing import Iterable
 import torch
 
 from schedules.problem import Problem
-from schedules.registry import FAMILIES, Schedule
+from schedules.registry import FAMILIES, Schedule, group_size_problem
 
 from .table import bucket_of
 from .workspace import split_k_workspace
@@ -64,9 +64,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @functools.lru_cache(maxsize=None)
 def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAYOUT) -> Problem:
-    """The Problem of a layer, after checking that `layout` can hold its weights (N, K, group)."""
+    """The Problem of a layer, after checking that `layout` can hold its weights (N, K) and that the
+    kernel families take its group size."""
     problem = Problem.make(n=n, k=k, group=group, dtype=dtype)
     layout_family(layout).layout.check_packable(problem.k, problem.n)
+    reason = group_size_problem(group, k)
+    if reason:
+        raise ValueError(reason)
     return problem
 
 

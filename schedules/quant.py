@@ -11,6 +11,9 @@ import torch
 from .problem import Problem
 
 _TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# The smallest scale RTN gives a group, so that an all-zero group gets a positive scale (its codes all
+# 8) rather than 0: 1e-8 in bf16, and fp16's smallest subnormal, since 1e-8 rounds to 0 in fp16.
+_MIN_SCALE = {"float16": 2.0 ** -24, "bfloat16": 1e-8}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -39,7 +42,7 @@ def quantize_rtn(weight_kn: torch.Tensor, group: int = 128, bits: int = 4, dtype
     qmax = (1 << bits) - 1
     zero = zero_point(bits)
     # GPTQ's symmetric convention: the range [-max, max] spread over 2**bits - 1 steps.
-    scales = (w.abs().amax(dim=1) * (2.0 / qmax)).clamp_min(1e-8)
+    scales = (w.abs().amax(dim=1) * (2.0 / qmax)).clamp_min(_MIN_SCALE[dtype])
     scales = scales.to(torch_dtype(dtype))
     codes = torch.round(w / scales.float().unsqueeze(1)) + zero
     codes = codes.clamp_(0, qmax).to(torch.uint8).reshape(k, n)

@@ -134,3 +134,19 @@ def test_quant_linear_from_act_order_gptq_is_refused():
     t = gptq_tensors(codes, scales)
     with pytest.raises(ValueError, match="desc_act=False"):
         QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"].flip(0), group_size=64)
+
+
+def test_quant_linear_from_gptq_refuses_a_group_size_no_kernel_runs():
+    codes, scales = _layer(group=32)
+    t = gptq_tensors(codes, scales)
+    with pytest.raises(ValueError, match="group size 32 with K=256 cannot run .* multiple of 64"):
+        QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=32)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
+def test_quant_linear_from_gptq_refuses_a_scale_that_is_not_finite_and_positive(value):
+    codes, scales = _layer()
+    t = gptq_tensors(codes, scales)
+    t["scales"][2, 33] = value
+    with pytest.raises(ValueError, match=f"scale {value} at group 2, column 33"):
+        QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=64)

@@ -54,3 +54,12 @@ def test_problem_rejects_what_no_kernel_serves(kwargs, msg):
 def test_quantize_rejects_k_not_multiple_of_group():
     with pytest.raises(ValueError, match="not a multiple of the group size 128"):
         quantize_rtn(torch.randn(200, 64), 128)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_all_zero_group_gets_a_positive_scale_and_zero_codes(dtype):
+    w = torch.randn(256, 64)
+    w[64:128, 5] = 0
+    codes, scales = quantize_rtn(w, 64, dtype=dtype)
+    assert bool((scales > 0).all())
+    assert bool((codes[64:128, 5] == 8).all()) and bool((dequantize(codes, scales)[64:128, 5] == 0).all())

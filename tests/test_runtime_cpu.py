@@ -87,6 +87,67 @@ def test_float32_layers_are_refused():
         QuantLinear.from_linear(_linear(dtype=torch.float32))
 
 
+@pytest.fixture
+def no_kernel_build(monkeypatch):
+    """Fails a test that builds (or plans) kernels: refusals come before any of that."""
+    import runtime.linear
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("kernels were planned or built before the refusal")
+
+    monkeypatch.setattr(runtime.linear, "precompile_layers", refuse)
+
+
+@pytest.mark.parametrize("k, group, match", [
+    (3072, 32, r"group size 32 with K=3072 cannot run .* multiple of 64 that divides K .* or -1 \(channelwise\)"),
+    (3072, 96, r"group size 96 with K=3072 cannot run .* multiple of 64"),
+    (4112, -1, r"group size -1 \(channelwise\) with K=4112 .* K to be a multiple of 64"),
+])
+def test_group_sizes_no_family_runs_are_refused(no_kernel_build, monkeypatch, k, group, match):
+    import runtime.linear
+
+    with pytest.raises(ValueError, match=match):
+        QuantLinear(k, 256, group_size=group)
+    monkeypatch.setattr(runtime.linear, "quantize_rtn", lambda *a, **kw: pytest.fail("quantized before refusing"))
+    with pytest.raises(ValueError, match=match):
+        QuantLinear.from_linear(_linear(k=k, n=256), group_size=group)
+    codes = torch.full((k, 256), 8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=match):
+        QuantLinear.from_codes(codes, torch.ones(1 if group == -1 else k // group, 256, dtype=torch.float16))
+
+
+def test_a_group_size_of_a_multiple_of_64_dividing_k_is_taken():
+    assert QuantLinear(3072, 256, group_size=192).group_size == 192
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 0.0, -0.5])
+def test_scales_that_are_not_finite_and_positive_are_refused_by_place(no_kernel_build, value):
+    codes, scales = quantize_rtn(torch.randn(256, 192), 64)
+    scales[3, 17] = value
+    with pytest.raises(ValueError, match=f"scale {value} at group 3, column 17: scales must be finite and positive"):
+        QuantLinear.from_codes(codes, scales)
+    scales[1, 5] = value
+    with pytest.raises(ValueError, match=f"scale {value} at group 1, column 5 \\(and 1 more\\)"):
+        QuantLinear.from_codes(codes, scales)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_weights_that_are_not_finite_are_refused_by_place(no_kernel_build, value):
+    linear = _linear()
+    with torch.no_grad():
+        linear.weight[5, 17] = value
+    with pytest.raises(ValueError, match=f"weight {value} at row 5, column 17 .*weights must be finite"):
+        QuantLinear.from_linear(linear, group_size=64)
+
+
+def test_an_all_zero_layer_converts_to_zero_weights():
+    linear = _linear(bias=False)
+    with torch.no_grad():
+        linear.weight.zero_()
+    codes, scales = QuantLinear.from_linear(linear, group_size=64).unpack()
+    assert bool((scales > 0).all()) and bool((codes == 8).all())
+
+
 def test_forward_matches_the_reference(cpu_op):
     linear = _linear()
     layer = QuantLinear.from_linear(linear, group_size=64)
@@ -151,6 +212,22 @@ def test_replace_linear_names_a_layer_it_cannot_convert():
     model = TinyModel().half()
     with pytest.raises(ValueError, match="'lm_head'.*N=200 must be a multiple of 64"):
         replace_linear(model, skip=(), group_size=64)
+
+
+def test_replace_linear_refuses_a_group_size_naming_the_first_layer(no_kernel_build):
+    model = TinyModel().half()
+    with pytest.raises(ValueError, match="'layers.0.q_proj'.*group size 32 with K=128 cannot run"):
+        replace_linear(model, group_size=32)
+    assert set(_kinds(model).values()) == {"Linear"}
+
+
+def test_replace_linear_names_a_layer_with_a_nan_weight_and_leaves_the_model_whole(no_kernel_build):
+    model = TinyModel().half()
+    with torch.no_grad():
+        model.layers[1].down_proj.weight[3, 200] = float("nan")
+    with pytest.raises(ValueError, match="'layers.1.down_proj'.*weight nan at row 3, column 200"):
+        replace_linear(model, group_size=64)
+    assert set(_kinds(model).values()) == {"Linear"}      # not half converted
 
 
 def test_replace_linear_without_a_match_says_so():

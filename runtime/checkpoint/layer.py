@@ -22,12 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from schedules.quant import zero_point
+from schedules.registry import group_size_problem
 
 BITS = 4
 SYMMETRIC_ZERO = zero_point(BITS)   # 8: the code the kernels decode as zero
 NIBBLES = 32 // BITS               # 4-bit values per int32 word
-# The kernels' k-tiles hold whole groups: a group size must be a multiple of this (or span K).
-GROUP_MULTIPLE = 64
 
 
 @dataclass(frozen=True)
@@ -111,19 +110,6 @@ def build_layer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
         group_size=group_size,
         bias=None if bias is None else bias.to(dtype).contiguous(),
     )
-
-
-def group_size_problem(group_size, k: int | None = None) -> str | None:
-    """Why the kernels cannot run `group_size` (on K input features, when given), or None.
-
-    They take -1 (one group spanning K) or a multiple of 64 that divides K."""
-    if group_size == -1:
-        return None
-    if not isinstance(group_size, int) or group_size <= 0 or group_size % GROUP_MULTIPLE or (k and k % group_size):
-        on_k = f" with K={k}" if k else ""
-        return (f"group size {group_size}{on_k} cannot run on tilemarlin's kernels: they take a multiple of "
-                f"{GROUP_MULTIPLE} that divides K (64, 128, 256, ...) or -1 (channelwise)")
-    return None
 
 
 def act_order_permutation(g_idx: torch.Tensor, k: int, group: int) -> torch.Tensor | None:
