@@ -346,15 +346,13 @@ class TunedTable:
         tuners saved meanwhile: per key, the more recent measurement wins (see the module docstring).
         With `overwrite` every entry of this table wins whatever its age: installing a deployment
         artifact, whose kernels were built for exactly these entries."""
-        from filelock import FileLock
-
         if self.gpu is None:
             raise ValueError("a tuned table needs its GpuKey before it can be saved")
         path = Path(path)
         history = history_path_of(path)
         for folder in (path.parent, history.parent):
             writable_folder(folder)
-        with FileLock(str(path) + ".lock"):
+        with table_lock(path):
             try:
                 on_disk = _read_trusted(path, self.gpu, history=True)
             except TableError as exc:
@@ -420,15 +418,25 @@ def _read_trusted(path: Path, gpu: GpuKey | None, history: bool = False) -> Tune
     return table
 
 
+def table_lock(path):
+    """The file lock (`<table>.lock`) under which tuners write a table and the files beside it."""
+    from filelock import FileLock
+
+    return FileLock(str(path) + ".lock")
+
+
 def writable_folder(folder: Path) -> Path:
-    """`folder`, created: a read-only cache is a clear error that names the path and the fix."""
+    """`folder`, created: a read-only cache is a clear error that names the path and the fix, and
+    creates nothing."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not os.access(existing, os.W_OK):
+        where = "" if existing == folder else f"cannot create {folder}: "
+        raise PermissionError(f"{where}{existing} is not writable; point TILEMARLIN_CACHE_DIR at a writable folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise PermissionError(f"cannot create {folder} ({exc.strerror}); point TILEMARLIN_CACHE_DIR at a "
                               "writable folder") from None
-    if not os.access(folder, os.W_OK):
-        raise PermissionError(f"{folder} is not writable; point TILEMARLIN_CACHE_DIR at a writable folder")
     return folder
 
 

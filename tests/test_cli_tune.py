@@ -408,3 +408,71 @@ def test_a_round_is_expected_to_cost_a_fixed_part_and_a_part_per_candidate():
     assert expected_round_s([(100, 50.0), (200, 40.0)], 50) == pytest.approx(25.0)
     # Equal sizes cannot fit a line: the last round's rule.
     assert expected_round_s([(100, 50.0), (100, 60.0)], 100) == pytest.approx(60.0)
+
+
+# --- a read-only cache ---------------------------------------------------------------------------
+
+def _fake_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("schedules.arch.current_arch", lambda device=None: get_arch("sm_90a"))
+    monkeypatch.setattr(GpuKey, "current", classmethod(lambda cls, device=None: GPU))
+    monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: GpuSpec.for_arch(get_arch("sm_90a"))))
+
+
+@pytest.fixture
+def read_only_cache(cache_dir, monkeypatch):
+    """cache_dir holding a tuned table, then read-only: its folders chmod a-w, and os.access answering
+    as a read-only volume does, since chmod binds no one running as root. Yields a function that
+    lists what changed in the folder since (so that a write is caught as root too)."""
+    import os
+
+    _table()
+
+    def files():
+        return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(cache_dir.rglob("*"))}
+
+    before = files()
+    folders = [cache_dir, *(p for p in cache_dir.rglob("*") if p.is_dir())]
+    for folder in folders:
+        folder.chmod(0o555)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if mode & os.W_OK else access(path, mode, **kw))
+    yield lambda: {k: v for k, v in files().items() if before.get(k) != v} | {k: "gone" for k in before if k not in files()}
+    for folder in folders:
+        folder.chmod(0o755)
+
+
+def test_reading_commands_work_on_a_read_only_cache(capsys, cache_dir, read_only_cache):
+    from gen.cli import main
+    from runtime.table import winners_for_arch
+
+    rc, out, _ = call(capsys, "cache", "list")
+    assert rc == 0 and GPU.slug in out and " ok" in out
+    rc, out, _ = call(capsys, "cache", "show")
+    assert rc == 0 and "1024x256" in out and "2.00x" in out
+    rc = main(["precompile", "--shapes", "1024x256", "--arch", "sm_90a", "--gpu", GPU.slug, "--buckets", "16",
+               "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "1 pairs tuned" in out and "marlin_mma:" in out
+    assert TunedTable.load(table_path(GPU), GPU).entry(Problem.make(n=256, k=1024), 16).us == 3.0
+    assert winners_for_arch("sm_90a") == (SCHEDULE,)       # what serving (and gen bench) choose from
+    assert read_only_cache() == {}
+
+
+def test_tune_refuses_a_read_only_cache_before_measuring(capsys, cache_dir, read_only_cache, monkeypatch):
+    _fake_gpu(monkeypatch)
+    monkeypatch.setattr(tune, "plan", lambda *a, **kw: pytest.fail("planned before refusing"))
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--buckets", "1")
+    assert rc == 2 and f"{cache_dir / 'tuned'} is not writable" in err and "TILEMARLIN_CACHE_DIR" in err
+    assert "Traceback" not in err
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--buckets", "1", "--dry-run")
+    assert rc == 2 and f"cannot create {cache_dir / 'kernels'}: {cache_dir} is not writable" in err
+    assert "TILEMARLIN_CACHE_DIR" in err and read_only_cache() == {}
+
+
+def test_clearing_a_read_only_cache_is_an_error_that_names_it(capsys, cache_dir, read_only_cache):
+    rc, _, err = call(capsys, "cache", "clear", "--tables")
+    assert rc == 2 and f"{cache_dir / 'tuned'} is not writable" in err and "TILEMARLIN_CACHE_DIR" in err
+    assert read_only_cache() == {}

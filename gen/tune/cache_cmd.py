@@ -104,19 +104,26 @@ def show_tables(args, paths: list[Path]) -> int:
 
 
 def clear(args, paths: list[Path]) -> int:
-    from filelock import FileLock
-
     from runtime.kernels import kernel_dir
+    from runtime.table import table_lock
+
+    from gen.tune.command import unwritable_cache
 
     both = not args.tables and not args.kernels
-    if args.tables or both:
-        for path in paths:
-            # Under the tuners' lock, so that a save in progress finishes first. The lock file stays:
-            # deleting it could let two processes hold "the" lock on different files.
-            with FileLock(str(path) + ".lock"):
-                path.unlink(missing_ok=True)
-            print(f"removed tuned table {path}")
-    if args.kernels or (both and not args.gpu):
+    tables = paths if args.tables or both else []
+    kernels = args.kernels or (both and not args.gpu)
+    folders = {p.parent for p in tables} | ({kernel_dir()} if kernels and kernel_dir().exists() else set())
+    why = unwritable_cache(sorted(folders))
+    if why:
+        print(f"gen cache: cannot clear a read-only cache: {why}", file=sys.stderr)
+        return 2
+    for path in tables:
+        # Under the tuners' lock, so that a save in progress finishes first. The lock file stays:
+        # deleting it could let two processes hold "the" lock on different files.
+        with table_lock(path):
+            path.unlink(missing_ok=True)
+        print(f"removed tuned table {path}")
+    if kernels:
         count, size = _folder_size(kernel_dir())
         shutil.rmtree(kernel_dir(), ignore_errors=True)
         print(f"removed {count} compiled-kernel files ({size / 2**20:.1f} MiB) from {kernel_dir()}")

@@ -178,8 +178,22 @@ class ForcedRun:
         self.path.unlink(missing_ok=True)
 
 
+def unwritable_cache(folders) -> str | None:
+    """Why a run cannot write into `folders` (created where missing), naming the folder and
+    TILEMARLIN_CACHE_DIR, or None: checked before anything is compiled or measured."""
+    from runtime.table import writable_folder
+
+    try:
+        for folder in folders:
+            writable_folder(folder)
+    except PermissionError as exc:
+        return str(exc)
+    return None
+
+
 def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
-    from runtime.table import GpuKey, TunedTable, table_path
+    from runtime.kernels import kernel_dir
+    from runtime.table import GpuKey, TunedTable, history_path_of, table_path
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
 
@@ -191,6 +205,11 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     started = time.monotonic()
     gpu = GpuKey.current()
     path = table_path(gpu)
+    why = unwritable_cache((path.parent, history_path_of(path).parent, kernel_dir()))
+    if why:
+        print(f"gen tune: the tuned table, its history and the compiled kernels are written as the tune goes, "
+              f"but {why}", file=sys.stderr)
+        return 2
     table = TunedTable.load(path, gpu, history=True)   # a re-tune keeps the earlier candidates' timings
     harness = BETWEEN if args.between else REPLAY
     pending = pending_pairs(targets, buckets, table, args.force, harness)
@@ -269,11 +288,17 @@ def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
     from schedules.arch import get_arch
     from schedules.cost import GpuSpec
 
+    from runtime.kernels import kernel_dir
+
     try:
         arch = get_arch(args.arch or "sm_90a")
         spec = GpuSpec.for_arch(arch)
     except ValueError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)
+        return 2
+    why = unwritable_cache((kernel_dir(),))
+    if why:
+        print(f"gen tune: a dry run compiles its candidates into the kernel store, but {why}", file=sys.stderr)
         return 2
     print(f"DRY RUN for {arch.name}: candidates are compiled but nothing is measured; they are ranked by the "
           f"cost model only (estimates for {spec.name}), and no tuned table is written"
