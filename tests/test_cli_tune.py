@@ -103,12 +103,79 @@ def test_a_forced_run_resumes_only_the_same_buckets(tmp_path):
     again = tune.ForcedRun.resume(table_path, pairs)                       # the same forced run, interrupted
     assert again.is_done(*pairs[0]) and again.is_done(*pairs[2]) and not again.is_done(*pairs[1])
     assert not tune.ForcedRun.resume(table_path, pairs[:3]).done            # other buckets: start afresh
-    assert not tune.ForcedRun(table_path, pairs).done                        # --restart
+    assert not tune.ForcedRun.restart(table_path, pairs).done and not run.path.exists()   # --restart
     run.path.write_text("{not json")
     assert not tune.ForcedRun.resume(table_path, pairs).done                 # unreadable: start afresh
     again.complete()
     assert not run.path.exists()
     again.complete()                                                          # twice is fine
+
+
+def _forced_tuner(table_path, pairs, steps, barrier):
+    """A `gen tune --force` of `pairs` in a process of its own: resumed, then noting each step's
+    bucket as finished once the step's event is set."""
+    run = tune.ForcedRun.resume(table_path, pairs)
+    barrier.wait(60)
+    for go, index, noted in steps:
+        go.wait(60)
+        run.finished(*pairs[index])
+        noted.set()
+
+
+def _spawned(ctx, target, *args):
+    process = ctx.Process(target=target, args=args)
+    process.start()
+    return process
+
+
+def test_two_forced_tuners_of_the_same_buckets_keep_each_others_progress(tmp_path):
+    import multiprocessing
+
+    targets = options.targets_from_args(parse("tune", "--shapes", "1024x256"))
+    pairs = [(targets[0].problem, b) for b in (1, 2, 4)]
+    table_path = tmp_path / "gpu.json"
+    ctx = multiprocessing.get_context("spawn")
+    barrier, events = ctx.Barrier(3), [ctx.Event() for _ in range(6)]
+    tuners = [_spawned(ctx, _forced_tuner, table_path, pairs, [(events[0], 0, events[1]), (events[4], 2, events[5])],
+                       barrier),
+              _spawned(ctx, _forced_tuner, table_path, pairs, [(events[2], 1, events[3])], barrier)]
+    barrier.wait(60)                     # both resumed with nothing done
+    for go, noted in ((0, 1), (2, 3), (4, 5)):  # A notes bucket 1, B bucket 2, A bucket 4
+        events[go].set()
+        assert events[noted].wait(60)
+    for process in tuners:
+        process.join(60)
+        assert process.exitcode == 0
+    assert tune.ForcedRun.resume(table_path, pairs).done == {f"{p.name}@{b}" for p, b in pairs}
+
+
+def _hold_the_table_lock(table_path, held, release):
+    from runtime.table import table_lock
+
+    with table_lock(table_path):
+        held.set()
+        release.wait(60)
+
+
+def test_the_progress_file_is_written_under_the_tables_lock(tmp_path):
+    import multiprocessing
+    import threading
+
+    targets = options.targets_from_args(parse("tune", "--shapes", "1024x256"))
+    table_path = tmp_path / "gpu.json"
+    run = tune.ForcedRun.resume(table_path, [(targets[0].problem, 1)])
+    ctx = multiprocessing.get_context("spawn")
+    held, release = ctx.Event(), ctx.Event()
+    holder = _spawned(ctx, _hold_the_table_lock, table_path, held, release)
+    assert held.wait(60)
+    note = threading.Thread(target=run.finished, args=(targets[0].problem, 1))
+    note.start()
+    note.join(1.0)
+    assert note.is_alive() and not run.path.exists()       # waits while a tuner saves the table
+    release.set()
+    note.join(60)
+    holder.join(60)
+    assert run.path.exists() and tune.ForcedRun.resume(table_path, [(targets[0].problem, 1)]).done
 
 
 def test_axes_override_the_searched_values_for_one_run():

@@ -319,3 +319,35 @@ def test_concurrent_saves_keep_both(tmp_path):
     for n in (4096, 8192):
         for b in BUCKETS:
             assert table.entry(Problem.make(n=n, k=4096), b).us == float(b)
+
+
+def _tuner(path: str, steps) -> None:
+    """A tuner in a process of its own: per step, once the step's event is set, it records a bucket's
+    time (measured now) and saves."""
+    table = TunedTable.load(path, GPU)
+    for go, bucket, us, saved in steps:
+        go.wait(60)
+        table.record(PROBLEM, bucket, SCHEDULE, us)
+        table.save(path)
+        saved.set()
+
+
+def test_across_processes_a_newer_measurement_survives_an_older_tuners_later_save(tmp_path):
+    """A saves bucket 1 at 5.0 us, B measures it later at 3.0 and saves, then A saves bucket 2: A's
+    table still holds its older bucket 1, and the save must not put it back over B's."""
+    path = str(tmp_path / "t.json")
+    ctx = multiprocessing.get_context("spawn")
+    events = [ctx.Event() for _ in range(6)]
+    a = ctx.Process(target=_tuner, args=(path, [(events[0], 1, 5.0, events[1]), (events[4], 2, 6.0, events[5])]))
+    b = ctx.Process(target=_tuner, args=(path, [(events[2], 1, 3.0, events[3])]))
+    for p in (a, b):
+        p.start()
+    for go, saved in ((0, 1), (2, 3), (4, 5)):
+        events[go].set()
+        assert events[saved].wait(60)
+    for p in (a, b):
+        p.join(60)
+        assert p.exitcode == 0
+    final = TunedTable.load(path, GPU)
+    assert final.entry(PROBLEM, 1).us == 3.0 and final.entry(PROBLEM, 2).us == 6.0
+    assert final.entry(PROBLEM, 1).measured_at < final.entry(PROBLEM, 2).measured_at

@@ -147,35 +147,53 @@ class ForcedRun:
     """The buckets that a `gen tune --force` run has finished, in a file beside the table: the table
     alone cannot tell a re-tuned bucket from an old one, so without it an interrupted forced re-tune
     could only start over. The same pairs forced again resume; other pairs (or --restart) start
-    afresh; the file goes when the run completes."""
+    afresh; the file goes when the run completes. It is written under the table's lock and merged
+    with what is on disk, so that two tuners forcing the same pairs each keep the other's buckets."""
 
     def __init__(self, table_path, pairs: list[tuple[Problem, int]]):
-        self.path = Path(table_path).with_suffix(".force-progress")
+        self.table_path = Path(table_path)
+        self.path = self.table_path.with_suffix(".force-progress")
         self.pairs = sorted(f"{p.name}@{b}" for p, b in pairs)
         self.done: set[str] = set()
 
     @classmethod
     def resume(cls, table_path, pairs: list[tuple[Problem, int]]) -> "ForcedRun":
         run = cls(table_path, pairs)
-        try:
-            saved = json.loads(run.path.read_text())
-            if saved.get("pairs") == run.pairs:
-                run.done = set(saved.get("done", [])) & set(run.pairs)
-        except (OSError, ValueError, AttributeError):
-            pass      # none, unreadable or not ours: start afresh (it is only a shortcut)
+        run.done = run._saved()
         return run
+
+    @classmethod
+    def restart(cls, table_path, pairs: list[tuple[Problem, int]]) -> "ForcedRun":
+        run = cls(table_path, pairs)
+        run.complete()        # an interrupted run's buckets no longer count
+        return run
+
+    def _saved(self) -> set[str]:
+        """The buckets the file on disk notes for the same pairs (none: missing, unreadable or another run's)."""
+        try:
+            saved = json.loads(self.path.read_text())
+            if saved.get("pairs") == self.pairs:
+                return set(saved.get("done", [])) & set(self.pairs)
+        except (OSError, ValueError, AttributeError, TypeError):
+            pass      # it is only a shortcut: start afresh
+        return set()
 
     def is_done(self, problem: Problem, bucket: int) -> bool:
         return f"{problem.name}@{bucket}" in self.done
 
     def finished(self, problem: Problem, bucket: int) -> None:
-        from runtime.table import atomic_write
+        from runtime.table import atomic_write, table_lock
 
         self.done.add(f"{problem.name}@{bucket}")
-        atomic_write(self.path, json.dumps({"pairs": self.pairs, "done": sorted(self.done)}))
+        with table_lock(self.table_path):
+            self.done |= self._saved()
+            atomic_write(self.path, json.dumps({"pairs": self.pairs, "done": sorted(self.done)}))
 
     def complete(self) -> None:
-        self.path.unlink(missing_ok=True)
+        from runtime.table import table_lock
+
+        with table_lock(self.table_path):
+            self.path.unlink(missing_ok=True)
 
 
 def unwritable_cache(folders) -> str | None:
@@ -215,7 +233,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     pending = pending_pairs(targets, buckets, table, args.force, harness)
     forced = None
     if args.force:
-        forced = ForcedRun(path, pending) if args.restart else ForcedRun.resume(path, pending)
+        forced = ForcedRun.restart(path, pending) if args.restart else ForcedRun.resume(path, pending)
         if forced.done:
             print(f"resuming the forced re-tune of these buckets: {len(forced.done)} of {len(pending)} done "
                   "(--restart to start over)")
