@@ -13,9 +13,10 @@ Trust is decided entry by entry. A file that cannot be parsed, has another schem
 another GPU or with another tilemarlin or TileLang (the kernels it names would differ) is ignored as
 a whole, with a warning. Within a trusted file an entry is skipped, with a warning that names it and
 the reason, when its schedule is unknown or its knobs lie outside the family's axes or fail the
-family's check on this arch, its times are not finite and positive, or it repeats a key; the other
-entries are kept. Another CUDA or torch than the table's is reported but does not discard it: the
-kernels are rebuilt by the local toolkit and checked against the reference before they serve.
+family's check on this arch, its times or GB/s are not finite and positive, or it repeats a key; the
+other entries are kept. A history file that cannot be read loses its timings only. Another CUDA or
+torch than the table's is reported but does not discard it: the kernels are rebuilt by the local
+toolkit and checked against the reference before they serve.
 
 Tuners save under a file lock and merge with what is on disk: per (problem, bucket) the more
 recent measurement wins, so two tuners running at once keep each other's entries and a tuner never
@@ -153,6 +154,8 @@ class Entry:
             raise ValueError(f"harness {self.harness!r} is not one of {HARNESSES}")
         if not _positive_finite(self.us) or (self.fp16_us is not None and not _positive_finite(self.fp16_us)):
             raise ValueError(f"times must be finite and positive, got us={self.us!r}, fp16_us={self.fp16_us!r}")
+        if self.gbps is not None and not _positive_finite(self.gbps):
+            raise ValueError(f"GB/s must be finite and positive, got gbps={self.gbps!r}")
 
     @property
     def speedup(self) -> float | None:
@@ -161,6 +164,13 @@ class Entry:
 
 def _positive_finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def _timings(value) -> list[dict]:
+    """A file's list of candidate results; anything else is a TypeError."""
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise TypeError(f"all_timings is not a list of objects: {str(value)[:80]}")
+    return list(value)
 
 
 def _problem_dict(p: Problem) -> dict:
@@ -246,7 +256,11 @@ class TunedTable:
         if history:
             hist = history_path_of(Path(path))
             if hist.exists():
-                table.add_history(_read_json(hist))
+                try:
+                    table.add_history(_read_json(hist))
+                except TableError as exc:     # the winners stand, without their candidates' timings
+                    warnings.warn(f"tuned table {path}: ignoring its history {hist}: {exc}", TableWarning,
+                                  stacklevel=2)
         return table
 
     @classmethod
@@ -288,7 +302,7 @@ class TunedTable:
                 key = (Problem(**h["problem"]), int(h["bucket"]))
                 entry = self._entries.get(key)
                 if entry is not None and entry.measured_at == h.get("measured_at", ""):
-                    entry.all_timings = list(h["all_timings"])
+                    entry.all_timings = _timings(h["all_timings"])
             except (KeyError, TypeError, ValueError):
                 continue      # a history record that does not parse only loses its timings
 
@@ -383,7 +397,7 @@ def _parse_entry(e: dict, arch: str) -> tuple[tuple[Problem, int], Entry]:
         raise ValueError(f"measured_at {measured_at!r} is not a timestamp")
     entry = Entry(schedule=schedule, us=e["us"], fp16_us=e.get("fp16_us"), gbps=e.get("gbps"),
                   harness=e.get("harness", REPLAY), measured_at=measured_at,
-                  all_timings=list(e.get("all_timings", [])))
+                  all_timings=_timings(e.get("all_timings", [])))
     return (problem, bucket), entry
 
 

@@ -251,6 +251,12 @@ def test_dry_run_compiles_and_ranks_without_measuring(capsys, cache_dir):
     assert any((cache_dir / "kernels").rglob("*"))              # the compile filled the kernel cache
 
 
+def test_a_dry_run_without_candidates_says_why(capsys, cache_dir):
+    rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--buckets", "1", "--families", "stream_wgmma",
+                      "--dry-run", "--arch", "sm_80", "--workers", "1")
+    assert rc == 1 and "1024x256 bucket 1: no schedule of stream_wgmma fits n256_k1024_g128_float16_w4 on sm_80" in err
+
+
 def test_dry_run_rejects_unknown_arch(capsys):
     rc, _, err = call(capsys, "tune", "--shapes", "1024x256", "--dry-run", "--arch", "sm_70")
     assert rc == 2 and "unknown arch" in err
@@ -281,6 +287,39 @@ def test_cache_list_reports_broken_tables(capsys, cache_dir):
     path.write_text("{")
     rc, out, _ = call(capsys, "cache", "list")
     assert rc == 0 and "ignored: " in out and "is not valid JSON" in out
+
+
+def test_cache_show_reports_malformed_entries_and_keeps_the_rest(capsys, cache_dir):
+    import json
+
+    path = _table()
+    table = TunedTable.load(path, GPU, history=True)
+    for bucket in (1, 2, 4):
+        table.record(Problem.make(n=256, k=1024), bucket, SCHEDULE, 4.0, fp16_us=8.0, all_timings=[{"us": 4.0}])
+    table.save(path)
+    data = json.loads(path.read_text())
+    data["entries"][0]["fp16_us"] = "abc"                      # bucket 1
+    data["entries"][1]["gbps"] = "fast"                        # bucket 2
+    path.write_text(json.dumps(data))
+    history = cache_dir / "history" / path.name
+    data = json.loads(history.read_text())
+    data["entries"][2]["all_timings"] = [1, "x"]               # bucket 4: loses its timings only
+    history.write_text(json.dumps(data))
+    rc, out, err = call(capsys, "cache", "show")
+    assert rc == 0 and "Traceback" not in err, err
+    assert "skipped entry 0 (n256_k1024_g128_float16_w4, bucket 1): times must be finite and positive" in out
+    assert "skipped entry 1 (n256_k1024_g128_float16_w4, bucket 2): GB/s must be finite and positive" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("1024x256")]
+    assert [(row[3], row[-2]) for row in rows] == [("4", "0/0"), ("16", "1/2")]
+    rc, out, _ = call(capsys, "cache", "list")
+    assert rc == 0 and "ok, 2 entries skipped" in out
+
+
+def test_cache_list_names_a_table_without_entries(capsys, cache_dir):
+    TunedTable(GPU).save(table_path(GPU))
+    rc, out, _ = call(capsys, "cache", "list")
+    row = next(line for line in out.splitlines() if line.startswith(GPU.slug))
+    assert rc == 0 and "NVIDIA H200  0" in row and row.endswith(" ok")
 
 
 def test_cache_clear(capsys, cache_dir):

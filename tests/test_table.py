@@ -160,6 +160,9 @@ GOOD_PROBLEM = Problem.make(n=4096, k=4096)
     (lambda e: e.update(us=float("inf")), "finite and positive"),
     (lambda e: e.update(us=-1.0), "finite and positive"),
     (lambda e: e.update(fp16_us="12"), "finite and positive"),
+    (lambda e: e.update(gbps="fast"), "GB/s must be finite and positive"),
+    (lambda e: e.update(gbps=float("nan")), "GB/s must be finite and positive"),
+    (lambda e: e.update(all_timings=[1, 2]), "all_timings is not a list of objects"),
     (lambda e: e.update(bucket=3), "bucket 3 is not one of"),
     (lambda e: e.update(bucket=True), "bucket True"),
     (lambda e: e["schedule"].update(family="no_such_family"), "unknown schedule family"),
@@ -277,6 +280,24 @@ def test_a_schema_1_file_with_inline_timings_is_read(tmp_path):
     path.write_text(json.dumps(data))
     entry = TunedTable.load(path, GPU).entry(PROBLEM, 1)
     assert entry.us == 5.0 and entry.all_timings == [{"schedule": SCHEDULE.to_dict(), "us": 5.0}]
+
+
+def test_a_corrupt_history_loses_its_timings_not_the_winners(tmp_path):
+    path = tmp_path / "tuned" / "t.json"
+    table = TunedTable(GPU)
+    table.record(PROBLEM, 1, SCHEDULE, 5.0, all_timings=[{"us": 5.0}])
+    table.save(path)
+    history = tmp_path / "history" / "t.json"
+    history.write_text("{")
+    with pytest.warns(TableWarning, match="ignoring its history .*not valid JSON"):
+        loaded = TunedTable.load(path, GPU, history=True)
+    assert loaded.entry(PROBLEM, 1).us == 5.0 and loaded.entry(PROBLEM, 1).all_timings == []
+    other = TunedTable(GPU)                       # another tuner saves beside it: the winners stay
+    other.record(PROBLEM, 2, SCHEDULE, 6.0, all_timings=[{"us": 6.0}])
+    with pytest.warns(TableWarning, match="ignoring its history"):
+        other.save(path)
+    final = TunedTable.load(path, GPU, history=True)
+    assert final.entry(PROBLEM, 1).us == 5.0 and final.entry(PROBLEM, 2).all_timings == [{"us": 6.0}]
 
 
 def test_saving_into_a_read_only_cache_names_the_path_and_the_fix(tmp_path, monkeypatch):

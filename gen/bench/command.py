@@ -156,6 +156,11 @@ def run(args) -> int:
         print("gen bench: --sustain and --between time different things (a steady load at the power cap, "
               "a GEMM after a model's elementwise kernel); run them separately", file=sys.stderr)
         return 2
+    try:
+        model, layers = _layers(args)
+    except (ImportError, ValueError, OSError, KeyError) as exc:
+        print(f"gen bench: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     if not torch.cuda.is_available():
@@ -164,11 +169,6 @@ def run(args) -> int:
               "To rebuild the table and plots from a recorded run, no GPU needed:\n"
               f"  gen bench --from-json {args.out}/<gpu>-<model>.json [--markdown]", file=sys.stderr)
         return NO_GPU_EXIT
-    try:
-        model, layers = _layers(args)
-    except (ImportError, ValueError, OSError, KeyError) as exc:
-        print(f"gen bench: {exc}", file=sys.stderr)
-        return 2
     return _measure_and_report(args, model, layers)
 
 
@@ -186,7 +186,7 @@ def _report_from_json(args) -> int:
 def _layers(args) -> tuple[str, list]:
     """(name for the files, layers with .name, .k, .n): a model's linear layers or the --shapes given."""
     from gen import models
-    from schedules.problem import Problem
+    from runtime.op import problem_of
 
     if args.shapes:
         layers = models.parse_shapes(args.shapes)
@@ -195,8 +195,11 @@ def _layers(args) -> tuple[str, list]:
         path = Path(args.model)
         name = (path.parent.name if path.is_file() else path.name) if path.exists() else args.model
         layers = models.model_layers(args.model)
-    for layer in layers:   # a group that does not divide K fails here, before minutes of measuring
-        Problem.make(n=layer.n, k=layer.k, group=args.group)
+    for layer in layers:   # a layer tilemarlin cannot run fails here, before minutes of measuring
+        try:
+            problem_of(layer.n, layer.k, args.group, "float16")
+        except ValueError as exc:
+            raise ValueError(f"layer {layer.name} ({layer.shape}): {exc}") from None
     return name, layers
 
 

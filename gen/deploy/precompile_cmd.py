@@ -16,13 +16,14 @@ import sys
 import time
 
 from gen.deploy.targets import add_arguments, deployment_from_args
+from gen.tune.options import positive_workers
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("precompile", help="build every kernel a model's layers will run, ahead of serving",
                               description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    p.add_argument("--workers", type=int, help="parallel compile processes (default: one per CPU core)")
+    p.add_argument("--workers", type=positive_workers, help="parallel compile processes (default: one per CPU core)")
     p.add_argument("--dry-run", action="store_true",
                    help="list the kernels and whether the store has them; build nothing")
     p.set_defaults(func=run)

@@ -43,10 +43,10 @@ def parse_knobs(family, text: str):
 def run(args) -> int:
     from schedules.arch import get_arch
     from schedules.cost import GpuSpec, best_schedule
-    from schedules.problem import Problem
     from schedules.registry import Schedule, family
 
     from runtime.kernels import compile_schedule
+    from runtime.op import problem_of
     from gen.models import parse_shapes
 
     if args.sass:
@@ -55,16 +55,22 @@ def run(args) -> int:
         if missing_tools():      # before a compile of several seconds whose machine code cannot be read
             print(f"gen compile: --sass needs {', '.join(missing_tools())} on PATH (see gen/dev/sass.py)", file=sys.stderr)
             return 2
-    (layer,) = parse_shapes(args.shape)
-    problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)
-    arch = get_arch(args.arch)
-    if args.knobs:
-        schedule = Schedule(args.family, parse_knobs(family(args.family), args.knobs))
-    else:
-        schedule = best_schedule(problem, args.m, arch, GpuSpec.for_arch(arch))
+    try:
+        layers = parse_shapes(args.shape)
+        if len(layers) != 1:
+            raise ValueError(f"--shape takes one KxN, got {args.shape!r}")
+        problem = problem_of(layers[0].n, layers[0].k, args.group, args.dtype)
+        arch = get_arch(args.arch)
+        if args.knobs:
+            schedule = Schedule(args.family, parse_knobs(family(args.family), args.knobs))
+        else:
+            schedule = best_schedule(problem, args.m, arch, GpuSpec.for_arch(arch))
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        print(f"gen compile: {exc}", file=sys.stderr)
+        return 2
     reason = schedule.module.check(problem, schedule.knobs, arch)
     if reason:
-        print(f"{schedule.name} is not valid for {problem.name} on {arch.name}: {reason}")
+        print(f"gen compile: {schedule.name} is not valid for {problem.name} on {arch.name}: {reason}", file=sys.stderr)
         return 2
     kernel = compile_schedule(problem, schedule, arch)
     print(f"compiled {schedule.name} for {problem.name} on {arch.name}")

@@ -31,6 +31,8 @@ def run(args) -> int:
 
     if args.read_ncu:
         return _read_ncu(args.read_ncu, args.top)
+    from runtime import op      # importing it registers torch.ops.tilemarlin
+
     try:
         if args.shape is None or args.m is None:
             raise ValueError("--shape and --m name the kernel to run (or --read-ncu FILE.csv reads a profile)")
@@ -40,6 +42,7 @@ def run(args) -> int:
         layer = layers[0]
         if args.m < 1 or args.calls < 1:
             raise ValueError(f"--m and --calls must be positive, got {args.m} and {args.calls}")
+        problem = op.problem_of(layer.n, layer.k, args.group, args.dtype)
     except ValueError as exc:
         print(f"gen profile: {exc}", file=sys.stderr)
         return 2
@@ -48,11 +51,9 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("gen profile: no CUDA GPU is visible; it runs a kernel for a profiler", file=sys.stderr)
         return 2
-    from runtime import op      # importing it registers torch.ops.tilemarlin
     from schedules.quant import quantize_rtn
 
     k, n, dtype = layer.k, layer.n, getattr(torch, args.dtype)
-    problem = op.problem_of(n, k, args.group, args.dtype)
     schedule = op.schedule_for(problem, args.m)
     codes, scales = quantize_rtn(torch.randn(k, n, device="cuda", dtype=dtype), args.group, dtype=args.dtype)
     qweight, qscales = op.layout_family(op.DEFAULT_LAYOUT).pack(codes, scales)

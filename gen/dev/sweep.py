@@ -19,6 +19,8 @@ from pathlib import Path
 
 from schedules.problem import SUPPORTED_DTYPES
 
+from gen.tune.options import positive_workers
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("sweep", help="time a grid of one schedule family's knobs (kernel development)",
@@ -34,7 +36,7 @@ def register(subparsers) -> None:
     p.add_argument("--show", type=int, default=5, help="fastest candidates printed per layer and M (default: %(default)s)")
     p.add_argument("--json", metavar="FILE",
                    help="write every candidate's time, error and knobs to FILE (rewritten after every bucket)")
-    p.add_argument("--workers", type=int, help="parallel compile processes (default: one per CPU core)")
+    p.add_argument("--workers", type=positive_workers, help="parallel compile processes (default: one per CPU core)")
     p.add_argument("--between", action="store_true",
                    help="time every candidate (and FP16) after the activations' producer, as a model runs its GEMMs, "
                         "instead of back to back")

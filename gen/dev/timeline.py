@@ -191,11 +191,10 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    import argparse
+
     import torch
 
-    if not torch.cuda.is_available():
-        print("gen timeline: no CUDA GPU is visible; it runs the kernel", file=sys.stderr)
-        return 2
     from runtime import op
     from schedules.arch import current_arch
     from schedules.registry import Schedule, family
@@ -205,12 +204,21 @@ def run(args) -> int:
     from gen.models import parse_shapes
     from gen.tune.measuring import Bench
 
-    (layer,) = parse_shapes(args.shape)
-    problem = op.problem_of(layer.n, layer.k, args.group, args.dtype)
-    if args.family:
-        schedule = Schedule(args.family, parse_knobs(family(args.family), args.knobs))
-    else:
-        schedule = op.schedule_for(problem, args.m)
+    try:
+        layers = parse_shapes(args.shape)
+        if len(layers) != 1:
+            raise ValueError(f"--shape takes one KxN, got {args.shape!r}")
+        if args.m < 1:
+            raise ValueError(f"--m must be positive, got {args.m}")
+        problem = op.problem_of(layers[0].n, layers[0].k, args.group, args.dtype)
+        knobs = parse_knobs(family(args.family), args.knobs) if args.family else None
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        print(f"gen timeline: {exc}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gen timeline: no CUDA GPU is visible; it runs the kernel", file=sys.stderr)
+        return 2
+    schedule = Schedule(args.family, knobs) if args.family else op.schedule_for(problem, args.m)
     arch = current_arch()
     fam = schedule.module
     reason = fam.check(problem, schedule.knobs, arch)

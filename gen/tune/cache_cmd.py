@@ -51,7 +51,8 @@ def _read(path: Path):
     except TableError as exc:
         return None, f"ignored: {exc}"
     reason = table.stale_reason()
-    return table, (f"ignored: {reason}" if reason else "ok")
+    skipped = f", {len(table.skipped)} entries skipped" if table.skipped else ""
+    return table, (f"ignored: {reason}" if reason else "ok") + skipped
 
 
 def _folder_size(folder: Path) -> tuple[int, int]:
@@ -67,10 +68,10 @@ def list_cache(args, paths: list[Path]) -> int:
 
     rows = []
     for path in paths:
-        table, status = _read(path)
-        v = table.versions if table else {}
-        rows.append([path.stem, table.gpu.name if table else "?", len(table) if table else "-",
-                     v.get("tilemarlin", "?"), v.get("tilelang", "?"), v.get("cuda", "?"), v.get("torch", "?"), status])
+        table, status = _read(path)      # (a table of no entries is a table too: not `if table`)
+        name, entries, v = (table.gpu.name, len(table), table.versions) if table is not None else ("?", "-", {})
+        rows.append([path.stem, name, entries, v.get("tilemarlin", "?"), v.get("tilelang", "?"), v.get("cuda", "?"),
+                     v.get("torch", "?"), status])
     print(f"tuned tables in {tables_dir()}:")
     print(format_table(["gpu", "name", "entries", "tilemarlin", "tilelang", "cuda", "torch", "status"], rows)
           if rows else "  (none)")
@@ -100,6 +101,8 @@ def show_tables(args, paths: list[Path]) -> int:
                          f"{ok}/{len(e.all_timings)}", e.harness])
         print(format_table(["KxN", "group", "dtype", "bucket", "winner", "us", "FP16 us", "vs FP16", "GB/s",
                             "correct/tried", "timed"], rows))
+        for why in table.skipped:        # entries that cannot be trusted: left out, and said so
+            print(f"  skipped {why}")
     return 0
 
 

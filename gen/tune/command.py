@@ -22,7 +22,7 @@ from schedules.problem import SUPPORTED_DTYPES, Problem
 
 from gen.tune.measuring import MeasureError
 from gen.tune.options import (Target, load_seeds, parse_axes, parse_buckets, parse_families, parse_variants,
-                              searched_axes, targets_from_args)
+                              positive_workers, searched_axes, targets_from_args)
 from gen.tune.rounds import compile_and_measure_with_progress, compile_with_progress, local_rounds
 from gen.tune.search import (DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS, achieved_gbps, add_incumbents, add_seeds,
                              add_variants, plan)
@@ -72,7 +72,8 @@ def register(subparsers) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU needed: compile the candidates for --arch and rank them by the cost model only")
     p.add_argument("--arch", help="target arch for --dry-run (default sm_90a); with a GPU it must match the GPU")
-    p.add_argument("--workers", type=int, help="parallel ranking and compile processes (default: one per CPU core)")
+    p.add_argument("--workers", type=positive_workers,
+                   help="parallel ranking and compile processes (default: one per CPU core)")
     p.set_defaults(func=run)
 
 
@@ -325,7 +326,10 @@ def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
                     families=args.families, workers=args.workers)
     compile_with_progress(searches, arch, args.workers)
 
+    from schedules.registry import SEARCHED
+
     labels = {t.problem: t.label for t in targets}
+    families = args.families or SEARCHED
     rows = []
     for s in searches:
         ok = [r for r in s.results if r.error is None]
@@ -336,6 +340,9 @@ def dry_run(args, targets: list[Target], buckets: list[int]) -> int:
         for r in s.results:
             if r.error:
                 print(f"  {labels[s.problem]} bucket {s.bucket}: {r.schedule.name}: {r.error}", file=sys.stderr)
+        if not s.results:
+            print(f"  {labels[s.problem]} bucket {s.bucket}: no schedule of {', '.join(families)} fits "
+                  f"{s.problem.name} on {arch.name}", file=sys.stderr)
     print(format_table(["layer", "KxN", "bucket", "best by cost model", "estimate us", "compiled"], rows))
     print("DRY RUN: these are cost-model estimates, not measurements; run without --dry-run on the GPU to tune.")
     return 0 if all(any(r.error is None for r in s.results) for s in searches) else 1

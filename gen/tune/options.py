@@ -27,7 +27,10 @@ class Target:
 
 
 def targets_from_args(args) -> list[Target]:
-    """The distinct problems of --model and --shapes, each with the names of its layers."""
+    """The distinct problems of --model and --shapes, each with the names of its layers. A layer the
+    kernels cannot run (N, K, the group size: runtime.op.problem_of) is a ValueError naming it."""
+    from runtime.op import problem_of
+
     from gen.models import model_layers, parse_shapes
 
     if not args.model and not args.shapes:
@@ -37,7 +40,7 @@ def targets_from_args(args) -> list[Target]:
     targets: dict[Problem, Target] = {}
     for layer in layers:
         try:
-            problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=args.dtype)
+            problem = problem_of(layer.n, layer.k, args.group, args.dtype)
         except ValueError as exc:
             raise ValueError(f"layer {layer.name} ({layer.shape}): {exc}") from None
         targets.setdefault(problem, Target(problem, [])).layers.append(layer.name)
@@ -106,6 +109,19 @@ def searched_axes(overrides: dict[str, dict[str, tuple]]):
         yield
     finally:
         use_axes(saved)
+
+
+def positive_workers(text: str) -> int:
+    """--workers: a positive number of processes (argparse type)."""
+    import argparse
+
+    try:
+        workers = int(text)
+    except ValueError:
+        workers = 0
+    if workers < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive number of processes, got {text!r}")
+    return workers
 
 
 def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
