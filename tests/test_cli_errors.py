@@ -15,7 +15,8 @@ def null_config(tmp_path):
 
 
 CASES = [
-    (["tune", "--shapes", "4096x100", "--dry-run"], "gen tune: layer 4096x100 (4096x100): N=100 must be a multiple of 64"),
+    (["tune", "--shapes", "4096x100", "--dry-run"],
+     "gen tune: layer 4096x100 (4096x100): N=100 must be a multiple of 64"),
     (["tune", "--shapes", "4096x4096", "--group", "32", "--dry-run"],
      "gen tune: layer 4096x4096 (4096x4096): group size 32 with K=4096 cannot run"),
     (["tune", "--shapes", "4096"], "gen tune: bad shape '4096': expected KxN"),
@@ -24,7 +25,8 @@ CASES = [
     (["tune", "--model", "{config}"], "gen tune: model config: hidden_size is null"),
     (["sweep", "--family", "stream_mma", "--shapes", "4096x100"], "gen sweep: layer 4096x100 (4096x100): N=100"),
     (["precompile", "--shapes", "4096x100", "--arch", "sm_90a", "--dry-run"], "gen precompile: layer 4096x100"),
-    (["precompile", "--model", "{config}", "--arch", "sm_90a", "--dry-run"], "gen precompile: model config: hidden_size"),
+    (["precompile", "--model", "{config}", "--arch", "sm_90a", "--dry-run"],
+     "gen precompile: model config: hidden_size is null"),
     (["bench", "--shapes", "4096x100"], "gen bench: layer 4096x100 (4096x100): N=100 must be a multiple of 64"),
     (["bench", "--shapes", "4096"], "gen bench: bad shape '4096'"),
     (["bench", "--model", "nonexistent"], "gen bench: unknown model 'nonexistent'"),

@@ -545,7 +545,12 @@ def read_only_cache(cache_dir, monkeypatch):
         folder.chmod(0o555)
     access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if mode & os.W_OK else access(path, mode, **kw))
-    yield lambda: {k: v for k, v in files().items() if before.get(k) != v} | {k: "gone" for k in before if k not in files()}
+
+    def changed():
+        now = files()
+        return {k: v for k, v in now.items() if before.get(k) != v} | {k: "gone" for k in before if k not in now}
+
+    yield changed
     for folder in folders:
         folder.chmod(0o755)
 
