@@ -6,7 +6,7 @@ layer quantizes weight.T. A QuantLinear holds its weights already packed for the
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import nn
@@ -14,17 +14,20 @@ from torch import nn
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn
 
-from . import gptq
 from .op import DEFAULT_LAYOUT, dtype_name, layout_family, packed_shapes, problem_of, w4a16_gemm
-from .zero_points import add_zero_point_correction
+from .zero_points import add_zero_point_correction, zero_point_offsets
 from .precompile import precompile_layers
+
+if TYPE_CHECKING:
+    from .checkpoint.layer import QuantizedLayer
 
 
 class QuantLinear(nn.Module):
-    """y = x @ dequant(W) + bias with symmetric INT4 weights, run by tilemarlin's tuned kernels.
+    """y = x @ dequant(W) + bias with INT4 weights, run by tilemarlin's tuned kernels.
 
     Build one with :meth:`from_linear` (round-to-nearest), :meth:`from_gptq` (a GPTQ checkpoint's
-    tensors) or :meth:`from_codes`; or construct an empty one of the right shape and load a state dict.
+    tensors), :meth:`from_layer` (a checkpoint layer of any format) or :meth:`from_codes`; or
+    construct an empty one of the right shape and load a state dict.
     On a CUDA device each of them builds, before it returns, every kernel the layer will run for M up
     to `max_m` (all M buckets by default; runtime/precompile.py); `precompile=False` or
     TILEMARLIN_PRECOMPILE=0 leaves that to the first calls.
@@ -108,17 +111,40 @@ class QuantLinear(nn.Module):
         return cls._packed(codes, scales, bias, DEFAULT_LAYOUT, precompile, max_m)
 
     @classmethod
+    def from_layer(cls, layer: QuantizedLayer, layout: str = DEFAULT_LAYOUT, precompile: bool = True,
+                   max_m: int | None = None) -> "QuantLinear":
+        """From a checkpoint layer (runtime/checkpoint/layer.py), on its device: x @ layer.dequantize() + bias.
+
+        The codes and scales are packed as from_codes packs them. With act-order the module keeps the
+        layer's `perm` and gathers x's columns by it first; with zero points it keeps
+        C = scales * (8 - zeros) as `zero_offsets` and adds groupsum(x) @ C (runtime/zero_points.py).
+        Raises ValueError as from_codes does, before any kernel is built.
+        """
+        module = cls.from_codes(layer.codes, layer.scales, layer.bias, layout, precompile, max_m)
+        if layer.perm is not None:
+            module.perm = layer.perm.to(device=layer.codes.device)
+        if layer.zeros is not None:
+            module.zero_offsets = zero_point_offsets(layer.scales, layer.zeros)
+        return module
+
+    @classmethod
     def from_gptq(cls, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
                   g_idx: torch.Tensor | None, bias: torch.Tensor | None = None, bits: int = 4,
                   group_size: int = 128, checkpoint_format: str = "gptq", precompile: bool = True,
                   max_m: int | None = None) -> "QuantLinear":
-        """From one layer's tensors of a GPTQ checkpoint (see runtime/gptq.py for the layout).
+        """From one layer's tensors of a GPTQ checkpoint, as written on disk (runtime/checkpoint/gptq.py
+        has the layout), in the scales' dtype and on their device.
 
-        Refuses, with a ValueError that says why, other bit widths, asymmetric zero points and
-        act-order (desc_act) checkpoints.
+        Symmetric or asymmetric, with or without act-order (desc_act), in either checkpoint format
+        ("gptq" stores zero points minus one, "gptq_v2" as they are): from_layer serves them all.
+        Raises ValueError, naming the field, for other bit widths, a group size no kernel runs, tensors
+        whose dtypes or shapes do not fit together, a v1 zero point of 0 and uneven act-order groups;
+        and, naming the first, for scales that are not finite and positive.
         """
-        codes, unpacked_scales = gptq.from_gptq(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format)
-        return cls.from_codes(codes, unpacked_scales, bias, precompile=precompile, max_m=max_m)
+        from .checkpoint.gptq import gptq_layer   # runtime.checkpoint imports this module
+
+        layer = gptq_layer(qweight, qzeros, scales, g_idx, bits, group_size, checkpoint_format, bias, scales.dtype)
+        return cls.from_layer(layer, precompile=precompile, max_m=max_m)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes uint8 [K, N], scales [K / group, N]): the inverse of from_codes."""

@@ -47,6 +47,19 @@ class Layer:
     weight: torch.Tensor       # fp32 [K, N]: scales[g_idx[k], n] * (codes[k, n] - zeros[g_idx[k], n])
 
 
+def layer_of(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+             g_idx: torch.Tensor | None = None) -> Layer:
+    """The Layer of given codes [K, N] and scales [G, N]: zero points 8 and contiguous groups
+    (g_idx = k // (K / G)) unless given."""
+    k, n = codes.shape
+    groups = scales.shape[0]
+    codes = codes.to(torch.int64)
+    zeros = torch.full((groups, n), 8) if zeros is None else zeros
+    g_idx = torch.arange(k) // (k // groups) if g_idx is None else g_idx
+    weight = scales.float()[g_idx] * (codes - zeros[g_idx]).float()
+    return Layer(codes, scales, zeros, g_idx, weight)
+
+
 def draw_layer(k: int, n: int, group: int, symmetric: bool, act_order: bool, dtype, gen) -> Layer:
     group = k if group == -1 else group
     groups = k // group
@@ -56,8 +69,7 @@ def draw_layer(k: int, n: int, group: int, symmetric: bool, act_order: bool, dty
     g_idx = torch.arange(k) // group
     if act_order:   # what GPTQ's desc_act leaves: the groups of a permutation, in the original order
         g_idx = g_idx[torch.randperm(k, generator=gen)]
-    weight = scales.float()[g_idx] * (codes - zeros[g_idx]).float()
-    return Layer(codes, scales, zeros, g_idx, weight)
+    return layer_of(codes, scales, zeros, g_idx)
 
 
 # --- the formats --------------------------------------------------------------------------------

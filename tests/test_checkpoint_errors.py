@@ -132,7 +132,7 @@ def test_v1_zero_point_of_zero(copy_of):
     def zero_nibble(t):
         t[f"{LAYER}.qzeros"][0, 0] = (t[f"{LAYER}.qzeros"][0, 0] & ~0xF) | 0xF
     edit_tensors(folder, zero_nibble)
-    refused(folder, "model.safetensors", f"{LAYER}.qzeros", "reads 16", "gptq_v2")
+    refused(folder, "model.safetensors", LAYER, "qzeros", "reads 16", "gptq_v2")
 
 
 def test_uneven_act_order_groups(copy_of):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import runtime.op as op
-from runtime.checkpoint.build import quant_linear
+from runtime import QuantLinear
 from runtime.checkpoint.layer import build_layer
 from runtime.checkpoint.loader import load_quantized
 from runtime.zero_points import add_zero_point_correction, group_sums, zero_point_offsets
@@ -67,7 +67,7 @@ def test_quant_linear_matches_the_dense_weight(cpu_op, dtype, symmetric, act_ord
     drawn = draw_layer(k, n, group, symmetric, act_order, dtype, gen)
     bias = torch.randn(n, generator=gen).to(dtype)
     layer = build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, group, bias, dtype)
-    module = quant_linear(layer)
+    module = QuantLinear.from_layer(layer)
     x = torch.randn(3, 5, k, generator=gen).to(dtype)
     ref = x.float() @ drawn.weight + bias.float()
     assert_matches_reference(module(x), ref, context=f"{dtype} sym={symmetric} act_order={act_order} g={group}")
@@ -78,7 +78,7 @@ def test_act_order_gathers_the_input_columns(cpu_op):
     gen = torch.Generator().manual_seed(3)
     drawn = draw_layer(256, 64, 128, True, True, torch.float16, gen)
     layer = build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, 128, None, torch.float16)
-    module = quant_linear(layer)
+    module = QuantLinear.from_layer(layer)
     feature = int(layer.perm[5])
     x = torch.zeros(1, 256, dtype=torch.float16)
     x[0, feature] = 1
@@ -114,7 +114,8 @@ def test_checkpoint_layer_traces_in_one_graph(cpu_op):
     with the op (aot_eager: the trace without code generation)."""
     gen = torch.Generator().manual_seed(5)
     drawn = draw_layer(256, 128, 128, False, True, torch.float16, gen)
-    module = quant_linear(build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, 128, None, torch.float16))
+    layer = build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, 128, None, torch.float16)
+    module = QuantLinear.from_layer(layer)
     x = torch.randn(4, 256, generator=gen).half()
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), module(x))

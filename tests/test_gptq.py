@@ -1,152 +1,153 @@
-"""GPTQ import: the on-disk layout is built here with plain loops, independently of runtime/gptq.py."""
+"""QuantLinear.from_gptq on the CPU: GPTQ tensors as tests/checkpoint_writers.py writes them from the
+format's definition, read back into the weights that definition gives, and the layers it refuses."""
 import pytest
 import torch
 
 from runtime import QuantLinear
-from runtime.gptq import from_gptq, to_gptq
 from schedules.quant import quantize_rtn
+from tests.checkpoint_writers import draw_layer, gptq_tensors, layer_of
+
+FORMATS = ["gptq", "gptq_v2"]
+K, N, GROUP = 256, 128, 64
 
 
-def _int32(word: int) -> int:
-    return word - (1 << 32) if word >= 1 << 31 else word
+def from_gptq(tensors, **options) -> QuantLinear:
+    return QuantLinear.from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
+                                 **options)
 
 
-def _pack_words(rows: list[list[int]], along_rows: bool) -> torch.Tensor:
-    """Eight 4-bit values per int32 word, value i in bits 4i..4i+3, grouped along rows or columns."""
-    height, width = len(rows), len(rows[0])
-    if along_rows:
-        words = [[sum(rows[8 * r + i][c] << (4 * i) for i in range(8)) for c in range(width)] for r in range(height // 8)]
-    else:
-        words = [[sum(rows[r][8 * c + i] << (4 * i) for i in range(8)) for c in range(width // 8)] for r in range(height)]
-    return torch.tensor([[_int32(w) for w in row] for row in words], dtype=torch.int32)
-
-
-def gptq_tensors(codes, scales, zeros=None, checkpoint_format="gptq"):
-    """What AutoGPTQ / GPTQModel write for one layer: qweight, qzeros, scales, g_idx."""
-    k, n = codes.shape
-    groups = scales.shape[0]
-    zeros = [[8] * n for _ in range(groups)] if zeros is None else zeros
-    stored = [[(z - 1) & 0xF if checkpoint_format == "gptq" else z for z in row] for row in zeros]
-    return {"qweight": _pack_words(codes.tolist(), along_rows=True),
-            "qzeros": _pack_words(stored, along_rows=False),
-            "scales": scales.clone(),
-            "g_idx": torch.tensor([i // (k // groups) for i in range(k)], dtype=torch.int32)}
-
-
-def _layer(k=256, n=128, group=64, seed=0):
-    torch.manual_seed(seed)
-    return quantize_rtn(torch.randn(k, n), group)
+def dense_weight(module: QuantLinear) -> torch.Tensor:
+    """fp32 W[K, N] in the input features' order from what the module holds: its unpacked codes and
+    scales, its zero-point offsets added, its act-order permutation undone."""
+    codes, scales = module.unpack()
+    w = (codes.float() - 8).unflatten(0, (-1, module.group_size)) * scales.float().unsqueeze(1)
+    if module.zero_offsets is not None:
+        w = w + module.zero_offsets.float().unsqueeze(1)
+    w = w.flatten(0, 1)
+    return w if module.perm is None else torch.empty_like(w).index_copy_(0, module.perm, w)
 
 
 def test_word_layout_by_hand():
-    codes = torch.zeros(8, 8, dtype=torch.uint8)
-    codes[:, 0] = torch.arange(8)
-    codes[:, 1] = torch.arange(8, 16)       # nibble 7 = 15 sets the sign bit
-    t = to_gptq(codes, torch.ones(1, 8, dtype=torch.float16))
-    assert t["qweight"][0, 0].item() == 0x76543210
-    assert t["qweight"][0, 1].item() == _int32(0xFEDCBA98)
-    assert t["qzeros"][0, 0].item() == 0x77777777   # v1 stores zero - 1
+    """Nibble i (bits 4i..4i+3) of qweight's word row r is input row 8r + i; of qzeros' word column c,
+    output column 8c + i; v1 stores zero points minus one."""
+    qweight = torch.zeros(8, 64, dtype=torch.int32)
+    qweight[0, 0] = 0x76543210
+    qweight[0, 1] = 0xFEDCBA98 - (1 << 32)          # nibble 7 = 15 sets the sign bit
+    qzeros = torch.full((1, 8), 0x77777777, dtype=torch.int32)
+    qzeros[0, 0] = 0x76543210                        # columns 0..7: zero points 1..8
+    scales = torch.ones(1, 64, dtype=torch.float16)
+    module = QuantLinear.from_gptq(qweight, qzeros, scales, None, group_size=-1)
+    codes, _ = module.unpack()
+    assert codes[:8, 0].tolist() == list(range(8)) and codes[:8, 1].tolist() == list(range(8, 16))
+    assert module.zero_offsets[0, :9].tolist() == [7, 6, 5, 4, 3, 2, 1, 0, 0]   # 8 - z
+    assert module.perm is None
 
 
-@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
-@pytest.mark.parametrize("group", [64, -1])
-def test_unpack_recovers_codes_and_scales(checkpoint_format, group):
-    codes, scales = _layer(group=group)
-    t = gptq_tensors(codes, scales, checkpoint_format=checkpoint_format)
-    got_codes, got_scales = from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, group, checkpoint_format)
-    assert got_codes.dtype == torch.uint8 and torch.equal(got_codes, codes)
-    assert torch.equal(got_scales, scales)
+@pytest.mark.parametrize("checkpoint_format", FORMATS)
+@pytest.mark.parametrize("group", [GROUP, -1])
+def test_symmetric_layer_holds_the_same_codes_and_scales(checkpoint_format, group):
+    torch.manual_seed(0)
+    codes, scales = quantize_rtn(torch.randn(K, N), group)
+    bias = torch.randn(N, dtype=torch.float16)
+    tensors = gptq_tensors(layer_of(codes, scales), checkpoint_format)
+    module = from_gptq(tensors, bias=bias, group_size=group, checkpoint_format=checkpoint_format)
+    assert (module.in_features, module.out_features, module.group_size) == (K, N, K if group == -1 else group)
+    got_codes, got_scales = module.unpack()
+    assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales) and torch.equal(module.bias, bias)
+    assert module.perm is None and module.zero_offsets is None
 
 
-@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
-def test_to_gptq_writes_the_on_disk_layout(checkpoint_format):
-    codes, scales = _layer()
-    ours, theirs = to_gptq(codes, scales, checkpoint_format), gptq_tensors(codes, scales, checkpoint_format=checkpoint_format)
-    for name in ("qweight", "qzeros", "scales", "g_idx"):
-        assert ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]), name
+@pytest.mark.parametrize("checkpoint_format", FORMATS)
+@pytest.mark.parametrize("symmetric, act_order", [(False, False), (True, True), (False, True)])
+def test_asymmetric_and_act_order_layers_give_the_definitions_weights(checkpoint_format, symmetric, act_order):
+    """perm sorts the input rows by group (row i holds input feature perm[i]); zero_offsets is
+    C = s * (8 - z) in the scales' dtype; together with the codes and scales they give
+    w[k, n] = s[g_idx[k], n] * (q[k, n] - z[g_idx[k], n])."""
+    drawn = draw_layer(K, N, GROUP, symmetric, act_order, torch.float16, torch.Generator().manual_seed(3))
+    module = from_gptq(gptq_tensors(drawn, checkpoint_format), group_size=GROUP, checkpoint_format=checkpoint_format)
+    codes, scales = module.unpack()
+    if act_order:
+        perm = module.perm
+        assert perm.dtype == torch.int64 and torch.equal(perm.sort().values, torch.arange(K))
+        assert torch.equal(drawn.g_idx[perm], torch.arange(K) // GROUP), "groups not contiguous"
+    else:
+        perm = torch.arange(K)
+        assert module.perm is None
+    assert torch.equal(codes.long(), drawn.codes[perm]) and torch.equal(scales, drawn.scales)
+    if symmetric:
+        assert module.zero_offsets is None
+        assert torch.equal(dense_weight(module), drawn.weight)
+    else:
+        offsets = (drawn.scales.float() * (8 - drawn.zeros).float()).to(torch.float16)
+        assert torch.equal(module.zero_offsets, offsets)
+        # s * (q - 8) + C differs from s * (q - z) only by C's rounding: half a float16 ulp of |C|
+        rounding = float(offsets.abs().max()) * 2 ** -11
+        torch.testing.assert_close(dense_weight(module), drawn.weight, rtol=0, atol=rounding)
 
 
-def test_missing_g_idx_means_no_act_order():
-    codes, scales = _layer()
-    t = gptq_tensors(codes, scales)
-    got, _ = from_gptq(t["qweight"], t["qzeros"], t["scales"], None, group_size=64)
-    assert torch.equal(got, codes)
+def test_missing_g_idx_means_contiguous_groups():
+    drawn = draw_layer(K, N, GROUP, False, False, torch.float16, torch.Generator().manual_seed(4))
+    tensors = gptq_tensors(drawn, "gptq")
+    module = QuantLinear.from_gptq(tensors["qweight"], tensors["qzeros"], tensors["scales"], None, group_size=GROUP)
+    assert module.perm is None and torch.equal(module.unpack()[0].long(), drawn.codes)
 
 
-def test_act_order_is_refused():
-    codes, scales = _layer()
-    t = gptq_tensors(codes, scales)
-    g_idx = t["g_idx"][torch.randperm(256, generator=torch.Generator().manual_seed(1))]
-    with pytest.raises(ValueError, match="act-order"):
-        from_gptq(t["qweight"], t["qzeros"], t["scales"], g_idx, group_size=64)
+# --- refusals ------------------------------------------------------------------------------------
 
-
-@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
-def test_asymmetric_zero_points_are_refused(checkpoint_format):
-    codes, scales = _layer()
-    zeros = [[8] * 128 for _ in range(4)]
-    zeros[2][77] = 5
-    t = gptq_tensors(codes, scales, zeros, checkpoint_format)
-    with pytest.raises(ValueError, match="asymmetric.*found \\[5, 8\\]"):
-        from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, 64, checkpoint_format)
-
-
-def test_v2_checkpoint_read_as_v1_says_so():
-    codes, scales = _layer()
-    t = gptq_tensors(codes, scales, checkpoint_format="gptq_v2")
-    with pytest.raises(ValueError, match="checkpoint_format='gptq_v2'"):
-        from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], 4, 64, "gptq")
+def _tensors(group=GROUP):
+    return gptq_tensors(draw_layer(K, N, group, True, False, torch.float16, torch.Generator().manual_seed(1)), "gptq")
 
 
 @pytest.mark.parametrize("bits", [2, 3, 8])
 def test_other_bit_widths_are_refused(bits):
-    codes, scales = _layer()
-    t = gptq_tensors(codes, scales)
-    with pytest.raises(ValueError, match=f"4-bit weights only.*bits={bits}"):
-        from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bits, 64)
+    with pytest.raises(ValueError, match=f"bits: tilemarlin runs 4-bit weights only; this GPTQ layer has bits={bits}"):
+        from_gptq(_tensors(), bits=bits, group_size=GROUP)
 
 
-def test_shapes_that_do_not_fit_are_refused():
-    codes, scales = _layer()
-    t = gptq_tensors(codes, scales)
-    with pytest.raises(ValueError, match="expected scales"):
-        from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=128)
-    with pytest.raises(ValueError, match="not a multiple of group_size"):
-        from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=96)
-    with pytest.raises(ValueError, match="checkpoint_format"):
-        from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=64, checkpoint_format="awq")
+def test_a_group_size_no_kernel_runs_is_refused():
+    with pytest.raises(ValueError, match="group_size: group size 32 with K=256 cannot run .* multiple of 64"):
+        from_gptq(_tensors(group=32), group_size=32)
 
 
-@pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
-def test_quant_linear_from_gptq_holds_the_same_weights(checkpoint_format):
-    codes, scales = _layer()
-    bias = torch.randn(128, dtype=torch.float16)
-    t = gptq_tensors(codes, scales, checkpoint_format=checkpoint_format)
-    layer = QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], bias=bias, group_size=64,
-                                  checkpoint_format=checkpoint_format)
-    assert (layer.in_features, layer.out_features, layer.group_size) == (256, 128, 64)
-    got_codes, got_scales = layer.unpack()
-    assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales) and torch.equal(layer.bias, bias)
+@pytest.mark.parametrize("edit, group, match", [
+    (lambda t: None, 128, r"scales: expected shape \(2, 128\) for K=256, N=128 .* found \(4, 128\)"),
+    (lambda t: t.update(qzeros=t["qzeros"][:, :8]), GROUP, r"qzeros: expected shape \(4, 16\) .* found \(4, 8\)"),
+    (lambda t: t.update(qweight=t["qweight"].long()), GROUP,
+     "qweight: expected 2-D torch.int32 words, found torch.int64"),
+    (lambda t: t.update(qweight=t["qweight"].flatten()), GROUP, r"qweight: expected 2-D .* \(4096,\)"),
+    (lambda t: t.update(g_idx=t["g_idx"][:128]), GROUP, r"g_idx: expected 256 entries .* got shape \(128,\)"),
+])
+def test_tensors_that_do_not_fit_together_are_refused(edit, group, match):
+    tensors = _tensors()
+    edit(tensors)
+    with pytest.raises(ValueError, match=match):
+        from_gptq(tensors, group_size=group)
 
 
-def test_quant_linear_from_act_order_gptq_is_refused():
-    codes, scales = _layer()
-    t = gptq_tensors(codes, scales)
-    with pytest.raises(ValueError, match="desc_act=False"):
-        QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"].flip(0), group_size=64)
+def test_another_checkpoint_format_is_refused():
+    with pytest.raises(ValueError, match=r"checkpoint_format: must be one of \('gptq', 'gptq_v2'\), got 'awq'"):
+        from_gptq(_tensors(), group_size=GROUP, checkpoint_format="awq")
 
 
-def test_quant_linear_from_gptq_refuses_a_group_size_no_kernel_runs():
-    codes, scales = _layer(group=32)
-    t = gptq_tensors(codes, scales)
-    with pytest.raises(ValueError, match="group size 32 with K=256 cannot run .* multiple of 64"):
-        QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=32)
+def test_a_v1_zero_point_of_zero_is_refused():
+    """v1 stores z - 1: z = 0 leaves nibble 15, which reads back as 16."""
+    tensors = _tensors()
+    tensors["qzeros"][0, 0] |= 0xF
+    with pytest.raises(ValueError, match="qzeros: a v1 .* reads 16: .* gptq_v2"):
+        from_gptq(tensors, group_size=GROUP)
+
+
+def test_uneven_act_order_groups_are_refused():
+    tensors = _tensors()
+    tensors["g_idx"][0] = 1   # group 0 loses a row to group 1
+    sizes = r"\[63, 64, 65\]"
+    with pytest.raises(ValueError, match=f"g_idx: every group must hold 64 input rows, found group sizes {sizes}"):
+        from_gptq(tensors, group_size=GROUP)
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
-def test_quant_linear_from_gptq_refuses_a_scale_that_is_not_finite_and_positive(value):
-    codes, scales = _layer()
-    t = gptq_tensors(codes, scales)
-    t["scales"][2, 33] = value
+def test_a_scale_that_is_not_finite_and_positive_is_refused_by_place(value):
+    tensors = _tensors()
+    tensors["scales"][2, 33] = value
     with pytest.raises(ValueError, match=f"scale {value} at group 2, column 33"):
-        QuantLinear.from_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], group_size=64)
+        from_gptq(tensors, group_size=GROUP)

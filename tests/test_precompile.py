@@ -1,6 +1,6 @@
 """Compiling ahead without a GPU: the plan is the op's own choice per (problem, bucket), the
-constructors and replace_linear build it in one parallel call (or not at all when turned off), and
-`gen precompile` lists, builds and sums up."""
+constructors, replace_linear and load_quantized build it in one parallel call (or not at all when
+turned off), and `gen precompile` lists, builds and sums up."""
 import json
 import random
 import shutil
@@ -174,12 +174,24 @@ def test_each_constructor_builds_its_own_kernels(compiler):
     linear = nn.Linear(256, 128, bias=False).half()
     QuantLinear.from_linear(linear, group_size=64, max_m=4)
     QuantLinear(256, 128, group_size=64, dtype=torch.float16, max_m=64)
-    from runtime.gptq import to_gptq
+    from tests.checkpoint_writers import gptq_tensors, layer_of
 
     layer = QuantLinear.from_linear(linear, group_size=64, precompile=False)
-    QuantLinear.from_gptq(*to_gptq(*layer.unpack()).values(), group_size=64, max_m=1)
+    QuantLinear.from_gptq(**gptq_tensors(layer_of(*layer.unpack()), "gptq"), group_size=64, max_m=1)
     assert [{s for _, s in jobs} for jobs, _ in compiler] == [{SMALL_M}, {SMALL_M, LARGE_M}, {SMALL_M}]
     assert all({p for p, _ in jobs} == {Problem(128, 256, 64)} for jobs, _ in compiler)
+
+
+def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_path):
+    from runtime import load_quantized
+    from tests.checkpoint_writers import write_checkpoint
+
+    drawn = write_checkpoint(tmp_path / "ckpt", "gptq", symmetric=False, act_order=True)
+    load_quantized(tmp_path / "ckpt", device="cpu")
+    (jobs, arch), = compiler
+    problems = {Problem(layer.codes.shape[1], layer.codes.shape[0], 128) for layer in drawn.values()}
+    assert len(problems) == 4 and arch == SM90 and len(jobs) == len(set(jobs))
+    assert set(jobs) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
 
 
 def test_precompile_off_by_option_or_environment(compiler, monkeypatch):

@@ -249,11 +249,12 @@ def test_torch_compile_fullgraph_matches_eager():
 
 @pytest.mark.parametrize("checkpoint_format", ["gptq", "gptq_v2"])
 def test_gptq_checkpoint_multiplies_correctly(checkpoint_format):
-    from tests.test_gptq import gptq_tensors   # the on-disk layout, built with plain loops
+    from tests.checkpoint_writers import gptq_tensors, layer_of   # the on-disk layout, from its definition
 
     k, n = 512, 512
     codes, scales, _, _ = quantized(k, n)
-    tensors = {name: t.cuda() for name, t in gptq_tensors(codes.cpu(), scales.cpu(), checkpoint_format=checkpoint_format).items()}
+    written = gptq_tensors(layer_of(codes.cpu(), scales.cpu()), checkpoint_format)
+    tensors = {name: t.cuda() for name, t in written.items()}
     seed = seed_of("gptq", checkpoint_format)
     gen = generator(seed)
     bias = randn((n,), gen)

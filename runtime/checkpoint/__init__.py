@@ -2,7 +2,7 @@
 
 `load_quantized(model_dir, dtype, device)` is the entry point (loader.py). Each format's reader
 (gptq.py, awq.py, compressed_tensors.py) unpacks one layer into a QuantizedLayer (layer.py), the one
-form every format meets in; build.py turns that into a QuantLinear.
+form every format meets in; QuantLinear.from_layer (runtime/linear.py) turns that into a QuantLinear.
 """
 from .files import CheckpointError
 from .layer import QuantizedLayer

@@ -9,6 +9,9 @@ Per linear layer with K input and N output features, group size g (-1: one group
 nibble of 15 would mean z = 16, which no 4-bit zero point is: it is what v1's packing leaves of
 z = 0, and is refused. Symmetric or not (`sym`) and act-order or not (`desc_act`) are read from the
 tensors themselves (zero points all 8, g_idx the trivial map), so the flags need not be trusted.
+
+`gptq_layer` unpacks one layer's tensors; `GptqFormat` reads them from a checkpoint folder for the
+loader, and `QuantLinear.from_gptq` takes them as they are.
 """
 from __future__ import annotations
 
@@ -19,6 +22,41 @@ from .files import LayerTensors, config_error
 from .layer import BITS, NIBBLES, QuantizedLayer, build_layer, group_size_problem, unpack_columns, unpack_rows
 
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
+
+
+def gptq_layer(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+               bits: int, group_size: int, checkpoint_format: str, bias: torch.Tensor | None,
+               dtype: torch.dtype) -> QuantizedLayer:
+    """One GPTQ layer's tensors, as written on disk, -> QuantizedLayer (scales and bias in `dtype`).
+
+    K and N are read from qweight [K / 8, N]; g_idx None means the trivial map k // group. Raises
+    ValueError, naming the field, for another bit width or checkpoint format, a group size no kernel
+    runs, tensors whose dtypes or shapes do not fit together, a v1 zero point of 0 and an act-order
+    map that does not give every group `group_size` rows.
+    """
+    if bits != BITS:
+        raise ValueError(f"bits: tilemarlin runs 4-bit weights only; this GPTQ layer has bits={bits}")
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ValueError(f"checkpoint_format: must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    for field, tensor in (("qweight", qweight), ("qzeros", qzeros)):
+        if tensor.dtype != torch.int32 or tensor.dim() != 2:
+            raise ValueError(f"{field}: expected 2-D torch.int32 words, found {tensor.dtype} {tuple(tensor.shape)}")
+    k, n = qweight.shape[0] * NIBBLES, qweight.shape[1]
+    problem = group_size_problem(group_size, k)
+    if problem:
+        raise ValueError(f"group_size: {problem}")
+    groups = k // (k if group_size == -1 else group_size)
+    shapes = f"for K={k}, N={n} (from qweight {tuple(qweight.shape)}) and group size {group_size}"
+    for field, tensor, shape in (("scales", scales, (groups, n)), ("qzeros", qzeros, (groups, -(-n // NIBBLES)))):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{field}: expected shape {shape} {shapes}, found {tuple(tensor.shape)}")
+    zeros = unpack_columns(qzeros)[:, :n]
+    if checkpoint_format == "gptq":
+        zeros = zeros + 1
+        if bool((zeros > 15).any()):
+            raise ValueError("qzeros: a v1 (checkpoint_format 'gptq') zero point reads 16: v1 stores z - 1 and "
+                             "cannot hold z = 0; re-save the model as gptq_v2")
+    return build_layer(unpack_rows(qweight), scales, zeros, g_idx, group_size, bias, dtype)
 
 
 class GptqFormat:
@@ -44,6 +82,8 @@ class GptqFormat:
 
     def convert(self, t: LayerTensors, module: nn.Module, bias: torch.Tensor | None,
                 dtype: torch.dtype) -> QuantizedLayer:
+        """The layer's tensors, checked against the module built from config.json (errors name the
+        file, the layer and the field), unpacked by gptq_layer."""
         k, n = module.in_features, module.out_features
         group = k if self.group_size == -1 else self.group_size
         problem = group_size_problem(self.group_size, k)
@@ -55,10 +95,5 @@ class GptqFormat:
         scales = t.require("scales", shape=(k // group, n), why=shapes)
         if not scales.is_floating_point():
             raise t.error("scales", f"expected floating-point scales, found {scales.dtype}")
-        zeros = unpack_columns(qzeros)[:, :n]
-        if self.checkpoint_format == "gptq":
-            zeros = zeros + 1
-            if bool((zeros > 15).any()):
-                raise t.error("qzeros", "a v1 (checkpoint_format 'gptq') zero point reads 16: v1 stores z - 1 and "
-                                        "cannot hold z = 0; re-save the model as gptq_v2")
-        return build_layer(unpack_rows(qweight), scales, zeros, t.optional("g_idx"), self.group_size, bias, dtype)
+        return gptq_layer(qweight, qzeros, scales, t.optional("g_idx"), BITS, self.group_size,
+                          self.checkpoint_format, bias, dtype)

@@ -4,7 +4,7 @@ A checkpoint format packs the same few things in its own way: 4-bit codes, per-g
 per-group zero points, maybe a map from input rows to groups (act-order). `QuantizedLayer` holds
 them unpacked and in tilemarlin's orientation (W[K, N], input features x output features), so that
 each format needs only an unpacker and the runtime has one place that turns a layer into kernels'
-weights (runtime/checkpoint/build.py).
+weights (`QuantLinear.from_layer`, runtime/linear.py).
 
 Act-order. A GPTQ or compressed-tensors layer quantized in activation order assigns input row k to
 group g_idx[k], so the rows of one group are scattered over K. Sorting the rows by g_idx (stably)
@@ -79,7 +79,8 @@ def build_layer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
     codes [K, N] and zeros [G, N] are integers 0..15, scales [G, N]; g_idx [K] is the group of each
     input row or None (k // group). Rows are sorted by g_idx when it is not the trivial map, zero
     points that are all 8 are dropped (symmetric), scales and bias are cast to `dtype`.
-    Raises ValueError naming the field that is wrong.
+    Raises ValueError naming the field that is wrong; the scales' values are checked where the layer
+    becomes a QuantLinear (from_layer names the first one that is not finite and positive).
     """
     k, n = codes.shape
     group = k if group_size == -1 else group_size
@@ -95,8 +96,6 @@ def build_layer(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
                          f"got {tuple(zeros.shape)}")
     if zeros is not None and zeros.numel() and (int(zeros.min()) < 0 or int(zeros.max()) > 15):
         raise ValueError(f"zero points: must lie in 0..15, found {int(zeros.min())}..{int(zeros.max())}")
-    if not torch.isfinite(scales).all():
-        raise ValueError("scales: not all finite")
     perm = None if g_idx is None else act_order_permutation(g_idx, k, group)
     if perm is not None:
         codes = codes.index_select(0, perm)

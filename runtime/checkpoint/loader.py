@@ -10,8 +10,9 @@ served by tilemarlin's kernels.
 3. Every module whose quantized tensors (GPTQ/AWQ `qweight`, compressed-tensors `weight_packed`) are
    in the safetensors files becomes a QuantLinear: the format's tensors are read onto `device`,
    unpacked into a QuantizedLayer (runtime/checkpoint/layer.py) and repacked for the kernels
-   (build.py). Which layers are quantized is read from the files, so lm_head, `ignore` lists and
-   `modules_to_not_convert` need no rules of their own.
+   (`QuantLinear.from_layer`). Which layers are quantized is read from the files, so lm_head,
+   `ignore` lists and `modules_to_not_convert` need no rules of their own. Once every layer is
+   read, the kernels of all their shapes are built in one parallel compile (runtime/precompile.py).
 4. The other parameters are read from the files in `dtype`, tied parameters once.
 """
 from __future__ import annotations
@@ -23,9 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..linear import QuantLinear
 from ..op import DEFAULT_LAYOUT
+from ..precompile import precompile_layers
 from .awq import AwqFormat
-from .build import quant_linear
 from .compressed_tensors import CompressedTensorsFormat
 from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
 from .gptq import GptqFormat
@@ -106,10 +108,11 @@ def parameters_on_meta():
 
 
 def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout) -> int:
-    """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear; returns how many."""
+    """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear, then build the kernels
+    of all of them at once (on a CUDA device, unless TILEMARLIN_PRECOMPILE is off); returns how many."""
     suffix = "." + fmt.marker
     pending = {name[:-len(suffix)] for name in files.names() if name.endswith(suffix)}
-    replaced = 0
+    replaced: list[QuantLinear] = []
     for name, module in list(model.named_modules()):
         if name not in pending:
             continue
@@ -119,7 +122,7 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
             raise t.error(fmt.marker, f"quantized tensors for a {type(module).__name__}, not an nn.Linear")
         bias = _bias(t, module)
         try:
-            new = quant_linear(fmt.convert(t, module, bias, dtype), layout)
+            new = QuantLinear.from_layer(fmt.convert(t, module, bias, dtype), layout, precompile=False)
         except CheckpointError:
             raise
         except (ValueError, TypeError) as exc:
@@ -127,7 +130,7 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
             raise CheckpointError(f"{file.name}: {name}", str(exc)) from None
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
-        replaced += 1
+        replaced.append(new)
     if pending:
         first = sorted(pending)[0]
         raise CheckpointError(f"{files.file_of(first + suffix).name}: {first}{suffix}",
@@ -135,7 +138,8 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
                               + (f" (and {len(pending) - 1} more)" if len(pending) > 1 else ""))
     if not replaced:
         raise CheckpointError(files.source, f"no quantized layer ({fmt.marker} tensors) in the checkpoint")
-    return replaced
+    precompile_layers([(layer.problem, layer.qweight.device) for layer in replaced], layout=layout)
+    return len(replaced)
 
 
 def _bias(t: LayerTensors, module: nn.Linear) -> torch.Tensor | None:
