@@ -150,7 +150,7 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
         ops_per_weight = traits.decode_ops * 5 / 9 + 3 * bm / (16 * kb.unroll)
     elif problem.channelwise:        # scales multiply the final sums: nothing per weight
         ops_per_weight = traits.decode_ops
-    elif kb.scale_on_acc:
+    elif getattr(kb, "scale_on_acc", False):
         ops_per_weight = traits.decode_ops + SCALE_ON_ACC_OPS * bm / problem.group
     else:
         ops_per_weight = traits.decode_ops + traits.scale_ops

@@ -41,14 +41,13 @@ KnobFactors = dict
 class Knobs(Protocol):
     """What every family's frozen Knobs dataclass provides (the cost model and the runtime read it)."""
 
-    name: str                # canonical, e.g. "stream_mma:mt1_sl1_w8_u4_a3_sk2_..."
+    name: str                # canonical, e.g. "stream_mma:mt1_w8_u4_a3_sk2_..."
     block_m: int
     block_n: int
     block_k: int
     num_stages: int
     threads: int
     split_k: int
-    scale_on_acc: bool
     uses_workspace: bool
 
     def shared_bytes(self, problem: Problem) -> int: ...

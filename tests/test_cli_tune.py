@@ -368,8 +368,8 @@ def test_another_tuned_table_seeds_its_recorded_candidates(tmp_path):
     from schedules import stream_mma
 
     qkv = Problem.make(n=12288, k=4096)
-    fast = Schedule("stream_mma", stream_mma.Knobs(1, 1, 8, 4, 8, ahead=3))
-    slow = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 16, ahead=2))
+    fast = Schedule("stream_mma", stream_mma.Knobs(1, 8, 4, 8, ahead=3))
+    slow = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 16, ahead=2))
     other = TunedTable(GpuKey("NVIDIA H200", "sm_90a", 132), versions={"tilelang": "0.1.15"})
     other.record(qkv, 1, fast, 9.0, all_timings=[{"schedule": slow.to_dict(), "us": 20.0, "error": None},
                                                   {"schedule": fast.to_dict(), "us": 9.0, "error": None}])

@@ -148,9 +148,9 @@ def test_prepared_stream_knobs_are_estimated_cheaper_where_they_should_be():
     from schedules import stream_mma
 
     o_proj = Problem.make(n=4096, k=4096)
-    base = stream_mma.Knobs(1, 1, 4, 4, 8, ahead=1)
-    fold = stream_mma.Knobs(1, 1, 4, 4, 8, ahead=1, fold_zero_point=True)
-    cluster = stream_mma.Knobs(1, 1, 4, 4, 8, ahead=1, cluster_reduce=True)
+    base = stream_mma.Knobs(1, 4, 4, 8, ahead=1)
+    fold = stream_mma.Knobs(1, 4, 4, 8, ahead=1, fold_zero_point=True)
+    cluster = stream_mma.Knobs(1, 4, 4, 8, ahead=1, cluster_reduce=True)
     t = lambda kb, m: estimate_us(o_proj, Schedule("stream_mma", kb), m, SPEC)
     assert t(fold, 1) <= t(base, 1) and t(cluster, 1) < t(base, 1)
     assert t(cluster, 64) < t(base, 64)

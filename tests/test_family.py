@@ -18,8 +18,7 @@ def test_each_family_implements_the_interface(name):
     for key in fam.KNOB_FACTORS:            # every measured factor names a knob the family has
         assert (key[0] if isinstance(key, tuple) else key) in fields | set(fam.AXES), key
     knobs = fam.Knobs()
-    for attr in ("name", "block_m", "block_n", "block_k", "num_stages", "threads", "split_k", "scale_on_acc",
-                 "uses_workspace"):
+    for attr in ("name", "block_m", "block_n", "block_k", "num_stages", "threads", "split_k", "uses_workspace"):
         getattr(knobs, attr)
     assert knobs.shared_bytes(Problem(4096, 4096)) > 0
 

@@ -59,7 +59,7 @@ needs_tools = pytest.mark.skipif(bool(sass.missing_tools()), reason="ptxas, cuob
 
 @needs_tools
 @pytest.mark.parametrize("family,knobs", [
-    ("stream_mma", dict(m_tiles=1, slabs=1, warps=4, unroll=4, split_k=1, ahead=3, fold_zero_point=True,
+    ("stream_mma", dict(m_tiles=1, warps=4, unroll=4, split_k=1, ahead=3, fold_zero_point=True,
                         x_ldmatrix=True, async_weights=True)),
     ("stream_wgmma", dict(block_m=128, groups=2, warpgroups=2, block_k=64, stages=4)),
 ])

@@ -143,7 +143,7 @@ def test_retune_measures_the_incumbent_once():
     from schedules.registry import Schedule
 
     s = _search()
-    incumbent = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 16, ahead=2))
+    incumbent = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 16, ahead=2))
     too_big = Schedule("marlin_mma", marlin_mma.Knobs(block_m=16, block_n=512, block_k=64, warps_m=1, warps_n=1,
                                                      num_stages=3))
     assert incumbent.module.check(QKV, incumbent.knobs, H200) is None
@@ -168,7 +168,7 @@ def test_variants_of_the_winners_join_their_buckets():
     from schedules.registry import Schedule
 
     s = _search()
-    small = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 2, ahead=2, fold_zero_point=True, cluster_reduce=True))
+    small = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 2, ahead=2, fold_zero_point=True, cluster_reduce=True))
     large = Schedule("stream_wgmma", stream_wgmma.Knobs(128, 1, 2, 64, 4))
     table = TunedTable()
     table.record(QKV, 1, small, 10.0)
@@ -191,8 +191,8 @@ def test_seeds_from_a_sweep_join_the_matching_buckets():
 
     s = _search()
     fast = Schedule("stream_wgmma", stream_wgmma.Knobs(8, 1, 1, 64, 8, split_k=4))
-    slow = Schedule("stream_mma", stream_mma.Knobs(1, 1, 4, 4, 16, ahead=2))
-    wrong = Schedule("stream_mma", stream_mma.Knobs(1, 1, 8, 4, 16, ahead=2))
+    slow = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 16, ahead=2))
+    wrong = Schedule("stream_mma", stream_mma.Knobs(1, 8, 4, 16, ahead=2))
 
     def timing(sched, us, error=None):
         return {"schedule": sched.to_dict(), "name": sched.name, "us": us, "error": error}

@@ -26,9 +26,8 @@ def test_default_knobs_are_valid_for_a_llama_layer():
     (Problem(4096, 4096), Knobs(warps=0), "warps=0 must be positive"),
     (Problem(4096, 4096), Knobs(ahead=0), "ahead=0 must be positive"),
     (Problem(4096, 4096), Knobs(warps=64, unroll=1), "1024"),
-    # N a multiple of 64 but not of 64 * slabs
-    (Problem(4096 + 64, 4096), Knobs(slabs=2), "not a multiple of block_n=128"),
-    (Problem(4096 + 128, 4096), Knobs(slabs=4, m_tiles=1, ahead=1), "not a multiple of block_n=256"),
+    # N not a multiple of the slab's 64 columns
+    (Problem(4096 + 32, 4096), Knobs(), "not a multiple of block_n=64"),
     # K not a multiple of 16 * unroll (channelwise, so the group cannot be the reason)
     (Problem.make(4096, 4096 + 64, -1), Knobs(unroll=8), r"K=4160 is not a multiple of unroll \* 16 = 128"),
     # group not a multiple of 16 * unroll: a batch would straddle two scale rows
@@ -36,13 +35,8 @@ def test_default_knobs_are_valid_for_a_llama_layer():
     (Problem(4096, 4096, group=64), Knobs(unroll=8), r"group=64 must be a multiple of unroll \* 16 = 128"),
     # batches < split_k * warps: 1024 / 64 = 16 batches for 4 * 8 = 32 warps
     (Problem(4096, 1024), Knobs(warps=8, unroll=4, split_k=4), "leave some of the split_k \\* warps = 32 warps"),
-    (Problem.make(4096, 4096, -1), Knobs(scale_on_acc=True), "channelwise"),
-    (Problem(4096, 4096), Knobs(warps=8, occupancy=12), "occupancy=12 must be a multiple of warps=8"),
-    (Problem(4096, 4096), Knobs(warps=8, unroll=2, ahead=1, occupancy=72), "at most 64"),
-    (Problem(4096, 4096), Knobs(m_tiles=4, slabs=4), "registers"),
-    (Problem(4096, 4096), Knobs(m_tiles=4, slabs=4, unroll=2, ahead=1, scale_on_acc=True), "registers"),
-    # occupancy=32 caps registers at 64 per thread; about 104 do not fit even with the slack
-    (Problem(4096, 4096), Knobs(warps=4, unroll=4, ahead=2, occupancy=32), "occupancy=32 leaves"),
+    (Problem(4096, 4096), Knobs(m_tiles=4, unroll=8, ahead=4), "registers"),
+    (Problem(4096, 4096), Knobs(m_tiles=4, unroll=8, ahead=2, fold_zero_point=True, fold_lag=True), "registers"),
 ])
 def test_check_names_the_reason(problem, knobs, reason):
     got = check(problem, knobs, H200)
@@ -56,11 +50,10 @@ def test_batches_equal_to_workers_is_enough():
 
 
 def test_register_estimate_grows_with_every_buffer():
-    base = Knobs(m_tiles=1, slabs=1, unroll=4, ahead=1)
+    base = Knobs(m_tiles=1, unroll=4, ahead=1)
     assert base.registers_estimate() == 76   # the measured point named in knobs.py
-    for bigger in (Knobs(m_tiles=2, slabs=1, unroll=4, ahead=1), Knobs(m_tiles=1, slabs=2, unroll=4, ahead=1),
-                   Knobs(m_tiles=1, slabs=1, unroll=8, ahead=1), Knobs(m_tiles=1, slabs=1, unroll=4, ahead=2),
-                   Knobs(m_tiles=1, slabs=1, unroll=4, ahead=1, scale_on_acc=True)):
+    for bigger in (Knobs(m_tiles=2, unroll=4, ahead=1), Knobs(m_tiles=1, unroll=8, ahead=1),
+                   Knobs(m_tiles=1, unroll=4, ahead=2), Knobs(m_tiles=1, unroll=4, ahead=1, fold_zero_point=True)):
         assert bigger.registers_estimate() > base.registers_estimate(), bigger.name
 
 
@@ -78,7 +71,7 @@ def test_space_is_nonempty_and_valid():
 
 
 def test_schedule_round_trips_through_a_dict():
-    for kb in (Knobs(), Knobs(4, 2, 2, 2, 16, ahead=3, occupancy=32, scale_on_acc=True)):
+    for kb in (Knobs(), Knobs(4, 2, 2, 16, ahead=3, fold_zero_point=True, max_blocks=2)):
         s = Schedule("stream_mma", kb)
         d = s.to_dict()
         assert d["family"] == "stream_mma"
@@ -88,11 +81,10 @@ def test_schedule_round_trips_through_a_dict():
 
 
 @pytest.mark.parametrize("m_tiles", [1, 2, 4])
-@pytest.mark.parametrize("slabs", [1, 2, 4])
-def test_block_shape(m_tiles, slabs):
-    kb = Knobs(m_tiles=m_tiles, slabs=slabs, warps=4, unroll=2)
+def test_block_shape(m_tiles):
+    kb = Knobs(m_tiles=m_tiles, warps=4, unroll=2)
     assert kb.block_m == 8 * m_tiles
-    assert kb.block_n == 64 * slabs
+    assert kb.block_n == 64
     assert kb.block_k == 16 * 2 * 4
     assert kb.threads == 128
 
@@ -100,9 +92,8 @@ def test_block_shape(m_tiles, slabs):
 @pytest.mark.parametrize("m", [1, 7, 8, 9, 16, 33])
 def test_workspace_elems(m):
     p = Problem(4096, 4096)
-    assert stream_mma.workspace_elems(p, Knobs(m_tiles=2, slabs=2, split_k=1), m) == (0, 0)
-    for kb in (Knobs(m_tiles=2, slabs=2, split_k=4), Knobs(m_tiles=1, slabs=4, split_k=2),
-               Knobs(m_tiles=4, slabs=1, split_k=3)):
+    assert stream_mma.workspace_elems(p, Knobs(m_tiles=2, split_k=1), m) == (0, 0)
+    for kb in (Knobs(m_tiles=2, split_k=4), Knobs(m_tiles=1, split_k=2), Knobs(m_tiles=4, split_k=3)):
         assert stream_mma.workspace_elems(p, kb, m) == (m * p.n, -(-m // kb.block_m) * (p.n // kb.block_n))
 
 

@@ -16,7 +16,7 @@ CASES = {
     "stream_wgmma_cluster": (stream_wgmma, stream_wgmma.Knobs(16, 1, 1, 128, 6, split_k=2, cluster_reduce=True,
                                                               early_start=2, stage_unroll=True, **PRODUCER)),
     # o_proj 16's form: pdl (cudaGridDependencySynchronize), cp.async groups
-    "stream_mma_pdl": (stream_mma, stream_mma.Knobs(m_tiles=1, slabs=1, warps=8, unroll=4, split_k=1, ahead=4,
+    "stream_mma_pdl": (stream_mma, stream_mma.Knobs(m_tiles=1, warps=8, unroll=4, split_k=1, ahead=4,
                                                     fold_zero_point=True, x_ldmatrix=True, async_weights=True,
                                                     sum_slices=True, pdl=True, early_start=2, late_trigger=True)),
 }

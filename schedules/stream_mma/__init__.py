@@ -38,18 +38,12 @@ workspace_elems, kernel_args = marlin_mma.workspace_elems, marlin_mma.kernel_arg
 
 AXES = {
     "m_tiles": (1, 2, 4),
-    "slabs": (1,),          # 2 slabs per warp measured slower on every Llama-2-7B layer (H200; docs/performance.md)
     "warps": (4, 8),        # 2 warps never won a sweep or a tune
     "unroll": (4, 8),       # nor did unroll 2
     "split_k": (1, 2, 3, 4, 6, 8, 16),
     # Batches in flight per warp. 3 and 4 lost while the loads went into registers (H200; docs/performance.md); through
     # async_weights' shared slots they win 18 of the 24 buckets up to M = 32 (H200; docs/performance.md).
     "ahead": (1, 2, 3, 4),
-    # Measured on the H200 (H200; docs/performance.md) and left out of the search: capping registers for
-    # occupancy gained nothing (v36: two m-tiles at 142 instead of 229 registers, 3 blocks per SM instead
-    # of 2, 1.03-1.7x slower), and per-batch scaling of the sums (scale_on_acc) lost 10-40 %.
-    "occupancy": (0,),
-    "scale_on_acc": (False,),
     # Measured correct and each faster somewhere (H200; docs/performance.md): raw codes into the MMA at
     # M <= 16, the cluster's split-K reduction on the small layers, ldmatrix activations at M >= 32.
     "fold_zero_point": (False, True),

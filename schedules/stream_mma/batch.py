@@ -27,14 +27,13 @@ def batch_compute(plan: Plan):
             T.call_extern("handle", "__syncwarp")      # ... for every lane of the warp
         if batch < plan.batches:
             read_slots(bufs, slot, lane, wk, xb)
-            if plan.batch_sums and not plan.lag:        # fold_lag zeroes a set right after folding it
+            if plan.fold and not plan.lag:    # fold_lag zeroes a set right after folding it
                 for i in T.unroll(acc_len):
                     bufs.acc[i] = T.float32(0)
-                if plan.fold:
-                    for i in T.unroll(off_len):
-                        bufs.off[i] = T.float32(0)
+                for i in T.unroll(off_len):
+                    bufs.off[i] = T.float32(0)
             multiply(bufs, wb, sb, xb, ab, ob)
-            if plan.batch_sums and not plan.lag:
+            if plan.fold and not plan.lag:
                 # The batch lies in one group: its sums (less the offsets) take the group's scale once.
                 fold_sums(bufs, bufs.scale, 0, 0, sb)
             if plan.lag and plan.grouped:
@@ -59,7 +58,7 @@ def slot_reads(plan: Plan):
     """A T.macro(bufs, slot, lane, wk, xb) that moves a landed batch from warp wk's shared slot `slot`
     into registers: with async_weights the weight words and scales, with x_ldmatrix the activations'
     B fragments (into x from xb)."""
-    per_w, slabs, unroll, x_index, scale_col = plan.per_w, plan.slabs, plan.unroll, plan.x_index, plan.scale_col
+    per_w, unroll, x_index, scale_col = plan.per_w, plan.unroll, plan.x_index, plan.scale_col
 
     @T.macro
     def read(bufs, slot, lane, wk, xb):
@@ -68,9 +67,8 @@ def slot_reads(plan: Plan):
                 for v in T.vectorized(4):
                     bufs.w[i * 4 + v] = bufs.W_s[wk, slot, i * 128 + lane * 4 + v]
             if plan.grouped:
-                for sj in T.unroll(slabs):
-                    for v in T.unroll(8):
-                        bufs.scale[sj * 8 + v] = bufs.S_s[wk, slot, scale_col(sj, v, lane // 4)]
+                for v in T.unroll(8):
+                    bufs.scale[v] = bufs.S_s[wk, slot, scale_col(v, lane // 4)]
         if plan.x_smem:
             # Matrices: rows of m-tile mi x k 0-7, 8-15 of step u, then of step u + 1: b0b1, b2b3 twice.
             for mi in T.unroll(plan.m_tiles):
@@ -87,7 +85,7 @@ def swapped_mmas(plan: Plan):
     """A T.macro(bufs, wb, sb, xb, ab, ob) that decodes every weight word of a batch (from w at wb,
     its scales from sb) into A fragments and multiplies them with the activations (x at xb) into the
     set of sums at ab; with fold_zero_point also the offsets' MMAs, into the set of offsets at ob."""
-    mma_dtype, unroll, slabs, m_tiles = plan.mma_dtype, plan.unroll, plan.slabs, plan.m_tiles
+    mma_dtype, unroll, m_tiles = plan.mma_dtype, plan.unroll, plan.m_tiles
     x_index, acc_index = plan.x_index, plan.acc_index
 
     @T.macro
@@ -99,58 +97,57 @@ def swapped_mmas(plan: Plan):
                       a_off.data, 0, x.data, xb + x_index(u, mi), off.data, ob + mi * 4, False)
 
     @T.macro
-    def accumulate(a, x, acc, xb, u, sj, j, mi, ab):
-        """Word j of slab sj (decoded into a) against k-step u of m-tile mi, into its sum (set `ab`)."""
+    def accumulate(a, x, acc, xb, u, j, mi, ab):
+        """Word j (decoded into a) against k-step u of m-tile mi, into its sum (set `ab`)."""
         T.ptx_mma("float32", "m16n8k16", "row", "col", mma_dtype, mma_dtype, "fp32",
-                  a.data, j * 8, x.data, xb + x_index(u, mi), acc.data, ab + acc_index(sj, j, mi), False)
+                  a.data, j * 8, x.data, xb + x_index(u, mi), acc.data, ab + acc_index(j, mi), False)
 
-    def word(bufs, wb, u, sj, j):
-        """Pointer to word j of slab sj, k-step u, in the weight buffer at wb."""
-        return T.access_ptr(bufs.w[wb + (u * slabs + sj) * 4 + j], "r")
+    def word(bufs, wb, u, j):
+        """Pointer to word j of k-step u in the weight buffer at wb."""
+        return T.access_ptr(bufs.w[wb + u * 4 + j], "r")
 
     @T.macro
-    def decode(bufs, wb, sb, u, sj, j):
+    def decode(bufs, wb, sb, u, j):
         """The word's A fragments into a: raw magic-number codes (fold_zero_point), codes less the zero
-        point times the group's scales (scales from sb), or without the scales (they scale the sums)."""
+        point times the group's scales (scales from sb), or without the scales (channelwise: they scale
+        the final sums)."""
         if plan.fold:
-            T.call_extern("handle", plan.decode_raw, word(bufs, wb, u, sj, j), T.access_ptr(bufs.a[j * 8], "w"))
+            T.call_extern("handle", plan.decode_raw, word(bufs, wb, u, j), T.access_ptr(bufs.a[j * 8], "w"))
         elif plan.scale_weights:
-            T.call_extern("handle", plan.decode_scaled, word(bufs, wb, u, sj, j),
-                          T.access_ptr(bufs.scale[sb + sj * 8 + 2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))
+            T.call_extern("handle", plan.decode_scaled, word(bufs, wb, u, j),
+                          T.access_ptr(bufs.scale[sb + 2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))
         else:
-            T.call_extern("handle", plan.decode, word(bufs, wb, u, sj, j), T.access_ptr(bufs.a[j * 8], "w"))
+            T.call_extern("handle", plan.decode, word(bufs, wb, u, j), T.access_ptr(bufs.a[j * 8], "w"))
 
     @T.macro
     def multiply(bufs, wb, sb, xb, ab, ob):
         for u in T.unroll(unroll):
             if plan.fold:
                 offsets(bufs.x, bufs.a_off, bufs.off, xb, u, ob)
-            for sj in T.unroll(slabs):
-                for j in T.unroll(4):
-                    decode(bufs, wb, sb, u, sj, j)
-                    for mi in T.unroll(m_tiles):
-                        accumulate(bufs.a, bufs.x, bufs.acc, xb, u, sj, j, mi, ab)
+            for j in T.unroll(4):
+                decode(bufs, wb, sb, u, j)
+                for mi in T.unroll(m_tiles):
+                    accumulate(bufs.a, bufs.x, bufs.acc, xb, u, j, mi, ab)
 
     return multiply
 
 
 def sums_fold(plan: Plan):
-    """A T.macro(bufs, scale, ab, ob, sb) that adds one batch's sums (set ab) less the offsets (set ob,
-    fold_zero_point), times its group's scales (`scale` from sb), to the running total."""
-    slabs, m_tiles, acc_index = plan.slabs, plan.m_tiles, plan.acc_index
+    """fold_zero_point: a T.macro(bufs, scale, ab, ob, sb) that adds one batch's sums (set ab) less the
+    offsets (set ob), times its group's scales (`scale` from sb; channelwise: none), to the running
+    total."""
+    m_tiles, acc_index = plan.m_tiles, plan.acc_index
 
     @T.macro
     def fold_sums(bufs, scale, ab, ob, sb):
-        for sj in T.unroll(slabs):
-            for j in T.unroll(4):
-                for mi in T.unroll(m_tiles):
-                    for e in T.unroll(4):
-                        i = acc_index(sj, j, mi) + e
-                        part = bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e] if plan.fold else bufs.acc[ab + i]
-                        if plan.grouped:
-                            bufs.total[i] = bufs.total[i] + part * T.cast(scale[sb + sj * 8 + 2 * j + e // 2],
-                                                                          "float32")
-                        else:
-                            bufs.total[i] = bufs.total[i] + part
+        for j in T.unroll(4):
+            for mi in T.unroll(m_tiles):
+                for e in T.unroll(4):
+                    i = acc_index(j, mi) + e
+                    part = bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e]
+                    if plan.grouped:
+                        bufs.total[i] = bufs.total[i] + part * T.cast(scale[sb + 2 * j + e // 2], "float32")
+                    else:
+                        bufs.total[i] = bufs.total[i] + part
 
     return fold_sums

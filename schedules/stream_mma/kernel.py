@@ -24,12 +24,11 @@ Why it looks the way it does:
   loads repeat row M-1 (L1 hits), the shared slots are zero-filled (at M = 1 eight copies of one
   row, fetched by L2-only cp.async, were eight requests for the same lines from every warp); their
   copies allocate in L1, since the blocks of an SM read the same k-steps of A.
-- Group scales multiply the decoded weights (one half2 multiply per pair); with scale_on_acc they
-  scale each batch's fp32 sums instead, and with fold_zero_point the MMA gets raw magic-number codes
-  while the offsets (magic number and zero point) come off each batch's sums before the scale: the
-  kernel is bound by the SM's instructions, not by HBM (docs/performance.md, fold_zero_point). A
-  batch never crosses a group (check()), so each batch loads one scale row. Channelwise scales scale
-  the final fp32 sums.
+- Group scales multiply the decoded weights (one half2 multiply per pair), or with fold_zero_point
+  the MMA gets raw magic-number codes while the offsets (magic number and zero point) come off each
+  batch's sums before the scale: the kernel is bound by the SM's instructions, not by HBM
+  (docs/performance.md, fold_zero_point). A batch never crosses a group (check()), so each batch
+  loads one scale row. Channelwise scales scale the final fp32 sums.
 - The block's warps add their sums in a shared fp32 tile, then the common epilogue stores it, with
   split-K through a global workspace when the output has too few tiles to occupy the GPU, or
   (cluster_reduce, sm_90) through the distributed shared memory of a cluster of the splits.
@@ -90,9 +89,6 @@ def build(problem: Problem, knobs: Knobs):
             if kb.early_start:
                 start(B, S, bx, lane, first)
             wait_prior()
-            if kb.occupancy:
-                # Cap registers so that occupancy // warps blocks fit per SM: warps hide latency.
-                T.annotate_min_blocks_per_sm(kb.occupancy // warps)
             bufs = allocate(A, B, S)
             clear(bufs)
 
@@ -132,13 +128,13 @@ def buffers(plan: Plan):
         # `ahead` register buffers: batch it + ahead - 1 loads while batch it is decoded.
         w = T.alloc_local((plan.w_bufs * plan.per_w,), "int32")
         W_s = T.alloc_shared((warps, ahead, plan.per_w * 32), "int32") if w_smem else None
-        S_s = T.alloc_shared((warps, ahead, plan.slabs * SLAB_N), dtype) if w_smem else None
+        S_s = T.alloc_shared((warps, ahead, SLAB_N), dtype) if w_smem else None
         x = T.alloc_local((plan.x_bufs * plan.per_x,), dtype)
         X_s = T.alloc_shared((warps + kb.pad_warps, ahead, plan.bm, plan.x_cols), dtype) if plan.x_smem else None
         scale = T.alloc_local((plan.w_bufs * plan.per_s,), dtype)
         a = T.alloc_local((32,), dtype)
         acc = T.alloc_local((plan.acc_len * plan.sets,), "float32")
-        total = T.alloc_local((plan.acc_len,), "float32") if plan.batch_sums else None
+        total = T.alloc_local((plan.acc_len,), "float32") if plan.fold else None
         off = T.alloc_local((plan.off_len * plan.sets,), "float32")
         lag_scale = T.alloc_local((2 * plan.per_s,), dtype) if plan.lag else None
         a_off = T.alloc_local((8,), dtype)
@@ -156,7 +152,7 @@ def registers_cleared(plan: Plan):
     def clear(bufs):
         for i in T.serial(acc_len * sets):
             bufs.acc[i] = T.float32(0)
-        if plan.batch_sums:
+        if plan.fold:
             for i in T.serial(acc_len):
                 bufs.total[i] = T.float32(0)
         for i in T.unroll(off_len * sets):
@@ -175,7 +171,7 @@ def warp_sums(plan: Plan):
     """A T.macro(bufs, wk, g, t) after the k-loop: the block's warps add their sums into the shared
     tile C_s, a warp at a time or (sum_slices) through a slice each; C_s is complete once the threads
     synchronize after it."""
-    kb, slabs, m_tiles, warps = plan.knobs, plan.slabs, plan.m_tiles, plan.warps
+    kb, m_tiles, warps = plan.knobs, plan.m_tiles, plan.warps
     acc_index, sums_position = plan.acc_index, plan.sums_position
 
     @T.macro
@@ -183,16 +179,15 @@ def warp_sums(plan: Plan):
         # The first barrier also keeps a warp from writing shared memory while another still reads
         # activation slots that may share it.
         T.sync_threads()
-        sums = bufs.total if plan.batch_sums else bufs.acc
+        sums = bufs.total if plan.fold else bufs.acc
         if kb.sum_slices:
             # Every warp stores its sums into its own slice at once, then each thread adds one
             # element's slices: two barriers instead of warps + 1, no zeroing.
-            for sj in T.unroll(slabs):
-                for j in T.unroll(4):
-                    for mi in T.unroll(m_tiles):
-                        for e in T.unroll(4):
-                            row, col = sums_position(sj, j, mi, e, g, t)
-                            bufs.P_s[wk, row, col] = sums[acc_index(sj, j, mi) + e]
+            for j in T.unroll(4):
+                for mi in T.unroll(m_tiles):
+                    for e in T.unroll(4):
+                        row, col = sums_position(j, mi, e, g, t)
+                        bufs.P_s[wk, row, col] = sums[acc_index(j, mi) + e]
             T.sync_threads()
             for i, j in T.Parallel(plan.bm, plan.bn):
                 bufs.C_s[i, j] = sum(bufs.P_s[r, i, j] for r in range(warps))
@@ -202,12 +197,11 @@ def warp_sums(plan: Plan):
             for r in T.serial(warps):
                 T.sync_threads()
                 if wk == r:
-                    for sj in T.unroll(slabs):
-                        for j in T.unroll(4):
-                            for mi in T.unroll(m_tiles):
-                                for e in T.unroll(4):
-                                    row, col = sums_position(sj, j, mi, e, g, t)
-                                    bufs.C_s[row, col] = bufs.C_s[row, col] + sums[acc_index(sj, j, mi) + e]
+                    for j in T.unroll(4):
+                        for mi in T.unroll(m_tiles):
+                            for e in T.unroll(4):
+                                row, col = sums_position(j, mi, e, g, t)
+                                bufs.C_s[row, col] = bufs.C_s[row, col] + sums[acc_index(j, mi) + e]
 
     return sum_warps
 

@@ -14,20 +14,18 @@ MMA_N = 8   # the swapped MMA's n: rows of M per m-tile
 class Knobs:
     """One point of the stream_mma schedule space.
 
-    A block has `warps` warps that share `slabs` 64-column slabs of the output and split the k-steps
+    A block has `warps` warps that share one 64-column slab of the output and split the k-steps
     between them; each warp streams `unroll` k-steps of 16 rows per batch straight from global memory
-    into registers (unroll * slabs 16-byte loads per lane per batch), with `ahead` batches in flight
-    (register buffers: the next batches load while one is decoded). m_tiles MMA tiles of 8 rows
-    cover block_m = 8 * m_tiles rows of M. split_k > 1 spreads the batches over that many blocks per
-    output tile, whose fp32 partials meet in a global workspace (schedules/epilogue.py).
-    occupancy > 0 asks the compiler for at least that many resident warps per SM (registers capped
-    at 65536 / (32 * occupancy)); 0 leaves registers to the compiler. scale_on_acc applies group
-    scales to each batch's fp32 sums instead of to every decoded weight. fold_zero_point goes further:
-    the MMA multiplies the raw magic-number codes (4 lop3 and a shift per word, no subtraction, no
-    scale) and one extra MMA per k-step computes the offsets that come off the fp32 sums, which
-    then take the scale (per batch; channelwise scales once at the end). cluster_reduce
-    (sm_90, split_k <= 8) launches a tile's splits as one thread-block cluster that adds its partial
-    sums through distributed shared memory instead of a global workspace (schedules/epilogue.py).
+    into registers (one 16-byte load per lane and k-step), with `ahead` batches in flight (register
+    buffers: the next batches load while one is decoded). m_tiles MMA tiles of 8 rows cover
+    block_m = 8 * m_tiles rows of M. split_k > 1 spreads the batches over that many blocks per
+    output tile, whose fp32 partials meet in a global workspace (schedules/epilogue.py). Group
+    scales multiply the decoded weights, unless fold_zero_point: the MMA multiplies the raw
+    magic-number codes (4 lop3 and a shift per word, no subtraction, no scale) and one extra MMA per
+    k-step computes the offsets that come off the fp32 sums, which then take the scale (per batch;
+    channelwise scales once at the end). cluster_reduce (sm_90, split_k <= 8) launches a tile's splits
+    as one thread-block cluster that adds its partial sums through distributed shared memory instead
+    of a global workspace (schedules/epilogue.py).
     x_ldmatrix stages each batch's activations per warp in shared memory with coalesced 16-byte
     cp.async and reads the B fragments with ldmatrix.x4, instead of two 4-byte loads of 8 rows per
     k-step and m-tile (which flood the load pipe at M >= 16). async_weights (with x_ldmatrix) moves
@@ -55,13 +53,10 @@ class Knobs:
     """
 
     m_tiles: int = 1
-    slabs: int = 1
     warps: int = 8
     unroll: int = 4
     split_k: int = 1
     ahead: int = 2
-    occupancy: int = 0
-    scale_on_acc: bool = False
     fold_zero_point: bool = False
     cluster_reduce: bool = False
     x_ldmatrix: bool = False
@@ -79,7 +74,7 @@ class Knobs:
 
     @property
     def block_n(self) -> int:
-        return SLAB_N * self.slabs
+        return SLAB_N
 
     @property
     def block_k(self) -> int:
@@ -102,8 +97,7 @@ class Knobs:
 
     @property
     def name(self) -> str:
-        return f"mt{self.m_tiles}_sl{self.slabs}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}" + (
-            f"_o{self.occupancy}" if self.occupancy else "") + ("_sacc" if self.scale_on_acc else "") + (
+        return f"mt{self.m_tiles}_w{self.warps}_u{self.unroll}_a{self.ahead}_sk{self.split_k}" + (
             "_fz" if self.fold_zero_point else "") + ("_cl" if self.cluster_reduce else "") + (
             "_xl" if self.x_ldmatrix else "") + ("_aw" if self.async_weights else "") + (
             "_ss" if self.sum_slices else "") + ("_pdl" if self.pdl else "") + (
@@ -125,7 +119,7 @@ class Knobs:
     def _k_loop_bytes(self) -> int:
         """The warps' slots, unpadded: activations with x_ldmatrix, weights and scales with async_weights."""
         x = self.warps * self.x_slots_bytes if self.x_ldmatrix else 0
-        w = self.warps * self.ahead * (self.unroll * self.slabs * 512 + self.block_n * 2) if self.async_weights else 0
+        w = self.warps * self.ahead * (self.unroll * 512 + self.block_n * 2) if self.async_weights else 0
         return x + w
 
     @property
@@ -143,33 +137,31 @@ class Knobs:
 
     def registers_estimate(self) -> int:
         sets = 2 if self.fold_lag else 1
-        acc = self.slabs * 4 * self.m_tiles * 4 * (1 + sets if self.scale_on_acc or self.fold_zero_point else 1)
+        acc = 4 * self.m_tiles * 4 * (1 + sets if self.fold_zero_point else 1)
         acc += (self.m_tiles * 4 * sets + 4) if self.fold_zero_point else 0     # offsets' sums, constant A
-        acc += self.slabs * 8 if self.fold_lag else 0      # the folded batch's scales (two sets of half2)
+        acc += 8 if self.fold_lag else 0      # the folded batch's scales (two sets of half2)
         x_regs = self.m_tiles * 2 * self.unroll
         w_bufs = 1 if self.async_weights else self.ahead
-        loads = w_bufs * (self.unroll * self.slabs * 4 + self.slabs * 4) + self.ahead * (0 if self.x_ldmatrix else x_regs)
+        loads = w_bufs * (self.unroll * 4 + 4) + self.ahead * (0 if self.x_ldmatrix else x_regs)
         loads += x_regs if self.x_ldmatrix else 0
-        return acc + loads + 32   # + addresses and loop state (76 measured for mt1 sl1 u4 a1: est. 76)
+        return acc + loads + 32   # + addresses and loop state (76 measured for mt1 u4 a1: est. 76)
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     """Why (problem, knobs) cannot compile or run on `arch`, or None when it can."""
     kb = knobs
-    for field in ("m_tiles", "slabs", "warps", "unroll", "split_k", "ahead"):
+    for field in ("m_tiles", "warps", "unroll", "split_k", "ahead"):
         if getattr(kb, field) < 1:
             return f"{field}={getattr(kb, field)} must be positive"
     if kb.threads > 1024:
         return f"{kb.threads} threads exceed the 1024 a block may have"
     if problem.n % kb.block_n:
-        return f"N={problem.n} is not a multiple of block_n={kb.block_n} ({kb.slabs} slabs of {SLAB_N})"
+        return f"N={problem.n} is not a multiple of block_n={kb.block_n} (one slab)"
     batch_rows = TILE_K * kb.unroll
     if problem.k % batch_rows:
         return f"K={problem.k} is not a multiple of unroll * 16 = {batch_rows}"
     if not problem.channelwise and problem.group % batch_rows:
         return f"group={problem.group} must be a multiple of unroll * 16 = {batch_rows} (one scale row per batch)"
-    if problem.channelwise and kb.scale_on_acc:
-        return "channelwise scales are always applied to the sums; scale_on_acc adds nothing"
     if kb.cluster_reduce:
         if not arch.hopper:
             return f"cluster_reduce needs thread-block clusters (sm_90); {arch.name} has none"
@@ -196,8 +188,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.max_blocks < 0 or kb.max_blocks and not (arch.hopper and kb.x_ldmatrix):
         return (f"max_blocks={kb.max_blocks}: 0 (no cap) or the blocks per sm_90 SM, padding the activation "
                 "slots (x_ldmatrix)")
-    if kb.fold_zero_point and kb.scale_on_acc:
-        return "fold_zero_point already applies the scales to the sums; drop scale_on_acc"
     workers = kb.split_k * kb.warps
     if kb.batches(problem) < workers:
         return (f"{kb.batches(problem)} batches of {batch_rows} rows leave some of the "
@@ -205,13 +195,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     regs = kb.registers_estimate()
     if regs > 200:
         return f"about {regs} registers per thread for sums and loads would spill"
-    if kb.occupancy:
-        if kb.occupancy % kb.warps or kb.occupancy > 64:
-            return f"occupancy={kb.occupancy} must be a multiple of warps={kb.warps} and at most 64 warps per SM"
-        cap = arch.registers_per_sm // (32 * kb.occupancy)
-        # No slack: with ahead > 1 an estimate 16 over the cap spilled (tests/test_codegen_stream.py).
-        if regs > cap:
-            return f"about {regs} registers per thread do not fit the {cap} that occupancy={kb.occupancy} leaves"
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
         return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
     if problem.dtype == "bfloat16" and arch.sm < 80:

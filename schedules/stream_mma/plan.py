@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from templates import dequant_function_names, mma_operand_dtype, raw_decode
 
-from ..marlin_mma.layout import SLAB_N, TILE_K
+from ..marlin_mma.layout import TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
 
@@ -19,8 +19,7 @@ class Plan:
         kb = self.knobs = knobs
         self.problem, self.dtype = problem, problem.dtype
         self.grouped = not problem.channelwise
-        self.m_tiles, self.slabs, self.unroll, self.warps, self.ahead = (kb.m_tiles, kb.slabs, kb.unroll, kb.warps,
-                                                                         kb.ahead)
+        self.m_tiles, self.unroll, self.warps, self.ahead = kb.m_tiles, kb.unroll, kb.warps, kb.ahead
         self.bm, self.bn = kb.block_m, kb.block_n
         self.grid_n = problem.n // self.bn
         self.split = kb.uses_workspace           # split-K through the global workspace
@@ -34,9 +33,9 @@ class Plan:
         self.x_smem = kb.x_ldmatrix
         self.w_smem = kb.async_weights       # implies x_smem (check): every load of the k-loop is a cp.async
         # Per register buffer: the weight words, activation halves and scale halves of one batch.
-        self.per_w = self.unroll * self.slabs * 4
+        self.per_w = self.unroll * 4
         self.per_x = self.unroll * self.m_tiles * 4
-        self.per_s = self.slabs * 8
+        self.per_s = 8
         self.w_bufs = 1 if self.w_smem else self.ahead   # async_weights: the shared slots hold the batches in flight
         self.x_bufs = 1 if self.x_smem else self.ahead   # x_ldmatrix: activations wait in shared memory instead
         self.x_cols = TILE_K * self.unroll + 8   # padded rows: ldmatrix's 8 row addresses hit 8 bank groups
@@ -53,25 +52,25 @@ class Plan:
         # row of M it is lo_off * sum(x, k % 16 < 8) + hi_off * sum(x, k % 16 >= 8) with the zero point 8
         # included, which one more MMA per k-step computes from a constant A fragment.
         self.lo_off, self.hi_off = lo_magic + 8, hi_magic + 8
-        # Each batch's fp32 sums are folded into a running total: with the group scale (scale_on_acc), or
-        # less the offsets (fold_zero_point; also channelwise, so that no sum grows to K * 1032 * |x|).
-        self.batch_sums = (self.grouped and kb.scale_on_acc) or self.fold
-        self.scale_weights = self.grouped and not self.batch_sums
-        self.acc_len = self.slabs * 4 * self.m_tiles * 4
+        # fold_zero_point folds each batch's fp32 sums, less the offsets, into a running total (also
+        # channelwise, so that no sum grows to K * 1032 * |x|); otherwise the decode applies the scales.
+        self.scale_weights = self.grouped and not self.fold
+        self.acc_len = 4 * self.m_tiles * 4
         self.off_len = self.m_tiles * 4
         # fold_lag: batch b's sums are folded while batch b + 1's MMAs run, from a second set of sums (and
         # of offsets and scales); the unroll by `ahead` (even: check()) makes each batch's set a constant.
         self.lag = kb.fold_lag
         self.sets = 2 if self.lag else 1
 
-    def acc_index(self, sj, j, mi):
-        """First of the 4 sums of word j of slab sj against m-tile mi, in a set of acc_len sums."""
-        return ((sj * 4 + j) * self.m_tiles + mi) * 4
+    def acc_index(self, j, mi):
+        """First of the 4 sums of word j against m-tile mi, in a set of acc_len sums."""
+        return (j * self.m_tiles + mi) * 4
 
-    def sums_position(self, sj, j, mi, e, g, t):
-        """Where sum e of a lane's C^T fragment (16 columns of slab sj, m-tile mi) goes in the block
+    @staticmethod
+    def sums_position(j, mi, e, g, t):
+        """Where sum e of a lane's C^T fragment (16 columns j of the slab, m-tile mi) goes in the block
         tile: row (of M) 2t + e % 2 of the m-tile, column (weight column) 16j + g, + 8 for e >= 2."""
-        return mi * MMA_N + 2 * t + e % 2, sj * SLAB_N + j * 16 + g + 8 * (e // 2)
+        return mi * MMA_N + 2 * t + e % 2, j * 16 + g + 8 * (e // 2)
 
     def x_index(self, u, mi):
         """First of the 4 halves (b0..b3) of k-step u, m-tile mi: m-tile-major, so that one ldmatrix.x4
@@ -79,10 +78,10 @@ class Plan:
         return (mi * self.unroll + u) * 4
 
     @staticmethod
-    def scale_col(sj, v, g):
-        """Column, within the block, of a lane's scale v of slab sj: 16 (v // 2) + g, + 8 for odd v (the
-        lane's A rows of each 16-column group)."""
-        return sj * SLAB_N + (v // 2) * 16 + (v % 2) * 8 + g
+    def scale_col(v, g):
+        """Column, within the block, of a lane's scale v: 16 (v // 2) + g, + 8 for odd v (the lane's A
+        rows of each 16-column group)."""
+        return (v // 2) * 16 + (v % 2) * 8 + g
 
 
 @dataclass
@@ -101,7 +100,7 @@ class Buffers:
     a_off: object             # fold_zero_point: the constant A fragment of the offsets
     acc: object               # the MMAs' fp32 sums (two sets with fold_lag)
     off: object               # fold_zero_point: the offsets' sums per m-tile (two sets with fold_lag)
-    total: object             # batch_sums: the folded batches' running total
+    total: object             # fold_zero_point: the folded batches' running total
     lag_scale: object         # fold_lag: the scales of the batch whose sums wait to be folded
     W_s: object               # async_weights: the warps' weight slots
     S_s: object               # async_weights: the warps' scale slots

@@ -32,7 +32,7 @@ def batch_loads(plan: Plan, m):
     """A T.macro(bufs, buf, slot, batch, by, bx, lane, wk, g, t) that issues the loads of `batch` into
     register buffer `buf` (and, with x_ldmatrix, the activations into shared slot `slot` of warp wk);
     nothing waits for them there. `m` is the kernel's dynamic M."""
-    bm, unroll, slabs, m_tiles = plan.bm, plan.unroll, plan.slabs, plan.m_tiles
+    bm, unroll, m_tiles = plan.bm, plan.unroll, plan.m_tiles
     per_w, per_x, per_s = plan.per_w, plan.per_x, plan.per_s
     group, x_index, scale_col = plan.problem.group, plan.x_index, plan.scale_col
 
@@ -41,15 +41,14 @@ def batch_loads(plan: Plan, m):
         if batch < plan.batches:
             kt0 = batch * unroll
             for u in T.unroll(unroll):
-                for sj in T.unroll(slabs):
-                    if plan.w_smem:
-                        # The lane's own 16 bytes into its own place of the warp's slot.
-                        T.ptx_cp_async(T.access_ptr(bufs.W_s[wk, slot, (u * slabs + sj) * 128 + lane * 4], "w", 4),
-                                       T.access_ptr(bufs.B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r", 4), 4)
-                    else:
-                        T.call_extern("handle", "tm_load_stream_16B",
-                                      T.access_ptr(bufs.B[kt0 + u, (bx * slabs + sj) * 128 + lane * 4], "r"),
-                                      T.access_ptr(bufs.w[buf * per_w + (u * slabs + sj) * 4], "w"))
+                if plan.w_smem:
+                    # The lane's own 16 bytes into its own place of the warp's slot.
+                    T.ptx_cp_async(T.access_ptr(bufs.W_s[wk, slot, u * 128 + lane * 4], "w", 4),
+                                   T.access_ptr(bufs.B[kt0 + u, bx * 128 + lane * 4], "r", 4), 4)
+                else:
+                    T.call_extern("handle", "tm_load_stream_16B",
+                                  T.access_ptr(bufs.B[kt0 + u, bx * 128 + lane * 4], "r"),
+                                  T.access_ptr(bufs.w[buf * per_w + u * 4], "w"))
                 if not plan.x_smem:
                     # A lane's B fragment of row g: two 4-byte loads per k-step and m-tile. Rows past M
                     # repeat row M - 1 (L1 hits); they only feed outputs that are never stored.
@@ -70,17 +69,14 @@ def batch_loads(plan: Plan, m):
                                   T.access_ptr(bufs.A[T.min(by * bm + r, m - 1), kt0 * TILE_K + col], "r", 8),
                                   by * bm + r < m)
             if plan.grouped and plan.w_smem:
-                # The block's scale row of the batch's group: 8 halves per lane, slabs * 8 lanes.
-                if lane < slabs * 8:
+                # The block's scale row of the batch's group: 8 halves per lane, 8 lanes.
+                if lane < 8:
                     T.ptx_cp_async(T.access_ptr(bufs.S_s[wk, slot, lane * 8], "w", 8),
-                                   T.access_ptr(bufs.S[kt0 * TILE_K // group, bx * slabs * SLAB_N + lane * 8], "r", 8),
-                                   8)
+                                   T.access_ptr(bufs.S[kt0 * TILE_K // group, bx * SLAB_N + lane * 8], "r", 8), 8)
             elif plan.grouped:
-                # Columns 16j + g and 16j + 8 + g of each slab: the scales of the lane's A rows.
-                for sj in T.unroll(slabs):
-                    for v in T.unroll(8):
-                        bufs.scale[buf * per_s + sj * 8 + v] = bufs.S[kt0 * TILE_K // group,
-                                                                 bx * slabs * SLAB_N + scale_col(sj, v, g)]
+                # Columns 16j + g and 16j + 8 + g of the slab: the scales of the lane's A rows.
+                for v in T.unroll(8):
+                    bufs.scale[buf * per_s + v] = bufs.S[kt0 * TILE_K // group, bx * SLAB_N + scale_col(v, g)]
         if plan.x_smem:
             T.ptx_commit_group()       # one group per batch, empty past the end, so waits count batches
 
@@ -91,7 +87,7 @@ def start_early(plan: Plan):
     """early_start: a T.macro(B, S, bx, lane, first) for before the wait for the previous kernel. Unless
     late_trigger, it lets the next kernel launch at once; each warp (its first batch `first`) asks L2
     for the weights and scale rows of its first early_start batches, which no earlier kernel writes."""
-    kb, unroll, slabs, group = plan.knobs, plan.unroll, plan.slabs, plan.problem.group
+    kb, unroll, group = plan.knobs, plan.unroll, plan.problem.group
 
     @T.macro
     def start(B, S, bx, lane, first):
@@ -100,15 +96,13 @@ def start_early(plan: Plan):
         for p in T.unroll(kb.early_start):
             batch = p * plan.workers + first
             if batch < plan.batches:
-                # A batch is `unroll` rows of 512 bytes per slab (one lane's 16 bytes each) and one scale
-                # row; a lane each.
-                if lane < unroll * slabs:
-                    T.call_extern("handle", "tm_prefetch_l2",
-                                  T.access_ptr(B[batch * unroll + lane // slabs, (bx * slabs + lane % slabs) * 128],
-                                               "r"), 512)
+                # A batch is `unroll` rows of 512 bytes (one lane's 16 bytes each) and one scale row; a
+                # lane each.
+                if lane < unroll:
+                    T.call_extern("handle", "tm_prefetch_l2", T.access_ptr(B[batch * unroll + lane, bx * 128], "r"),
+                                  512)
                 elif plan.grouped and lane == 31:
                     T.call_extern("handle", "tm_prefetch_l2",
-                                  T.access_ptr(S[batch * unroll * TILE_K // group, bx * slabs * SLAB_N], "r"),
-                                  slabs * SLAB_N * 2)
+                                  T.access_ptr(S[batch * unroll * TILE_K // group, bx * SLAB_N], "r"), SLAB_N * 2)
 
     return start

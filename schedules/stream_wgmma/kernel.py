@@ -37,30 +37,11 @@ from .plan import ATOM_OFFSET, LEADING_OFFSET, SW128, Buffers, Plan, panel_tile
 from .producer import WARP_INDEX, load_tma, produce, start_early
 from .store import CONSUMERS_SYNC, COPY16, acc_to_shared, store_sums
 
-# Global loads of a lane's packed words. No kernel calls them, but every kernel's source carries them:
-# they are part of the source that the shipped table's kernels were measured with, and dropping them
-# changes every kernel's text and cache key.
-WEIGHT_LOADS = r"""
-__device__ __forceinline__ void tm_ldg_words4(const void* src, void* dst) {
-  unsigned* d = reinterpret_cast<unsigned*>(dst);
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "l"(src));
-}
-__device__ __forceinline__ void tm_ldg_words2(const void* src, void* dst) {
-  unsigned* d = reinterpret_cast<unsigned*>(dst);
-  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(d[0]), "=r"(d[1]) : "l"(src));
-}
-__device__ __forceinline__ void tm_ldg_words1(const void* src, void* dst) {
-  unsigned* d = reinterpret_cast<unsigned*>(dst);
-  asm volatile("ld.global.nc.u32 %0, [%1];\n" : "=r"(d[0]) : "l"(src));
-}
-"""
-
 
 def device_code(plan: Plan) -> str:
     """The kernel's own device functions: the decode, and the helpers its knobs call."""
     kb = plan.kb
-    return render_dequant(plan.dtype, plan.bits) + WEIGHT_LOADS + (CLUSTER_HELPERS if plan.cluster else "") + \
+    return render_dequant(plan.dtype, plan.bits) + (CLUSTER_HELPERS if plan.cluster else "") + \
         (WARP_INDEX if kb.producer_warp else "") + (COPY16 if kb.staged_store else "") + \
         (CONSUMERS_SYNC if kb.staged_store else "") + (EARLY_START_HELPERS if kb.early_start else "") + \
         plan.split_k_prelude
