@@ -8,11 +8,11 @@ schedule. Each lives in a readable folder, `kernels/<arch>/<problem>/<schedule>-
 - `kernel.cu`: the device source, for reading and for the code-generation tests,
 - `meta.json`: the identity above, including the CUDA toolkit that built it.
 
-Loading takes no part of TileLang's compiler. TileLang 0.1.15 exports a kernel as a shared library
-whose host code calls only TVM-FFI and TVM's runtime (`TVMBackendGetFuncFromEnv`, and the CUDA module
-loader `ffi.Module.load_from_bytes.cuda`). Both live in `tvm_ffi` and in TileLang's
-`lib/libtvm_runtime.so`, apart from `libtvm_compiler.so` and TileLang's Python: the store loads
-`libtvm_runtime.so` into the process and opens the kernel with `tvm_ffi.load_module`, then calls it
+Loading imports none of TileLang's Python and compiles nothing. TileLang 0.1.15 exports a kernel as
+a shared library whose host code calls TVM-FFI and TVM's runtime (`TVMBackendGetFuncFromEnv`, the CUDA
+module loader `ffi.Module.load_from_bytes.cuda`) and, for TMA loads, `__tvm_tensormap_create_tiled`,
+which TileLang's `lib/libtilelang.so` registers. The store loads those native libraries
+(NATIVE_LIBRARIES) into the process and opens the kernel with `tvm_ffi.load_module`, then calls it
 with torch tensors as TileLang's own adapter does (the stream comes from torch through DLPack).
 Building a kernel imports TileLang, lowers the schedule and runs nvcc (5-10 s); that happens only on
 a miss, and `compile_many` does it for many kernels in worker processes.
@@ -229,15 +229,21 @@ def _build_into(folder: Path, problem: Problem, schedule: Schedule, arch: Arch) 
     shutil.rmtree(old, ignore_errors=True)
 
 
+# Loaded in this order: TVM's runtime (its symbols and its CUDA module loader), then TileLang's library,
+# whose static initializers register `__tvm_tensormap_create_tiled`, the function through which a TMA
+# kernel's host code builds its tensor maps at every launch. Neither loads TileLang's Python.
+NATIVE_LIBRARIES = ("libtvm_runtime.so", "libtilelang.so")
+
+
 @functools.lru_cache(maxsize=1)
 def _tvm_runtime() -> None:
-    """Load TVM's runtime library from TileLang's package (not TileLang's Python, not its compiler):
-    exported kernels need its symbols and its CUDA module loader."""
+    """Load the native libraries exported kernels call into (NATIVE_LIBRARIES) from TileLang's package."""
     spec = importlib.util.find_spec("tilelang")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("tilemarlin's kernels need the tilelang package (pip install tilelang==0.1.15)")
-    library = Path(list(spec.submodule_search_locations)[0]) / "lib" / "libtvm_runtime.so"
-    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    folder = Path(list(spec.submodule_search_locations)[0]) / "lib"
+    for name in NATIVE_LIBRARIES:
+        ctypes.CDLL(str(folder / name), mode=ctypes.RTLD_GLOBAL)
 
 
 def _load_library(path: Path):

@@ -3,6 +3,7 @@ show the family's design: wgmma with its A operand in registers (the decoded wei
 shared-memory descriptor (the activations), the stages filled by TMA against mbarriers, every register
 buffer in registers, and what each k-loop waits on."""
 import math
+import os
 import re
 
 import pytest
@@ -641,3 +642,26 @@ def test_rotate_is_refused_where_a_warp_reads_the_whole_slab():
     problem = Problem(1024, 4096, 128)
     assert "groups 4" in stream_wgmma.check(problem, Knobs(16, 4, 1, 64, 4, rotate=True), SM90)
     assert stream_wgmma.check(problem, Knobs(16, 2, 1, 64, 4, rotate=True), SM90) is None
+
+
+def test_every_tvm_function_a_tma_kernel_calls_is_there_without_tilelang():
+    """A TMA kernel's host code builds its tensor maps through a function that only TileLang's native
+    library registers: after the store loads its native libraries, in a process that never imports
+    TileLang's Python, every `__tvm_` function the kernel's library names must resolve."""
+    from tests.test_kernel_store import _compiler_modules, _fresh_python
+
+    problem, knobs = CASES["release"]
+    library = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90).folder / "kernel.so"
+    names = sorted({n.decode() for n in re.findall(rb"__tvm_[A-Za-z_]+", library.read_bytes())
+                    if not n.startswith(b"__tvm_ffi_") and not n.endswith(b"_packed")})
+    assert "__tvm_tensormap_create_tiled" in names
+    result = _fresh_python(f"""
+        import json, sys
+        import tvm_ffi
+        from runtime.kernels import _tvm_runtime
+        _tvm_runtime()
+        missing = [n for n in {names!r} if tvm_ffi.get_global_func(n, allow_missing=True) is None]
+        print(json.dumps({{"missing": missing, "modules": sorted(sys.modules)}}))
+    """, os.environ.get("TILEMARLIN_CACHE_DIR", ""))
+    assert result["missing"] == []
+    assert _compiler_modules(result["modules"]) == []

@@ -38,7 +38,9 @@ def test_a_right_kernel_passes_once_and_is_stamped(kernel):
 
 
 class OneElementOff:
-    """The real kernel, then one output element changed: what a rare indexing bug looks like."""
+    """The real kernel, then one output element moved by 5 % of the output's largest magnitude: what a
+    rare indexing bug looks like. Over 1024 x 4096 outputs that is far below the relative-norm tolerance,
+    so only the element check can see it."""
 
     def __init__(self, kernel):
         self.kernel, self.folder = kernel, kernel.folder
@@ -46,11 +48,14 @@ class OneElementOff:
     def __call__(self, *args):
         self.kernel(*args)
         out = args[3]          # kernel_args: activations, packed weight, scales, output, ...
-        out.view(-1)[out.numel() // 2] += 4 * out.abs().max()
+        out.view(-1)[out.numel() // 2] += 0.05 * out.abs().max()
 
 
 @pytest.mark.parametrize("m", [1, 1024])
 def test_one_wrong_element_is_caught(kernel, m):
     device = torch.device("cuda", torch.cuda.current_device())
     assert selfcheck.run_check(kernel, PROBLEM, SCHEDULE, m, device) is None
-    assert "element" in (selfcheck.run_check(OneElementOff(kernel), PROBLEM, SCHEDULE, m, device) or "")
+    reason = selfcheck.run_check(OneElementOff(kernel), PROBLEM, SCHEDULE, m, device)
+    assert reason is not None
+    if m == 1024:
+        assert "element" in reason, reason
