@@ -227,6 +227,14 @@ class TunedTable:
         self._entries[(problem, bucket)] = Entry(schedule=schedule, us=float(us), **extra)
         self._recorded.add((problem, bucket))
 
+    def overlay(self, other: "TunedTable") -> None:
+        """Take `other`'s entries, replacing this table's of the same keys, and its versions when it
+        has entries (a table read beneath another: the shipped one beneath the user's)."""
+        if len(other):
+            self._entries.update(other._entries)
+            self.versions = dict(other.versions)
+        self.skipped += other.skipped
+
     # --- files -------------------------------------------------------------------------------
 
     def _header(self, fmt: str) -> dict:
@@ -470,10 +478,29 @@ def atomic_write(path: Path, text: str) -> None:
 
 
 def tables_dir() -> Path:
-    """The folder of the tuned tables (winners), one JSON file per GPU: cache_root()/tuned."""
+    """The folder of the tuned tables (winners) that tune writes, one JSON file per GPU:
+    cache_root()/tuned."""
     from .kernels import cache_root
 
     return cache_root() / "tuned"
+
+
+def shipped_tables_dir() -> Path:
+    """The tables that ship with tilemarlin: the package's own cache/tuned."""
+    return Path(__file__).resolve().parent.parent / "cache" / "tuned"
+
+
+def table_folders() -> list[Path]:
+    """Where tuned tables are read, the lowest precedence first: the shipped tables, then tables_dir()
+    where TILEMARLIN_CACHE_DIR moves it elsewhere. A moved cache (a read-only install, a shared
+    volume) keeps the shipped entries; what is tuned into it wins."""
+    shipped, own = shipped_tables_dir(), tables_dir()
+    return [shipped] if own.resolve() == shipped else [shipped, own]
+
+
+def table_files() -> list[Path]:
+    """Every table file of table_folders(), in precedence order."""
+    return [path for folder in table_folders() if folder.is_dir() for path in sorted(folder.glob("*.json"))]
 
 
 def history_path_of(table: Path) -> Path:
@@ -487,10 +514,10 @@ def table_path(gpu: GpuKey, root=None) -> Path:
 
 
 def winners_for_arch(arch: str) -> tuple[Schedule, ...]:
-    """The winning schedules of every trusted tuned table for `arch` under tables_dir(), each once,
+    """The winning schedules of every trusted tuned table for `arch` in table_folders(), each once,
     in file and entry order: what an untuned shape's fallback chooses from."""
     found: dict[Schedule, None] = {}
-    for path in sorted(tables_dir().glob("*.json")):
+    for path in table_files():
         try:
             table = _read_trusted(path, None)
         except TableError:
@@ -501,6 +528,10 @@ def winners_for_arch(arch: str) -> tuple[Schedule, ...]:
 
 
 def load_tuned_table(gpu: GpuKey | None = None) -> TunedTable:
-    """The tuned table of `gpu` (this process's GPU when None), empty when there is none."""
+    """The tuned table of `gpu` (this process's GPU when None), empty when there is none: the table
+    of each of table_folders() in turn, an entry of a later one replacing the same key's."""
     gpu = gpu or GpuKey.current()
-    return TunedTable.load(table_path(gpu), gpu)
+    merged = TunedTable(gpu)
+    for folder in table_folders():
+        merged.overlay(TunedTable.load(table_path(gpu, folder), gpu))
+    return merged

@@ -9,6 +9,7 @@ from gen.tune import cache_cmd
 from gen.tune import command as tune
 from gen.tune import options
 from gen.tune.search import DEFAULT_TOP
+import runtime.table as table_module
 from runtime.table import BUCKETS, GpuKey, TunedTable, table_path
 from schedules.arch import get_arch
 from schedules.cost import GpuSpec
@@ -37,7 +38,9 @@ def call(capsys, *argv):
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
+    """An empty cache, with no shipped tables beneath it."""
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(table_module, "shipped_tables_dir", lambda: tmp_path / "shipped")
     return tmp_path
 
 

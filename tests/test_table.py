@@ -5,8 +5,9 @@ import os
 
 import pytest
 
+import runtime.table as table_module
 from runtime.table import (BUCKETS, GpuKey, TableWarning, TunedTable, bucket_of, bucket_range, current_versions,
-                           load_tuned_table, table_path)
+                           load_tuned_table, shipped_tables_dir, table_folders, table_path, tables_dir)
 from schedules.marlin_mma import Knobs
 from schedules.problem import Problem
 from schedules.registry import Schedule
@@ -41,10 +42,28 @@ def test_slug_is_filename_safe():
     assert table_path(GPU, root="/x").name == "nvidia-h200_sm_90a_132sm.json"
 
 
-def test_table_path_follows_cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
-    assert table_path(GPU) == tmp_path / "tuned" / f"{GPU.slug}.json"
-    assert len(load_tuned_table(GPU)) == 0
+def test_a_moved_cache_keeps_the_shipped_entries_beneath_its_own(tmp_path, monkeypatch):
+    """TILEMARLIN_CACHE_DIR moves where tune writes; the shipped tables are still read, and an entry
+    tuned into the moved cache replaces the shipped entry of the same key."""
+    shipped = TunedTable(GPU)
+    shipped.record(PROBLEM, 1, SCHEDULE, 9.0)
+    shipped.record(PROBLEM, 16, SCHEDULE, 12.0)
+    shipped.save(tmp_path / "shipped" / f"{GPU.slug}.json")
+    monkeypatch.setattr(table_module, "shipped_tables_dir", lambda: tmp_path / "shipped")
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path / "cache"))
+    assert table_path(GPU) == tmp_path / "cache" / "tuned" / f"{GPU.slug}.json"
+    assert table_folders() == [tmp_path / "shipped", tmp_path / "cache" / "tuned"]
+    assert [(k[1], e.us) for k, e in load_tuned_table(GPU).items()] == [(1, 9.0), (16, 12.0)]
+
+    own = TunedTable(GPU)
+    own.record(PROBLEM, 16, SCHEDULE, 7.0)
+    own.save(table_path(GPU))
+    assert [(k[1], e.us) for k, e in load_tuned_table(GPU).items()] == [(1, 9.0), (16, 7.0)]
+
+
+def test_the_default_cache_is_the_shipped_folder(monkeypatch):
+    monkeypatch.delenv("TILEMARLIN_CACHE_DIR", raising=False)
+    assert table_folders() == [shipped_tables_dir()] and tables_dir() == shipped_tables_dir()
 
 
 def test_round_trip(tmp_path):

@@ -98,6 +98,7 @@ def test_tune_one_shape_end_to_end(tmp_path, monkeypatch, capsys):
 
 
 def test_gpu_key_and_table_for_this_gpu(tmp_path, monkeypatch):
+    import runtime.table as table_module
     from runtime.table import load_tuned_table
 
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
@@ -105,4 +106,5 @@ def test_gpu_key_and_table_for_this_gpu(tmp_path, monkeypatch):
     props = torch.cuda.get_device_properties(0)
     assert gpu.sm_count == props.multi_processor_count and gpu.name == props.name
     assert gpu.slug.endswith(f"_{gpu.arch}_{gpu.sm_count}sm") and " " not in gpu.slug
+    monkeypatch.setattr(table_module, "shipped_tables_dir", lambda: tmp_path / "shipped")
     assert len(load_tuned_table()) == 0

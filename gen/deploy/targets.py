@@ -92,25 +92,27 @@ def _dispatch(arch_name: str | None, slug: str | None):
 
 def _tuned_table(arch, slug: str | None):
     """(the trusted entries, GpuKey) of the tuned table named `slug`, or of the only table of `arch`;
-    (an empty table, None) when no table is of `arch` and none is named."""
-    from runtime.table import TableError, TunedTable, tables_dir
+    (an empty table, None) when no table is of `arch` and none is named. A GPU's table is its file
+    in each of the table folders, merged (runtime.table.load_tuned_table)."""
+    from runtime.table import TableError, TunedTable, load_tuned_table, table_files, table_folders
 
     found = {}
-    for path in sorted(tables_dir().glob("*.json")):
+    for path in table_files():
         try:
             header = TunedTable.read(path)
         except TableError:
             continue
         if (slug is None or path.stem == slug) and (arch is None or header.gpu.arch == arch.name):
-            found[path] = header.gpu
+            found[path.stem] = header.gpu
     what = f"{slug!r}" if slug else "of " + arch.name
     if slug and not found:
-        known = ", ".join(p.stem for p in sorted(tables_dir().glob("*.json"))) or "none"
-        raise ValueError(f"no tuned table {what}{' for ' + arch.name if arch else ''} in {tables_dir()} "
+        known = ", ".join(sorted({p.stem for p in table_files()})) or "none"
+        folders = " and ".join(str(f) for f in table_folders())
+        raise ValueError(f"no tuned table {what}{' for ' + arch.name if arch else ''} in {folders} "
                          f"(tables: {known})")
     if len(found) > 1:
-        raise ValueError(f"several tuned tables {what}: {', '.join(p.stem for p in found)}; pick one with --gpu")
+        raise ValueError(f"several tuned tables {what}: {', '.join(found)}; pick one with --gpu")
     if not found:
         return TunedTable(), None
-    ((path, gpu),) = found.items()
-    return TunedTable.load(path), gpu
+    (gpu,) = found.values()
+    return load_tuned_table(gpu), gpu

@@ -35,11 +35,10 @@ def run(args) -> int:
 
 
 def table_files(slug: str | None) -> list[Path]:
-    from runtime.table import tables_dir
+    """The table files of every table folder (the shipped ones first), or those of one GPU."""
+    from runtime.table import table_files as all_table_files
 
-    folder = tables_dir()
-    paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    return [p for p in paths if slug is None or p.stem == slug]
+    return [p for p in all_table_files() if slug is None or p.stem == slug]
 
 
 def _read(path: Path):
@@ -62,7 +61,7 @@ def _folder_size(folder: Path) -> tuple[int, int]:
 
 def list_cache(args, paths: list[Path]) -> int:
     from runtime.kernels import kernel_dir
-    from runtime.table import tables_dir
+    from runtime.table import shipped_tables_dir, table_folders
 
     from gen.tune.command import format_table
 
@@ -70,11 +69,12 @@ def list_cache(args, paths: list[Path]) -> int:
     for path in paths:
         table, status = _read(path)      # (a table of no entries is a table too: not `if table`)
         name, entries, v = (table.gpu.name, len(table), table.versions) if table is not None else ("?", "-", {})
-        rows.append([path.stem, name, entries, v.get("tilemarlin", "?"), v.get("tilelang", "?"), v.get("cuda", "?"),
-                     v.get("torch", "?"), status])
-    print(f"tuned tables in {tables_dir()}:")
-    print(format_table(["gpu", "name", "entries", "tilemarlin", "tilelang", "cuda", "torch", "status"], rows)
-          if rows else "  (none)")
+        folder = "shipped" if path.parent == shipped_tables_dir() else "TILEMARLIN_CACHE_DIR"
+        rows.append([path.stem, folder, name, entries, v.get("tilemarlin", "?"), v.get("tilelang", "?"),
+                     v.get("cuda", "?"), v.get("torch", "?"), status])
+    print(f"tuned tables in {' and '.join(str(f) for f in table_folders())}:")
+    headers = ["gpu", "folder", "name", "entries", "tilemarlin", "tilelang", "cuda", "torch", "status"]
+    print(format_table(headers, rows) if rows else "  (none)")
     count, size = _folder_size(kernel_dir())
     print(f"compiled kernels in {kernel_dir()}: {count} files, {size / 2**20:.1f} MiB")
     return 0
@@ -108,12 +108,13 @@ def show_tables(args, paths: list[Path]) -> int:
 
 def clear(args, paths: list[Path]) -> int:
     from runtime.kernels import kernel_dir
-    from runtime.table import table_lock
+    from runtime.table import table_lock, tables_dir
 
     from gen.tune.command import unwritable_cache
 
     both = not args.tables and not args.kernels
-    tables = paths if args.tables or both else []
+    # only the tables tune writes: the shipped ones stay beneath them
+    tables = [p for p in paths if p.parent == tables_dir()] if args.tables or both else []
     kernels = args.kernels or (both and not args.gpu)
     folders = {p.parent for p in tables} | ({kernel_dir()} if kernels and kernel_dir().exists() else set())
     why = unwritable_cache(sorted(folders))
