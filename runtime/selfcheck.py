@@ -4,10 +4,10 @@ The tuner checks every candidate before timing it, but a served kernel may have 
 (a shipped table's choice, rebuilt by another CUDA toolkit) or chosen without a tune (the fallback).
 So the first time a kernel runs on a GPU model with this torch and CUDA, the op runs it once on seeded
 random weights and activations at its bucket's M and compares with schedules.quant.reference_matmul,
-before it serves any request. The check costs one kernel call, one dequantization and one fp32 matmul
-(under a millisecond of GPU time for a Llama-size layer, plus the host's random numbers). A passing
-kernel gets a stamp in its store folder (`verified/<gpu and versions>`), so later processes skip the
-check; in a read-only store the check simply runs again in each process.
+before it serves any request. The check costs one kernel call, one dequantization, one fp32 matmul,
+and the drawing and packing of its inputs, all on the GPU. A passing kernel gets a stamp in its
+store folder (`verified/<gpu and versions>`), so later processes skip the check; in a read-only store
+the check simply runs again in each process.
 """
 from __future__ import annotations
 
@@ -53,13 +53,14 @@ def check_once(kernel, problem: Problem, schedule: Schedule, bucket: int, device
 
 def run_check(kernel, problem: Problem, schedule: Schedule, m: int, device: torch.device) -> str | None:
     """Why the kernel's output at M = m differs from the reference, or None."""
-    gen = torch.Generator(device="cpu").manual_seed(SEED)
+    # drawn and packed on the device: on the host, packing a Llama-size layer takes most of a second
+    gen = torch.Generator(device=device).manual_seed(SEED)
     dtype = torch_dtype(problem.dtype)
-    codes = torch.randint(0, 16, (problem.k, problem.n), generator=gen, dtype=torch.uint8)
-    scales = (torch.rand((problem.num_groups, problem.n), generator=gen) * 0.02 + 0.001).to(dtype)
-    a = torch.randn((m, problem.k), generator=gen).to(dtype).to(device)
+    codes = torch.randint(0, 16, (problem.k, problem.n), generator=gen, dtype=torch.uint8, device=device)
+    scales = (torch.rand((problem.num_groups, problem.n), generator=gen, device=device) * 0.02 + 0.001).to(dtype)
+    a = torch.randn((m, problem.k), generator=gen, device=device).to(dtype)
     fam, knobs = schedule.module, schedule.knobs
-    qweight, packed_scales = (t.to(device) for t in fam.pack(codes, scales))
+    qweight, packed_scales = fam.pack(codes, scales)
     out = torch.full((m, problem.n), float("nan"), dtype=dtype, device=device)
     fp32_elems, counters = fam.workspace_elems(problem, knobs, m)
     partials, tile_counters = split_k_workspace(device, fp32_elems, counters) if fp32_elems or counters else (None, None)
