@@ -1,0 +1,82 @@
+"""Start-up on the GPU, each in a fresh process, times printed (not asserted: timings belong to
+benchmarks): Llama-2-7B's four tuned layers answering every M bucket, from an empty compiled-kernel
+store (every kernel built and checked) and again from the filled one; and an untuned shape's first
+choice of kernel. Skipped without CUDA."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_2_7B = [(4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)]   # (K, N) of qkv, o, gate_up, down
+UNTUNED = (5120, 13824)                                                    # llama-2-13b's gate_up: no table has it
+
+ANSWER_EVERY_BUCKET = """
+    import json, time
+    start = time.perf_counter()
+    import torch
+    from runtime.linear import QuantLinear
+    from runtime.precompile import precompile_layers
+    from runtime.table import BUCKETS
+    imported = time.perf_counter()
+    layers = [QuantLinear(k, n, device="cuda", precompile=False) for k, n in SHAPES]
+    precompile_layers([(layer.problem, layer.qweight.device) for layer in layers])
+    built = time.perf_counter()
+    answered = 0
+    for layer in layers:
+        x = torch.randn(max(BUCKETS), layer.in_features, device="cuda", dtype=torch.float16)
+        for m in BUCKETS:
+            assert layer(x[:m]).shape == (m, layer.out_features)
+            answered += 1
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    print(json.dumps({"pairs": answered, "import_s": imported - start, "built_s": built - start,
+                      "answered_s": done - start}))
+"""
+
+FIRST_CHOICE = """
+    import json, time, warnings
+    start = time.perf_counter()
+    import torch
+    from runtime.op import DEFAULT_LAYOUT, dispatch_for, problem_of
+    imported = time.perf_counter()
+    problem = problem_of(N, K, 128, "float16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        schedule, how = dispatch_for().choose(problem, 16, DEFAULT_LAYOUT)
+    chosen = time.perf_counter()
+    print(json.dumps({"import_s": imported - start, "choose_s": chosen - imported, "schedule": schedule.name,
+                      "how": how}))
+"""
+
+
+def _fresh(code: str, cache: Path, **names) -> dict:
+    prelude = "".join(f"{name} = {value!r}\n" for name, value in names.items())
+    env = {**os.environ, "TILEMARLIN_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_tuned_layers_answer_every_bucket_from_an_empty_and_a_filled_store(tmp_path):
+    cold = _fresh(ANSWER_EVERY_BUCKET, tmp_path, SHAPES=LLAMA_2_7B)
+    warm = _fresh(ANSWER_EVERY_BUCKET, tmp_path, SHAPES=LLAMA_2_7B)
+    for name, run in (("empty store", cold), ("filled store", warm)):
+        print(f"llama-2-7b, {run['pairs']} (layer, bucket) pairs, {name}: import {run['import_s']:.2f} s, "
+              f"kernels ready {run['built_s']:.2f} s, all answered {run['answered_s']:.2f} s after start")
+        assert run["pairs"] == len(LLAMA_2_7B) * 13
+
+
+def test_an_untuned_shape_chooses_its_kernel_from_the_tuned_winners(tmp_path):
+    k, n = UNTUNED
+    run = _fresh(FIRST_CHOICE, tmp_path, K=k, N=n)
+    print(f"untuned {k}x{n} at M=16: import {run['import_s']:.2f} s, choice {run['choose_s']:.3f} s, "
+          f"{run['schedule']} ({run['how']})")
+    assert "winner" in run["how"]
