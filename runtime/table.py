@@ -174,7 +174,10 @@ def _timings(value) -> list[dict]:
 
 
 def _problem_dict(p: Problem) -> dict:
-    return {"n": p.n, "k": p.k, "group": p.group, "dtype": p.dtype, "bits": p.bits}
+    """The problem's fields as a table entry keeps them; zero_points only where set, so that the
+    symmetric entries read as they always have."""
+    fields = {"n": p.n, "k": p.k, "group": p.group, "dtype": p.dtype, "bits": p.bits}
+    return {**fields, "zero_points": True} if p.zero_points else fields
 
 
 def knobs_reason(schedule: Schedule, problem: Problem, arch_name: str) -> str | None:

@@ -15,16 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from schedules.quant import zero_point
+from schedules.quant import zero_point_offsets
 
-SYMMETRIC_ZERO = zero_point(4)
-
-
-def zero_point_offsets(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """C = s * (8 - z), [K / group, N], computed in fp32 and returned in the scales' dtype."""
-    if scales.shape != zeros.shape:
-        raise ValueError(f"scales {tuple(scales.shape)} and zero points {tuple(zeros.shape)} differ in shape")
-    return (scales.float() * (SYMMETRIC_ZERO - zeros.float())).to(scales.dtype)
+__all__ = ["zero_point_offsets", "group_sums", "add_zero_point_correction"]
 
 
 def group_sums(x: torch.Tensor, group: int) -> torch.Tensor:

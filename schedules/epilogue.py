@@ -373,21 +373,21 @@ def store_tile_split_wait(block_m: int, block_n: int, split_k: int, n: int, chan
     return store
 
 
-def w4a16_prim_func(body, m, tiles, n: int, k: int, group: int, dtype: str, workspace: bool, slots: int = 1):
+def w4a16_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str, workspace: bool, slots: int = 1):
     """The kernel's signature, shared by the mma.sync families: A [m, K], packed B [K/16, 2N] int32,
-    scales [K/group, N], C [m, N], and with `workspace` (split-K through global memory) the fp32
-    workspace [slots * m, N] (split_wait: a slot of m rows per split but the last) and int32 tile
-    counters [tiles]. `body` is a T.macro(A, B, S, C, ws, counters) and m, tiles the T.dynamic
+    scales [scale_rows, N] (Problem.scale_rows: K/group, with zero points an offset row after each),
+    C [m, N], and with `workspace` (split-K through global memory) the fp32 workspace [slots * m, N]
+    (split_wait: a slot of m rows per split but the last) and int32 tile counters [tiles]. `body` is a T.macro(A, B, S, C, ws, counters) and m, tiles the T.dynamic
     variables it was built with."""
     if workspace:
         @T.prim_func
         def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
-                       S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype),
+                       S: T.Tensor((scale_rows, n), dtype), C: T.Tensor((m, n), dtype),
                        ws: T.Tensor((slots * m, n), "float32"), counters: T.Tensor((tiles,), "int32")):
             body(A, B, S, C, ws, counters)
     else:
         @T.prim_func
         def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),
-                       S: T.Tensor((k // group, n), dtype), C: T.Tensor((m, n), dtype)):
+                       S: T.Tensor((scale_rows, n), dtype), C: T.Tensor((m, n), dtype)):
             body(A, B, S, C, None, None)
     return w4a16_gemm

@@ -11,8 +11,10 @@ SUPPORTED_BITS = (4,)
 class Problem:
     """One weight matrix: K input features, N output features, `group` rows per scale.
 
-    ``group == K`` is channelwise quantization (one scale per output column). M is not part
-    of the problem: every compiled kernel serves any M.
+    ``group == K`` is channelwise quantization (one scale per output column). With `zero_points`
+    each group and column has its own zero point z, w = s * (q - z), instead of 8; the kernels take
+    it as a pre-scaled offset beside the scale (schedules/marlin_mma/layout.py). M is not part of
+    the problem: every compiled kernel serves any M.
     """
 
     n: int
@@ -20,6 +22,7 @@ class Problem:
     group: int = 128
     dtype: str = "float16"
     bits: int = 4
+    zero_points: bool = False
 
     def __post_init__(self):
         if self.dtype not in SUPPORTED_DTYPES:
@@ -28,13 +31,16 @@ class Problem:
             raise ValueError(f"{self.bits}-bit weights are not supported; supported: {SUPPORTED_BITS}")
         if self.n <= 0 or self.k <= 0:
             raise ValueError(f"N and K must be positive, got N={self.n}, K={self.k}")
+        if not isinstance(self.zero_points, bool):
+            raise ValueError(f"zero_points must be True or False, got {self.zero_points!r}")
         if self.group <= 0 or self.k % self.group:
             raise ValueError(f"K={self.k} is not a multiple of the group size {self.group}")
 
     @classmethod
-    def make(cls, n: int, k: int, group: int = 128, dtype: str = "float16", bits: int = 4) -> "Problem":
+    def make(cls, n: int, k: int, group: int = 128, dtype: str = "float16", bits: int = 4,
+             zero_points: bool = False) -> "Problem":
         """Build a problem; ``group=-1`` means channelwise (one group spanning K)."""
-        return cls(n=n, k=k, group=k if group == -1 else group, dtype=dtype, bits=bits)
+        return cls(n=n, k=k, group=k if group == -1 else group, dtype=dtype, bits=bits, zero_points=zero_points)
 
     @property
     def channelwise(self) -> bool:
@@ -47,8 +53,14 @@ class Problem:
     @property
     def name(self) -> str:
         g = "cw" if self.channelwise else f"g{self.group}"
-        return f"n{self.n}_k{self.k}_{g}_{self.dtype}_w{self.bits}"
+        return f"n{self.n}_k{self.k}_{g}_{self.dtype}_w{self.bits}" + ("_zp" if self.zero_points else "")
+
+    @property
+    def scale_rows(self) -> int:
+        """Rows of the kernels' scales tensor: a scale row per group, and with zero points an offset
+        row after each."""
+        return self.num_groups * (2 if self.zero_points else 1)
 
     def weight_bytes(self) -> int:
-        """Bytes of packed weights plus scales that one call must read."""
-        return self.k * self.n * self.bits // 8 + self.num_groups * self.n * 2
+        """Bytes of packed weights plus scales (and offsets) that one call must read."""
+        return self.k * self.n * self.bits // 8 + self.scale_rows * self.n * 2

@@ -49,19 +49,31 @@ def quantize_rtn(weight_kn: torch.Tensor, group: int = 128, bits: int = 4, dtype
     return codes, scales
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """fp32 W[K, N] from codes [K, N] and scales [K // group, N]."""
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int = 4, zeros: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """fp32 W[K, N] from codes [K, N], scales [K // group, N] and zero points (same shape as the scales;
+    None: 8 everywhere)."""
     k, n = codes.shape
     groups = scales.shape[0]
     if scales.shape[1] != n or k % groups:
         raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {(k, n)}")
-    w = codes.float() - zero_point(bits)
-    return (w.reshape(groups, k // groups, n) * scales.float().unsqueeze(1)).reshape(k, n)
+    zero = float(zero_point(bits)) if zeros is None else zeros.float().to(codes.device).unsqueeze(1)
+    w = codes.float().reshape(groups, k // groups, n) - zero
+    return (w * scales.float().unsqueeze(1)).reshape(k, n)
 
 
-def reference_matmul(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int = 4) -> torch.Tensor:
+def zero_point_offsets(scales: torch.Tensor, zeros: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """o = s * (8 - z), [K / group, N], computed in fp32 and returned in the scales' dtype: what a
+    kernel adds to (q - 8) * s to decode w = s * (q - z) (schedules/marlin_mma/layout.py)."""
+    if scales.shape != zeros.shape:
+        raise ValueError(f"scales {tuple(scales.shape)} and zero points {tuple(zeros.shape)} differ in shape")
+    return (scales.float() * (zero_point(bits) - zeros.float())).to(scales.dtype)
+
+
+def reference_matmul(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int = 4,
+                     zeros: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 reference: A @ dequantize(W), computed in fp32 on A's device."""
-    w = dequantize(codes.to(a.device), scales.to(a.device), bits)
+    w = dequantize(codes.to(a.device), scales.to(a.device), bits, None if zeros is None else zeros.to(a.device))
     return a.float() @ w
 
 

@@ -33,6 +33,13 @@ def dequant_function_names(dtype: str, bits: int = 4, operand: str = "b") -> tup
     return f"tm_dequant_{order}{name}", f"tm_dequant_scaled_{order}{name}"
 
 
+def offset_decode_name(dtype: str, bits: int = 4) -> str:
+    """Extern name of the decode that adds pre-scaled zero-point offsets, w = (q - 8) * s + o, with the
+    values in the register order of the MMA's A fragments (the swapped-operand families)."""
+    _check(dtype, bits)
+    return f"tm_dequant_scaled_offset_a_{_DEQUANT[dtype]['name']}"
+
+
 def mma_operand_dtype(dtype: str) -> str:
     """The PTX operand type name (mma.sync / wgmma) of an activation dtype."""
     _check(dtype, 4)

@@ -216,6 +216,20 @@ BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_s
                   "swg_m128_g2", "swg_m256_g1_wg2", "swg_m256_setmaxnreg_staged", "swg_m32_g2_split4_sacc")
 
 
+# Zero points (w = s * (q - z), the offsets in the decode): the forms that take them, each on down_proj
+# at group 128 and on every other layer, grouped and channelwise in turn.
+ZERO_POINT_SCHEDULES = ("stream_m16_split4", "swg_m128_release_producer", "stream_m8", "stream_m16_aw_split4",
+                        "stream_m8_cluster8", "stream_m32_xl", "swg_m128_g2", "swg_m64_split4", "swg_m8_s8_split4",
+                        "swg_m32_cluster_split2", "swg_m16_producer_cluster_early", "swg_m256_setmaxnreg_staged",
+                        "swg_m16_k64_producer_split3_uneven", "swg_m64_producer_pdl_early_staged")
+
+
+def _zero_point_cases():
+    others = [(layer, group) for layer in LAYERS for group in (128, -1) if (layer, group) != ("down", 128)]
+    return [case for index, name in enumerate(ZERO_POINT_SCHEDULES)
+            for case in (("down", 128, name), (*others[index % len(others)], name))]
+
+
 def _cases():
     """Each knob form on down_proj at group 128 (K = 11008: the uneven k-tile and split counts the
     forms above are written for) and on one more (layer, group) pair, rotating through the other
@@ -230,11 +244,12 @@ def _cases():
 
 
 CASES = _cases()
+ZERO_POINT_CASES = _zero_point_cases()
 
 
-def problem_of(layer, group, dtype="float16"):
+def problem_of(layer, group, dtype="float16", zero_points=False):
     k, n = LAYERS[layer]
-    return Problem.make(n=n, k=k, group=group, dtype=dtype)
+    return Problem.make(n=n, k=k, group=group, dtype=dtype, zero_points=zero_points)
 
 
 @pytest.fixture(scope="session")
@@ -249,6 +264,11 @@ def precompiled(arch, request):
     jobs = [(problem_of(layer, group), SCHEDULES[name]) for layer, group, name in CASES if name in selected
             and SCHEDULES[name].module.check(problem_of(layer, group), SCHEDULES[name].knobs, arch) is None]
     jobs += [(problem_of("o", 128, "bfloat16"), SCHEDULES[name]) for name in BF16_SCHEDULES if name in selected]
+    jobs += [(problem_of(layer, group, zero_points=True), SCHEDULES[name]) for layer, group, name in ZERO_POINT_CASES
+             if name in selected and SCHEDULES[name].module.check(problem_of(layer, group, zero_points=True),
+                                                                  SCHEDULES[name].knobs, arch) is None]
+    jobs += [(problem_of("o", 128, "bfloat16", True), SCHEDULES[name]) for name in ZERO_POINT_SCHEDULES[:2]
+             if name in selected]
     errors = {job: err for job, err in compile_many(jobs, arch).items() if err}
     assert not errors, errors
 
@@ -266,7 +286,10 @@ def run_and_check(problem, schedule, arch, ms=MS):
     seed = seed_of(problem.name, schedule.name)   # W from seed, A of each M from seed + M
     w = torch.randn(problem.k, problem.n, device="cuda", dtype=dtype, generator=generator(seed))
     codes, scales = quantize_rtn(w, -1 if problem.channelwise else problem.group, dtype=problem.dtype)
-    weight, packed_scales = fam.pack(codes, scales)
+    # zero points drawn over the whole code range: every offset s * (8 - z) from 8 s down to -7 s
+    zeros = torch.randint(0, 16, scales.shape, device="cuda", generator=generator(seed + 1)) \
+        if problem.zero_points else None
+    weight, packed_scales = fam.pack(codes, scales, zeros)
     ws_elems, n_counters = fam.workspace_elems(problem, knobs, max(ms))
     workspace = torch.zeros(max(ws_elems, 1), device="cuda", dtype=torch.float32)
     counters = torch.zeros(max(n_counters, 1), device="cuda", dtype=torch.int32)
@@ -275,13 +298,23 @@ def run_and_check(problem, schedule, arch, ms=MS):
         a = torch.randn(m, problem.k, device="cuda", dtype=dtype, generator=generator(seed + m))
         out = torch.full((m, problem.n), float("nan"), device="cuda", dtype=dtype)
         kernel(*fam.kernel_args(problem, knobs, a, weight, packed_scales, out, workspace, counters))
-        assert_matches_reference(out, reference_matmul(a, codes, scales), context=context)
+        assert_matches_reference(out, reference_matmul(a, codes, scales, zeros=zeros), context=context)
         assert not workspace.any() and not counters.any(), f"{context}: split-K must leave its workspace zeroed"
 
 
 @pytest.mark.parametrize("layer,group,name", CASES)
 def test_kernel_matches_reference(layer, group, name, arch):
     run_and_check(problem_of(layer, group), SCHEDULES[name], arch)
+
+
+@pytest.mark.parametrize("layer,group,name", ZERO_POINT_CASES)
+def test_zero_point_kernel_matches_reference(layer, group, name, arch):
+    run_and_check(problem_of(layer, group, zero_points=True), SCHEDULES[name], arch)
+
+
+@pytest.mark.parametrize("name", ZERO_POINT_SCHEDULES[:2])
+def test_bf16_zero_point_kernel_matches_reference(name, arch):
+    run_and_check(problem_of("o", 128, "bfloat16", True), SCHEDULES[name], arch, ms=(1, 17, 257))
 
 
 @pytest.mark.parametrize("name", BF16_SCHEDULES)

@@ -6,7 +6,7 @@ import torch
 from ..arch import Arch
 from ..knob_space import valid_points
 from ..problem import Problem
-from ..quant import torch_dtype
+from ..quant import torch_dtype, zero_point_offsets
 from . import layout
 from .knobs import Knobs, check
 from .traits import KNOB_FACTORS, TRAITS
@@ -54,11 +54,15 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
     return valid_points(AXES, from_axes, check, problem, arch)
 
 
-def pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes [K, N], scales [G, N]) -> (packed weight [K/16, 2N] int32, scales [G, N] contiguous)."""
+def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [K, N], scales [G, N], zero points [G, N] or None for 8) -> (packed weight [K/16, 2N]
+    int32, scales [G, N] contiguous; with zero points the scales and their offsets stacked, [2G, N])."""
     if scales.dim() != 2 or scales.shape[1] != codes.shape[1] or codes.shape[0] % scales.shape[0]:
         raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)}")
-    return layout.pack_weight(codes), scales.contiguous()
+    if zeros is None:
+        return layout.pack_weight(codes), scales.contiguous()
+    return layout.pack_weight(codes), layout.stack_offsets(scales, zero_point_offsets(scales, zeros))
 
 
 def unpack(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +85,7 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
     dtype = torch_dtype(problem.dtype)
     _expect("activations", a, dtype, (None, problem.k))
     m = a.shape[0]
-    weight_shape, scales_shape = layout.packed_shapes(problem.k, problem.n, problem.num_groups)
+    weight_shape, scales_shape = layout.packed_shapes(problem.k, problem.n, problem.scale_rows)
     _expect("packed weight", weight, torch.int32, weight_shape)
     _expect("scales", scales, dtype, scales_shape)
     _expect("output", out, dtype, (m, problem.n))

@@ -162,5 +162,5 @@ def build(problem: Problem, knobs: Knobs):
 
             store(C_s, C, S, ws, counters, m, by, bx, tx)
 
-    return w4a16_prim_func(body, m, tiles, n, k, group, dtype, workspace=split)
+    return w4a16_prim_func(body, m, tiles, n, k, k // group, dtype, workspace=split)
 

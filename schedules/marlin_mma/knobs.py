@@ -98,6 +98,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"block_k={kb.block_k} must be a multiple of 16 * warps_k={16 * kb.warps_k}"
     if kb.threads > 1024:
         return f"{kb.threads} threads exceed the 1024 a block may have"
+    if problem.zero_points:
+        return "marlin_mma decodes the zero point 8 only; stream_mma and stream_wgmma decode others"
     reason = tiling_reason(problem, kb.block_n, kb.block_k, "one scale row per tile")
     if reason:
         return reason

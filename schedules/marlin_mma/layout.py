@@ -22,6 +22,11 @@ its words for all four sub-tiles and a warp reads a slab with 32 consecutive 16-
 
 Scales are not permuted: [K / group, N] in natural order. A lane reads the few it needs from a
 shared-memory row once per k-tile, whether it applies them to the weights or to the fp32 sums.
+
+Zero points other than 8 (w = s * (q - z)) travel as pre-scaled offsets o = s * (8 - z), so that the
+decode's one multiply per pair becomes one fma, w = (q - 8) * s + o, at the same instruction count:
+the scales tensor is then [2 * K / group, N], row 2g the scales of group g and row 2g + 1 its offsets
+(stack_offsets), so that one copy of two adjacent rows brings a k-tile both.
 """
 from __future__ import annotations
 
@@ -51,9 +56,24 @@ def check_packable(k: int, n: int) -> None:
         raise ValueError(f"N={n} must be a multiple of {SLAB_N} for the marlin_mma layout")
 
 
-def packed_shapes(k: int, n: int, groups: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Shapes of (packed weight, scales) for W[K, N] with `groups` scale rows."""
-    return (k // TILE_K, 2 * n), (groups, n)
+def packed_shapes(k: int, n: int, scale_rows: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of (packed weight, scales) for W[K, N] with `scale_rows` rows of scales (and offsets:
+    Problem.scale_rows)."""
+    return (k // TILE_K, 2 * n), (scale_rows, n)
+
+
+def stack_offsets(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Scales [G, N] and offsets [G, N] -> [2G, N]: each group's scale row, then its offset row."""
+    if scales.shape != offsets.shape or scales.dim() != 2:
+        raise ValueError(f"scales {tuple(scales.shape)} and offsets {tuple(offsets.shape)} must be the same [G, N]")
+    return torch.stack((scales, offsets), dim=1).reshape(2 * scales.shape[0], scales.shape[1]).contiguous()
+
+
+def split_offsets(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of stack_offsets: [2G, N] -> (scales [G, N], offsets [G, N])."""
+    if stacked.dim() != 2 or stacked.shape[0] % 2:
+        raise ValueError(f"stacked scales and offsets must be [2G, N], got {tuple(stacked.shape)}")
+    return stacked[0::2].contiguous(), stacked[1::2].contiguous()
 
 
 def pack_weight(codes: torch.Tensor) -> torch.Tensor:

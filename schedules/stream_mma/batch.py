@@ -5,6 +5,7 @@ the B operand, 8 rows of M per m16n8k16), and the fold of its sums into the runn
 
 import tilelang.language as T
 
+from ..marlin_mma.layout import SLAB_N
 from .knobs import MMA_N
 from .plan import Plan
 
@@ -69,6 +70,8 @@ def slot_reads(plan: Plan):
             if plan.grouped:
                 for v in T.unroll(8):
                     bufs.scale[v] = bufs.S_s[wk, slot, scale_col(v, lane // 4)]
+                    if plan.zp:
+                        bufs.scale[8 + v] = bufs.S_s[wk, slot, SLAB_N + scale_col(v, lane // 4)]
         if plan.x_smem:
             # Matrices: rows of m-tile mi x k 0-7, 8-15 of step u, then of step u + 1: b0b1, b2b3 twice.
             for mi in T.unroll(plan.m_tiles):
@@ -108,11 +111,15 @@ def swapped_mmas(plan: Plan):
 
     @T.macro
     def decode(bufs, wb, sb, u, j):
-        """The word's A fragments into a: raw magic-number codes (fold_zero_point), codes less the zero
-        point times the group's scales (scales from sb), or without the scales (channelwise: they scale
-        the final sums)."""
+        """The word's A fragments into a: raw magic-number codes (fold_zero_point), codes less 8 times the
+        group's scales plus its zero points' offsets (zero points: scales from sb, offsets 8 after), codes
+        less the zero point times the group's scales (scales from sb), or without the scales
+        (channelwise: they scale the final sums)."""
         if plan.fold:
             T.call_extern("handle", plan.decode_raw, word(bufs, wb, u, j), T.access_ptr(bufs.a[j * 8], "w"))
+        elif plan.zp:
+            T.call_extern("handle", plan.decode_offset, word(bufs, wb, u, j), T.access_ptr(bufs.scale[sb + 2 * j], "r"),
+                          T.access_ptr(bufs.scale[sb + 8 + 2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))
         elif plan.scale_weights:
             T.call_extern("handle", plan.decode_scaled, word(bufs, wb, u, j),
                           T.access_ptr(bufs.scale[sb + 2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))

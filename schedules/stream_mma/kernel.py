@@ -58,7 +58,8 @@ from .stream import STREAM_LOAD, batch_loads, start_early
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
-    Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N], C [M, N];
+    Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N] (with zero
+    points [2K/group, N], each group's offset row after its scale row), C [M, N];
     with split_k > 1 also a zeroed fp32 workspace [M, N] and int32 tile counters.
     """
     plan = Plan(problem, knobs)
@@ -68,9 +69,9 @@ def build(problem: Problem, knobs: Knobs):
     bm, bn, warps, ahead = plan.bm, plan.bn, plan.warps, plan.ahead
     prelude = (render_dequant(problem.dtype, problem.bits) + STREAM_LOAD
                + (CLUSTER_HELPERS if plan.cluster else "") + (EARLY_START_HELPERS if kb.early_start else "")
-               + split_k_prelude(bm, bn, kb.split_k, kb.threads, problem.n, problem.channelwise, plan.cluster))
+               + split_k_prelude(bm, bn, kb.split_k, kb.threads, problem.n, not plan.grouped, plan.cluster))
     wait_prior = wait_for_prior_grids(plan.cluster, kb.pdl)
-    store = store_tile(bm, bn, plan.grid_n, kb.split_k, problem.dtype, problem.channelwise, cluster=plan.cluster)
+    store = store_tile(bm, bn, plan.grid_n, kb.split_k, problem.dtype, not plan.grouped, cluster=plan.cluster)
     start, load, compute, fold_sums = start_early(plan), batch_loads(plan, m), batch_compute(plan), sums_fold(plan)
     allocate, clear, sum_warps = buffers(plan), registers_cleared(plan), warp_sums(plan)
 
@@ -113,7 +114,8 @@ def build(problem: Problem, knobs: Knobs):
             T.sync_threads()
             store(bufs.C_s, C, S, ws, counters, m, by, bx, tx)
 
-    return w4a16_prim_func(body, m, tiles, problem.n, problem.k, problem.group, problem.dtype, workspace=plan.split)
+    return w4a16_prim_func(body, m, tiles, problem.n, problem.k, problem.scale_rows, problem.dtype,
+                           workspace=plan.split)
 
 
 def buffers(plan: Plan):
@@ -128,9 +130,10 @@ def buffers(plan: Plan):
         # `ahead` register buffers: batch it + ahead - 1 loads while batch it is decoded.
         w = T.alloc_local((plan.w_bufs * plan.per_w,), "int32")
         W_s = T.alloc_shared((warps, ahead, plan.per_w * 32), "int32") if w_smem else None
-        S_s = T.alloc_shared((warps, ahead, SLAB_N), dtype) if w_smem else None
+        S_s = T.alloc_shared((warps, ahead, plan.scale_rows * SLAB_N), dtype) if w_smem else None
         x = T.alloc_local((plan.x_bufs * plan.per_x,), dtype)
-        X_s = T.alloc_shared((warps + kb.pad_warps, ahead, plan.bm, plan.x_cols), dtype) if plan.x_smem else None
+        X_s = T.alloc_shared((warps + kb.pad_warps(plan.problem), ahead, plan.bm, plan.x_cols), dtype) \
+            if plan.x_smem else None
         scale = T.alloc_local((plan.w_bufs * plan.per_s,), dtype)
         a = T.alloc_local((32,), dtype)
         acc = T.alloc_local((plan.acc_len * plan.sets,), "float32")

@@ -113,13 +113,15 @@ class Knobs:
         tile in which the warps' sums meet and with sum_slices a slice of sums per warp, which TileLang
         lays over the slots (measured in its host launch code, docs/performance.md)."""
         slices = self.warps * self.block_m * self.block_n * 4 if self.sum_slices else 0
-        return max(self._k_loop_bytes() + self.pad_warps * self.x_slots_bytes,
+        return max(self._k_loop_bytes(problem) + self.pad_warps(problem) * self.x_slots_bytes,
                    self.block_m * self.block_n * 4 + slices)
 
-    def _k_loop_bytes(self) -> int:
-        """The warps' slots, unpadded: activations with x_ldmatrix, weights and scales with async_weights."""
+    def _k_loop_bytes(self, problem: Problem) -> int:
+        """The warps' slots, unpadded: activations with x_ldmatrix, weights and scales (and zero-point
+        offsets) with async_weights."""
         x = self.warps * self.x_slots_bytes if self.x_ldmatrix else 0
-        w = self.warps * self.ahead * (self.unroll * 512 + self.block_n * 2) if self.async_weights else 0
+        scale_rows = 2 if problem.zero_points else 1
+        w = self.warps * self.ahead * (self.unroll * 512 + self.block_n * 2 * scale_rows) if self.async_weights else 0
         return x + w
 
     @property
@@ -127,13 +129,12 @@ class Knobs:
         """One warp's activation slots (x_ldmatrix): `ahead` batches of block_m padded rows."""
         return self.ahead * self.block_m * (TILE_K * self.unroll + 8) * 2
 
-    @property
-    def pad_warps(self) -> int:
+    def pad_warps(self, problem: Problem) -> int:
         """Unused warps' worth of activation slots that max_blocks adds to the allocation: enough that
         B + 1 blocks overflow the SM, with 1 KB to spare."""
         if not self.max_blocks:
             return 0
-        return padding_for_at_most(self.max_blocks, self._k_loop_bytes(), self.x_slots_bytes, spare=1024)
+        return padding_for_at_most(self.max_blocks, self._k_loop_bytes(problem), self.x_slots_bytes, spare=1024)
 
     def registers_estimate(self) -> int:
         sets = 2 if self.fold_lag else 1
@@ -181,6 +182,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"x_ldmatrix reads two k-steps per ldmatrix.x4: unroll={kb.unroll} must be even"
     if kb.async_weights and not kb.x_ldmatrix:
         return "async_weights needs x_ldmatrix (the activations' cp.async slots and waits)"
+    if kb.fold_zero_point and problem.zero_points:
+        return ("fold_zero_point takes the zero point 8 off the sums, the same for every column: zero points "
+                "of their own are added in the scaled decode")
     if kb.fold_lag and not kb.fold_zero_point:
         return "fold_lag delays fold_zero_point's per-batch fold: it needs fold_zero_point"
     if kb.fold_lag and kb.ahead % 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from templates import dequant_function_names, mma_operand_dtype, raw_decode
+from templates import dequant_function_names, mma_operand_dtype, offset_decode_name, raw_decode
 
 from ..marlin_mma.layout import TILE_K
 from ..problem import Problem
@@ -18,7 +18,11 @@ class Plan:
     def __init__(self, problem: Problem, knobs: Knobs):
         kb = self.knobs = knobs
         self.problem, self.dtype = problem, problem.dtype
-        self.grouped = not problem.channelwise
+        # Zero points: each batch's offset row comes with its scale row, and the decode adds the offsets
+        # (w = (q - 8) * s + o); channelwise ones are then one group like any other.
+        self.zp = problem.zero_points
+        self.grouped = not problem.channelwise or self.zp
+        self.scale_rows = 2 if self.zp else 1     # rows of a batch's scales (and offsets) in S
         self.m_tiles, self.unroll, self.warps, self.ahead = kb.m_tiles, kb.unroll, kb.warps, kb.ahead
         self.bm, self.bn = kb.block_m, kb.block_n
         self.grid_n = problem.n // self.bn
@@ -35,7 +39,7 @@ class Plan:
         # Per register buffer: the weight words, activation halves and scale halves of one batch.
         self.per_w = self.unroll * 4
         self.per_x = self.unroll * self.m_tiles * 4
-        self.per_s = 8
+        self.per_s = 8 * self.scale_rows      # the lane's 8 scales, then with zero points their 8 offsets
         self.w_bufs = 1 if self.w_smem else self.ahead   # async_weights: the shared slots hold the batches in flight
         self.x_bufs = 1 if self.x_smem else self.ahead   # x_ldmatrix: activations wait in shared memory instead
         self.x_cols = TILE_K * self.unroll + 8   # padded rows: ldmatrix's 8 row addresses hit 8 bank groups
@@ -45,6 +49,7 @@ class Plan:
         # The decode and the sums.
         self.mma_dtype = mma_operand_dtype(self.dtype)
         self.decode, self.decode_scaled = dequant_function_names(self.dtype, problem.bits, operand="a")
+        self.decode_offset = offset_decode_name(self.dtype, problem.bits)
         self.decode_raw, lo_magic, hi_magic = raw_decode(self.dtype, problem.bits)
         self.fold = kb.fold_zero_point
         # fold_zero_point: the MMA sees (lo_magic + code) on pairs 0/2 (k % 16 < 8) and (hi_magic + code)

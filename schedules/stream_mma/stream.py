@@ -68,15 +68,22 @@ def batch_loads(plan: Plan, m):
                     T.call_extern("handle", "tm_cp_async_l1_16B", T.access_ptr(bufs.X_s[wk, slot, r, col], "w", 8),
                                   T.access_ptr(bufs.A[T.min(by * bm + r, m - 1), kt0 * TILE_K + col], "r", 8),
                                   by * bm + r < m)
+            row = kt0 * TILE_K // group * plan.scale_rows     # the group's scale row (and offset row after it)
             if plan.grouped and plan.w_smem:
-                # The block's scale row of the batch's group: 8 halves per lane, 8 lanes.
+                # The block's scale row of the batch's group: 8 halves per lane, 8 lanes (with zero
+                # points 8 more lanes bring the offset row).
                 if lane < 8:
                     T.ptx_cp_async(T.access_ptr(bufs.S_s[wk, slot, lane * 8], "w", 8),
-                                   T.access_ptr(bufs.S[kt0 * TILE_K // group, bx * SLAB_N + lane * 8], "r", 8), 8)
+                                   T.access_ptr(bufs.S[row, bx * SLAB_N + lane * 8], "r", 8), 8)
+                elif plan.zp and lane < 16:
+                    T.ptx_cp_async(T.access_ptr(bufs.S_s[wk, slot, lane * 8], "w", 8),
+                                   T.access_ptr(bufs.S[row + 1, bx * SLAB_N + (lane - 8) * 8], "r", 8), 8)
             elif plan.grouped:
                 # Columns 16j + g and 16j + 8 + g of the slab: the scales of the lane's A rows.
                 for v in T.unroll(8):
-                    bufs.scale[buf * per_s + v] = bufs.S[kt0 * TILE_K // group, bx * SLAB_N + scale_col(v, g)]
+                    bufs.scale[buf * per_s + v] = bufs.S[row, bx * SLAB_N + scale_col(v, g)]
+                    if plan.zp:
+                        bufs.scale[buf * per_s + 8 + v] = bufs.S[row + 1, bx * SLAB_N + scale_col(v, g)]
         if plan.x_smem:
             T.ptx_commit_group()       # one group per batch, empty past the end, so waits count batches
 
@@ -103,6 +110,11 @@ def start_early(plan: Plan):
                                   512)
                 elif plan.grouped and lane == 31:
                     T.call_extern("handle", "tm_prefetch_l2",
-                                  T.access_ptr(S[batch * unroll * TILE_K // group, bx * SLAB_N], "r"), SLAB_N * 2)
+                                  T.access_ptr(S[batch * unroll * TILE_K // group * plan.scale_rows, bx * SLAB_N], "r"),
+                                  SLAB_N * 2)
+                elif plan.zp and lane == 30:     # the offset row
+                    T.call_extern("handle", "tm_prefetch_l2",
+                                  T.access_ptr(S[batch * unroll * TILE_K // group * 2 + 1, bx * SLAB_N], "r"),
+                                  SLAB_N * 2)
 
     return start

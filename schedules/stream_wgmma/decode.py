@@ -13,6 +13,9 @@ Why it looks the way it does:
   k-tile's fp32 sums as they join the running sums (fold_k_tile): one FFMA per sum and k-tile instead
   of four HMUL2 per word (docs/performance.md, scale_on_acc). Channelwise scales multiply the final
   sums (plan.output_value).
+- Zero points: the offsets o = s * (8 - z) come with the scales (a second row of the stage's scale
+  box) and the decode fuses them, w = (q - 8) * s + o: four HFMA2 per word where the symmetric
+  decode has four HMUL2, so asymmetric weights cost only the offsets' bytes (3 % more at group 128).
 """
 import tilelang.language as T
 
@@ -32,6 +35,8 @@ def read_w(plan, mem, tile, wg, wq, lane, sb):
         for i in T.unroll(g):
             for h in T.unroll(2):
                 sc[sb + 2 * i + h] = S_s[tile % stages, 0, plan.weight_col(0, wg, wq, lane, i, h)]
+                if plan.zp:
+                    sc[plan.per_s + 2 * i + h] = S_s[tile % stages, 1, plan.weight_col(0, wg, wq, lane, i, h)]
 
 
 @T.macro
@@ -39,7 +44,11 @@ def decode_step(plan, mem, abuf, u):
     """Decode k-step u of the words into its fragment slot of A buffer `abuf`."""
     g, a_len, w, sc, a = plan.g, plan.a_len, mem.w, mem.sc, mem.a
     for i in T.unroll(g):
-        if plan.grouped and not plan.sacc:
+        if plan.zp:
+            T.call_extern("handle", plan.decode_offset, T.access_ptr(w[u * g + i], "r"),
+                          T.access_ptr(sc[2 * i], "r"), T.access_ptr(sc[plan.per_s + 2 * i], "r"),
+                          T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8], "w"))
+        elif plan.grouped and not plan.sacc:
             T.call_extern("handle", plan.decode_scaled, T.access_ptr(w[u * g + i], "r"),
                           T.access_ptr(sc[2 * i], "r"),
                           T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8], "w"))

@@ -57,9 +57,9 @@ def buffers(plan, A, B, S, C, ws, counters):
     full = T.alloc_barrier([1 if plan.release else plan.threads] * stages)
     empty = T.alloc_barrier([plan.consumers] * stages) if plan.release else None
     W_s = T.alloc_shared((stages, plan.steps, 2 * bn), "int32")
-    S_s = T.alloc_shared((stages, 1, bn), dtype)
+    S_s = T.alloc_shared((stages, plan.scale_rows, bn), dtype)
     w = T.alloc_local((plan.per_w,), "int32")
-    sc = T.alloc_local((plan.per_s * (2 if plan.sacc else 1),), dtype)
+    sc = T.alloc_local((plan.per_s * (2 if plan.sacc or plan.zp else 1),), dtype)
     a = T.alloc_local((plan.kb.ring * plan.g * 8 if plan.kb.ring else 2 * plan.a_len,), dtype)
     acc = T.alloc_local((plan.acc_all,), "float32")
     desc = T.alloc_wgmma_desc()
@@ -187,9 +187,11 @@ def body(plan, A, B, S, C, ws, counters):
 def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
-    Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N], C [M, N];
+    Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N] (with zero
+    points [2K/group, N], each group's offset row after its scale row), C [M, N];
     with split_k > 1 through the workspace also a zeroed fp32 workspace and int32 tile counters.
     """
     plan = Plan(problem, knobs)
     return w4a16_prim_func(functools.partial(body, plan), plan.m, plan.tiles, problem.n, problem.k,
-                           problem.group, problem.dtype, workspace=knobs.uses_workspace, slots=knobs.workspace_slots)
+                           problem.scale_rows, problem.dtype, workspace=knobs.uses_workspace,
+                           slots=knobs.workspace_slots)

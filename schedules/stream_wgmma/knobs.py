@@ -166,7 +166,8 @@ class Knobs:
 
     def shared_bytes(self, problem: Problem) -> int:
         x = self.stages * self.block_m * self.block_k * 2
-        w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2)
+        # a stage's packed words and its scale row (with zero points, the offset row too)
+        w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2 * (2 if problem.zero_points else 1))
         c = self.block_m * self.block_n * 4 if self.split_k > 1 else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
@@ -224,6 +225,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
                 f"the stage's {kb.k_steps} k-steps")
     if kb.scale_on_acc and problem.channelwise:
         return "scale_on_acc scales each k-tile's sums by its group's scales: channelwise scales have no groups"
+    if kb.scale_on_acc and problem.zero_points:
+        return "scale_on_acc decodes the weights unscaled: zero points' offsets are added in the scaled decode"
     if kb.scale_on_acc and (kb.ring or kb.setmaxnreg):
         return ("scale_on_acc folds k-tile t - 1's sums after the wait for all wgmmas: it takes no ring (a wait "
                 "a k-step) and no setmaxnreg")
@@ -285,7 +288,7 @@ RULES = (
          not early_start or pdl or cluster_reduce),
     Rule(("block_k", "ring"), lambda p, block_k, ring: ring == 0 or ring >= 2 and block_k // TILE_K % ring == 0),
     Rule(("setmaxnreg", "ring", "scale_on_acc"), lambda p, setmaxnreg, ring, scale_on_acc:
-         not scale_on_acc or not (p.channelwise or ring or setmaxnreg)),
+         not scale_on_acc or not (p.channelwise or p.zero_points or ring or setmaxnreg)),
     Rule(("scale_on_acc", "fold_lag"), lambda p, scale_on_acc, fold_lag: scale_on_acc or not fold_lag),
     Rule(("groups", "rotate"), lambda p, groups, rotate: not rotate or groups < 4),
 )

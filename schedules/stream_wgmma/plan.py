@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from templates import dequant_function_names, mma_operand_dtype
+from templates import dequant_function_names, mma_operand_dtype, offset_decode_name
 
 from ..epilogue import split_k_prelude, store_tile, store_tile_split_wait, wait_for_prior_grids
 from ..marlin_mma.layout import SLAB_N
@@ -79,10 +79,16 @@ class Plan:
         self.trips, self.extra = kb.k_tiles(problem) // kb.split_k, kb.longer_splits(problem)
         # split_wait: the short splits come first, so that the last split (which waits) is a long one
         self.short = kb.split_k - self.extra if kb.split_wait else 0
-        self.grouped = not problem.channelwise
+        # Zero points: every k-tile's stage brings its group's offset row beside the scale row, and the
+        # decode adds the offsets (w = (q - 8) * s + o); channelwise ones are then one group like any
+        # other, their scales in the decode rather than on the final sums.
+        self.zp = problem.zero_points
+        self.grouped = not problem.channelwise or self.zp
+        self.scale_rows = 2 if self.zp else 1      # rows of a k-tile's scales (and offsets) in S
         self.grid_n = problem.n // self.bn
         self.ab = mma_operand_dtype(problem.dtype)
         self.decode, self.decode_scaled = dequant_function_names(problem.dtype, problem.bits, operand="a")
+        self.decode_offset = offset_decode_name(problem.dtype, problem.bits)
         self.cluster = kb.cluster_reduce     # the splits add their tiles through distributed shared memory
         self.release = kb.release_barriers   # stages freed by per-stage barriers, not a block barrier
         self.producer = kb.producer_warp     # ... and refilled by a warp of their own
@@ -93,6 +99,7 @@ class Plan:
         self.sacc, self.lag = kb.scale_on_acc, kb.fold_lag
         self.per_w = self.steps * self.g     # packed words per lane and stage
         self.per_s = 2 * self.g              # group scales per lane and stage: rows g and g + 8 of each group
+        # sc holds per_s scales, then with scale_on_acc the other k-tile's, or with zero points the offsets
         self.a_len = self.steps * self.g * 8  # decoded halves per lane and stage
         self.acc_len = self.g * self.bm // 2  # fp32 sums: `groups` wgmma m64n{bm} accumulators
         self.acc_all = self.acc_len * (3 if self.lag else 2 if self.sacc else 1)
@@ -102,11 +109,11 @@ class Plan:
         self.out_chunks = self.bm * self.bn // 8     # 16-byte chunks of the output tile (staged_store)
         self.out_rounds = -(-self.out_chunks // self.consumers)
         self.split_k_prelude = split_k_prelude(self.bm, self.bn, kb.split_k, self.threads, problem.n,
-                                               problem.channelwise, self.cluster, kb.split_wait)
+                                               not self.grouped, self.cluster, kb.split_wait)
         self.wait_prior = wait_for_prior_grids(self.cluster, kb.pdl)
-        self.store_split = store_tile(self.bm, self.bn, self.grid_n, kb.split_k, self.dtype, problem.channelwise,
+        self.store_split = store_tile(self.bm, self.bn, self.grid_n, kb.split_k, self.dtype, not self.grouped,
                                       cluster=self.cluster) if kb.split_k > 1 else None
-        self.store_split_wait = store_tile_split_wait(self.bm, self.bn, kb.split_k, problem.n, problem.channelwise) \
+        self.store_split_wait = store_tile_split_wait(self.bm, self.bn, kb.split_k, problem.n, not self.grouped) \
             if kb.split_wait else None
 
     def weight_col(self, bx, wg, wq, lane, i, h):

@@ -1,0 +1,152 @@
+"""Zero points in the kernels, without a GPU: the problem that keys them, the scales tensor that brings
+their offsets (each group's scale row, then its offset row), which families and knobs take them, and
+the code nvcc makes of them for sm_90a and sm_80 (the decode's fma with the offsets)."""
+import re
+
+import pytest
+import torch
+
+from runtime.kernels import compile_schedule
+from runtime.table import TunedTable, GpuKey
+from schedules import marlin_mma, stream_mma, stream_wgmma
+from schedules.arch import get_arch
+from schedules.marlin_mma.layout import packed_shapes, split_offsets, stack_offsets
+from schedules.problem import Problem
+from schedules.quant import dequantize, quantize_rtn, reference_matmul, zero_point_offsets
+from schedules.registry import Schedule
+from templates import offset_decode_name, render_dequant
+
+SM90, SM80 = get_arch("sm_90a"), get_arch("sm_80")
+SCALING_MULTIPLY = re.compile(r"\bmul(\.rn)?\.f16x2\b")     # the symmetric decode's HMUL2 by the scales
+GROUPED = Problem(1024, 4096, 128, zero_points=True)
+CHANNELWISE = Problem.make(1024, 4096, -1, zero_points=True)
+WGMMA = Schedule("stream_wgmma", stream_wgmma.Knobs(16, 1, 1, 128, 6, split_k=2, release_barriers=True,
+                                                    producer_warp=True, cluster_reduce=True, early_start=2))
+WGMMA_STAGED = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 1, 64, 6, release_barriers=True,
+                                                           producer_warp=True, staged_store=True))
+MMA_ASYNC = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 2, ahead=3, x_ldmatrix=True, async_weights=True,
+                                                    cluster_reduce=True, early_start=2))
+MMA_REGISTERS = Schedule("stream_mma", stream_mma.Knobs(2, 4, 4, 2, ahead=1))
+
+KERNELS = [(GROUPED, WGMMA, SM90), (CHANNELWISE, WGMMA_STAGED, SM90), (GROUPED, MMA_ASYNC, SM90),
+           (CHANNELWISE, MMA_REGISTERS, SM80),
+           (Problem(1024, 4096, 128), WGMMA, SM90), (Problem(1024, 4096, 128), MMA_ASYNC, SM90)]
+
+
+# --- the problem and the layout contract -----------------------------------------------------------
+
+def test_zero_points_are_part_of_the_problem_and_its_name():
+    assert GROUPED.name == "n1024_k4096_g128_float16_w4_zp" and GROUPED != Problem(1024, 4096, 128)
+    assert Problem(1024, 4096, 128).name == "n1024_k4096_g128_float16_w4"      # symmetric names unchanged
+    assert (GROUPED.scale_rows, CHANNELWISE.scale_rows, Problem(1024, 4096, 128).scale_rows) == (64, 2, 32)
+    assert GROUPED.weight_bytes() - Problem(1024, 4096, 128).weight_bytes() == 32 * 1024 * 2
+    with pytest.raises(ValueError, match="zero_points must be True or False"):
+        Problem(1024, 4096, 128, zero_points="yes")
+
+
+def test_offsets_stack_after_their_scale_rows_and_split_back():
+    scales = torch.arange(6.0).reshape(3, 2)
+    offsets = -torch.arange(6.0).reshape(3, 2) - 10
+    stacked = stack_offsets(scales, offsets)
+    assert stacked.tolist() == [[0, 1], [-10, -11], [2, 3], [-12, -13], [4, 5], [-14, -15]]
+    assert all(torch.equal(x, y) for x, y in zip(split_offsets(stacked), (scales, offsets)))
+    assert packed_shapes(4096, 1024, GROUPED.scale_rows) == ((256, 2048), (64, 1024))
+    with pytest.raises(ValueError, match="same"):
+        stack_offsets(scales, offsets[:2])
+
+
+def test_the_offsets_decode_what_the_zero_points_mean():
+    """(q - 8) * s + s * (8 - z) is s * (q - z), up to the offset's rounding to fp16 (half an ulp of
+    |o| <= 8 s); the reference's dequantization with zero points is exact, and with every zero point
+    8 it is the symmetric one."""
+    gen = torch.Generator().manual_seed(7)
+    codes, scales = quantize_rtn(torch.randn(256, 64, generator=gen), 128)
+    zeros = torch.randint(0, 16, scales.shape, generator=gen)
+    offsets = zero_point_offsets(scales, zeros).float()
+    by_offsets = dequantize(codes, scales).reshape(2, 128, 64) + offsets.unsqueeze(1)
+    error = (by_offsets - dequantize(codes, scales, zeros=zeros).reshape(2, 128, 64)).abs()
+    assert (error <= offsets.abs().unsqueeze(1) * 2.0 ** -11).all()
+    expected = (codes.float().reshape(2, 128, 64) - zeros.float().unsqueeze(1)) * scales.float().unsqueeze(1)
+    assert torch.equal(dequantize(codes, scales, zeros=zeros), expected.reshape(256, 64))
+    assert torch.equal(dequantize(codes, scales, zeros=torch.full_like(zeros, 8)), dequantize(codes, scales))
+    a = torch.randn(3, 256, generator=gen)
+    torch.testing.assert_close(reference_matmul(a, codes, scales, zeros=zeros), a @ expected.reshape(256, 64))
+
+
+def test_pack_stacks_the_offsets_of_the_zero_points():
+    gen = torch.Generator().manual_seed(3)
+    codes, scales = quantize_rtn(torch.randn(256, 64, generator=gen), 128)
+    zeros = torch.randint(0, 16, scales.shape, generator=gen)
+    weight, stacked = marlin_mma.pack(codes, scales, zeros)
+    assert torch.equal(weight, marlin_mma.pack(codes, scales)[0])
+    got_scales, got_offsets = split_offsets(stacked)
+    assert torch.equal(got_scales, scales) and torch.equal(got_offsets, zero_point_offsets(scales, zeros))
+
+
+def test_the_kernel_arguments_want_the_stacked_scales():
+    knobs = MMA_REGISTERS.knobs
+    problem = Problem(1024, 4096, 128, zero_points=True)
+    a = torch.zeros(3, 4096, dtype=torch.float16)
+    weight = torch.zeros(256, 2048, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"scales must have shape \[64x1024\]"):
+        stream_mma.kernel_args(problem, knobs, a, weight, torch.zeros(32, 1024, dtype=torch.float16),
+                               torch.zeros(3, 1024, dtype=torch.float16))
+
+
+# --- which kernels take them -----------------------------------------------------------------------
+
+def test_the_families_that_decode_zero_points_and_the_forms_that_do_not():
+    assert "zero point 8 only" in marlin_mma.check(GROUPED, marlin_mma.Knobs(16, 256, 128, 1, 4, 1, 4, 1), SM90)
+    fold = stream_mma.Knobs(1, 8, 8, 1, ahead=1, fold_zero_point=True)
+    assert stream_mma.check(Problem(1024, 4096, 128), fold, SM90) is None
+    assert "fold_zero_point" in stream_mma.check(GROUPED, fold, SM90)
+    sacc = stream_wgmma.Knobs(32, 2, 1, 64, 4, split_k=4, scale_on_acc=True)
+    assert stream_wgmma.check(Problem(1024, 4096, 128), sacc, SM90) is None
+    assert "scale_on_acc" in stream_wgmma.check(GROUPED, sacc, SM90)
+    for problem, schedule, arch in KERNELS:
+        assert schedule.module.check(problem, schedule.knobs, arch) is None
+
+
+@pytest.mark.parametrize("problem", [GROUPED, CHANNELWISE], ids=["g128", "channelwise"])
+def test_every_arch_has_zero_point_kernels_to_search(problem):
+    mma = stream_mma.space(problem, SM80)
+    assert mma and not any(kb.fold_zero_point for kb in mma)
+    assert marlin_mma.space(problem, SM90) == []
+    wgmma = stream_wgmma.space(Problem(4096, 4096, 128, zero_points=True), SM90)
+    assert wgmma and not any(kb.scale_on_acc for kb in wgmma)
+
+
+def test_a_table_keys_zero_point_entries_apart_and_reads_them_back(tmp_path):
+    gpu = GpuKey("NVIDIA H200", "sm_90a", 132)
+    table = TunedTable(gpu)
+    table.record(GROUPED, 16, WGMMA, 9.0)
+    table.record(Problem(1024, 4096, 128), 16, MMA_ASYNC, 8.0)
+    table.save(tmp_path / "t.json")
+    back = TunedTable.read(tmp_path / "t.json")
+    assert back.lookup(GROUPED, 16) == WGMMA and back.lookup(Problem(1024, 4096, 128), 16) == MMA_ASYNC
+    assert sum('"zero_points": true' in line for line in (tmp_path / "t.json").read_text().splitlines()) == 1
+
+
+# --- the code ---------------------------------------------------------------------------------------
+
+def test_the_template_fuses_the_offsets_into_the_scaling():
+    for dtype in ("float16", "bfloat16"):
+        source = render_dequant(dtype)
+        body = source.split(offset_decode_name(dtype) + "(")[1].split("\n}\n")[0]
+        assert body.count("__hfma2(") == 4 and "__hmul2" not in body
+        assert [line.split("= ")[1] for line in body.splitlines() if line.strip().startswith("out[")] == [
+            "__hfma2(p[0], s0, o0);", "__hfma2(p[2], s1, o1);", "__hfma2(p[1], s0, o0);", "__hfma2(p[3], s1, o1);"]
+
+
+@pytest.mark.parametrize("problem, schedule, arch", KERNELS[:4], ids=["wgmma", "wgmma_cw", "mma_async", "mma_sm80_cw"])
+def test_zero_point_kernels_decode_with_an_fma_per_pair(problem, schedule, arch):
+    """The zero-point kernel calls the offset decode and has no scaling multiply left; its symmetric
+    twin (same knobs) scales with HMUL2 and adds nothing."""
+    kernel = compile_schedule(problem, schedule, arch)
+    source, ptx = (kernel.folder / "kernel.cu").read_text(), kernel.ptx()
+    name = offset_decode_name(problem.dtype)
+    assert source.count(name + "(") >= 2                   # the template's definition and the kernel's calls
+    assert not SCALING_MULTIPLY.search(ptx) and ptx.count("fma.rn.f16x2") >= 8
+    if not problem.channelwise:
+        twin = compile_schedule(Problem(problem.n, problem.k, problem.group), schedule, arch)
+        assert SCALING_MULTIPLY.search(twin.ptx()) and (twin.folder / "kernel.cu").read_text().count(name + "(") == 1
