@@ -51,6 +51,14 @@ def random_weights(problem) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def random_zero_points(problem) -> torch.Tensor | None:
+    """Zero points over the whole code range for a problem that has them ([K / group, N] on the GPU,
+    from torch's generator as it stands), else None."""
+    if not problem.zero_points:
+        return None
+    return torch.randint(0, 1 << problem.bits, (problem.num_groups, problem.n), device="cuda")
+
+
 class Fp16Baseline:
     """torch.matmul on the dequantized weights (the values the INT4 kernels compute with) in the
     activation dtype, in weight_copies: the time every INT4 kernel is compared with, timed in the

@@ -2,7 +2,8 @@
 
 Conventions: nn.Linear.weight is [N, K] (out x in); tilemarlin's weight is W[K, N], so converting a
 layer quantizes weight.T. A QuantLinear holds its weights already packed for the kernel (buffers
-`qweight` and `scales`, saved in the state dict), so loading one costs no repacking.
+`qweight` and `scales`, saved in the state dict; with zero points `scales` holds each group's offset
+row s * (8 - z) after its scale row), so loading one costs no repacking.
 """
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 from torch import nn
 
+from schedules.marlin_mma.layout import split_offsets
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn
 
 from .op import DEFAULT_LAYOUT, dtype_name, layout_family, packed_shapes, problem_of, w4a16_gemm
-from .zero_points import add_zero_point_correction, zero_point_offsets
 from .precompile import precompile_layers
 
 if TYPE_CHECKING:
@@ -40,49 +41,52 @@ class QuantLinear(nn.Module):
                  act_order: bool = False, zero_points: bool = False,
                  precompile: bool = True, max_m: int | None = None):
         super().__init__()
-        problem = problem_of(out_features, in_features, group_size, dtype_name(dtype), layout)
+        problem = problem_of(out_features, in_features, group_size, dtype_name(dtype), layout, zero_points)
         self.in_features, self.out_features = in_features, out_features
         self.group_size = problem.group   # group_size=-1 (one group over K) is stored as K
-        self.layout = layout
+        self.layout, self.zero_points = layout, zero_points
         weight_shape, scales_shape = packed_shapes(problem, layout)
         self.register_buffer("qweight", torch.zeros(weight_shape, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(scales_shape, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
-        # Checkpoint layers (runtime/checkpoint): the act-order gather of x's columns, and the offsets of
-        # zero points other than 8 (runtime/zero_points.py). None for symmetric weights in natural order.
+        # Checkpoint layers (runtime/checkpoint): the act-order gather of x's columns; None in natural order.
         self.register_buffer("perm", torch.arange(in_features, device=device) if act_order else None)
-        self.register_buffer("zero_offsets", torch.zeros(scales_shape, dtype=dtype, device=device)
-                             if zero_points else None)
         if precompile:
             precompile_layers([(problem, self.qweight.device)], max_m, layout)
 
     @property
     def problem(self) -> Problem:
         return problem_of(self.out_features, self.in_features, self.group_size, dtype_name(self.scales.dtype),
-                          self.layout)
+                          self.layout, self.zero_points)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                   layout: str = DEFAULT_LAYOUT, precompile: bool = True, max_m: int | None = None) -> "QuantLinear":
-        """From INT4 codes [K, N] (zero point 8) and scales [K / group, N], on their device.
+                   layout: str = DEFAULT_LAYOUT, precompile: bool = True, max_m: int | None = None,
+                   zeros: torch.Tensor | None = None) -> "QuantLinear":
+        """From INT4 codes [K, N], scales [K / group, N] and zero points (the scales' shape; None for 8),
+        on their device.
 
         Raises ValueError, before any kernel is built, for shapes or a group size the kernels cannot
-        run and for a scale that is not finite and positive (naming the first one).
+        run, for a scale that is not finite and positive and for a zero point outside 0..15 (naming
+        the first one).
         """
         k, n = codes.shape
         if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
             raise ValueError(f"scales {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}")
-        problem_of(n, k, k // scales.shape[0], dtype_name(scales.dtype), layout)
+        problem_of(n, k, k // scales.shape[0], dtype_name(scales.dtype), layout, zeros is not None)
         _check_scales(scales)
-        return cls._packed(codes, scales, bias, layout, precompile, max_m)
+        if zeros is not None:
+            _check_zeros(zeros, scales)
+        return cls._packed(codes, scales, bias, layout, precompile, max_m, zeros)
 
     @classmethod
-    def _packed(cls, codes, scales, bias, layout, precompile, max_m) -> "QuantLinear":
+    def _packed(cls, codes, scales, bias, layout, precompile, max_m, zeros=None) -> "QuantLinear":
         """from_codes after its checks."""
         k, n = codes.shape
         layer = cls(k, n, bias=bias is not None, group_size=k // scales.shape[0], dtype=scales.dtype,
-                    device=codes.device, layout=layout, precompile=precompile, max_m=max_m)
-        qweight, packed_scales = layout_family(layout).pack(codes, scales)
+                    device=codes.device, layout=layout, zero_points=zeros is not None, precompile=precompile,
+                    max_m=max_m)
+        qweight, packed_scales = layout_family(layout).pack(codes, scales, zeros)
         layer.qweight.copy_(qweight)
         layer.scales.copy_(packed_scales)
         if bias is not None:
@@ -115,16 +119,13 @@ class QuantLinear(nn.Module):
                    max_m: int | None = None) -> "QuantLinear":
         """From a checkpoint layer (runtime/checkpoint/layer.py), on its device: x @ layer.dequantize() + bias.
 
-        The codes and scales are packed as from_codes packs them. With act-order the module keeps the
-        layer's `perm` and gathers x's columns by it first; with zero points it keeps
-        C = scales * (8 - zeros) as `zero_offsets` and adds groupsum(x) @ C (runtime/zero_points.py).
-        Raises ValueError as from_codes does, before any kernel is built.
+        The codes, scales and zero points are packed as from_codes packs them (the kernels decode the
+        zero points). With act-order the module keeps the layer's `perm` and gathers x's columns by it
+        first. Raises ValueError as from_codes does, before any kernel is built.
         """
-        module = cls.from_codes(layer.codes, layer.scales, layer.bias, layout, precompile, max_m)
+        module = cls.from_codes(layer.codes, layer.scales, layer.bias, layout, precompile, max_m, layer.zeros)
         if layer.perm is not None:
             module.perm = layer.perm.to(device=layer.codes.device)
-        if layer.zeros is not None:
-            module.zero_offsets = zero_point_offsets(layer.scales, layer.zeros)
         return module
 
     @classmethod
@@ -147,21 +148,26 @@ class QuantLinear(nn.Module):
         return cls.from_layer(layer, precompile=precompile, max_m=max_m)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes uint8 [K, N], scales [K / group, N]): the inverse of from_codes."""
-        return layout_family(self.layout).unpack(self.qweight, self.scales)
+        """(codes uint8 [K, N], scales [K / group, N]): the inverse of from_codes (see offsets() for
+        the zero points' part)."""
+        scales = split_offsets(self.scales)[0] if self.zero_points else self.scales
+        return layout_family(self.layout).unpack(self.qweight, scales)
+
+    def offsets(self) -> torch.Tensor | None:
+        """The zero points' offsets s * (8 - z) [K / group, N] the kernels add, or None (symmetric)."""
+        return split_offsets(self.scales)[1] if self.zero_points else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         y = w4a16_gemm(x, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
-                       self.layout)
-        if self.zero_offsets is not None:
-            y = add_zero_point_correction(y, x, self.zero_offsets, self.group_size)
+                       self.layout, self.zero_points)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"bits={self.bits}, group_size={self.group_size}, layout={self.layout}")
+                f"bits={self.bits}, group_size={self.group_size}, layout={self.layout}, "
+                f"zero_points={self.zero_points}")
 
 
 def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | Iterable[str] | None = None,
@@ -225,6 +231,17 @@ def _check_scales(scales: torch.Tensor) -> None:
         more = int((~ok).sum()) - 1
         raise ValueError(f"scale {scales[group, column].item()} at group {group}, column {column}"
                          + (f" (and {more} more)" if more else "") + ": scales must be finite and positive")
+
+
+def _check_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> None:
+    """A ValueError for zero points of another shape than the scales, or naming the first outside 0..15."""
+    if zeros.shape != scales.shape:
+        raise ValueError(f"zero points {tuple(zeros.shape)} must have the scales' shape {tuple(scales.shape)}")
+    bad = _first_false((zeros >= 0) & (zeros <= 15))
+    if bad is not None:
+        group, column = bad
+        raise ValueError(f"zero point {zeros[group, column].item()} at group {group}, column {column}: "
+                         "4-bit zero points lie in 0..15")
 
 
 def _name_filter(filter) -> Callable[[str, nn.Module], bool]:

@@ -63,10 +63,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAYOUT) -> Problem:
+def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAYOUT,
+               zero_points: bool = False) -> Problem:
     """The Problem of a layer, after checking that `layout` can hold its weights (N, K) and that the
     kernel families take its group size."""
-    problem = Problem.make(n=n, k=k, group=group, dtype=dtype)
+    problem = Problem.make(n=n, k=k, group=group, dtype=dtype, zero_points=zero_points)
     layout_family(layout).layout.check_packable(problem.k, problem.n)
     reason = group_size_problem(group, k)
     if reason:
@@ -76,23 +77,24 @@ def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAY
 
 def packed_shapes(problem: Problem, layout: str = DEFAULT_LAYOUT) -> tuple[tuple[int, int], tuple[int, int]]:
     """Shapes of (packed weight, packed scales) in `layout`, as its layout module defines them."""
-    return layout_family(layout).layout.packed_shapes(problem.k, problem.n, problem.num_groups)
+    return layout_family(layout).layout.packed_shapes(problem.k, problem.n, problem.scale_rows)
 
 
-def _check_args(x, qweight, scales, n, k, group, layout) -> Problem:
+def _check_args(x, qweight, scales, n, k, group, layout, zero_points) -> Problem:
     dtype = dtype_name(x.dtype)
     if scales.dtype != x.dtype:
         raise TypeError(f"x is {x.dtype} but the weights' scales are {scales.dtype}: "
                         f"cast the input with x.to({scales.dtype})")
     if x.dim() == 0 or x.shape[-1] != k:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end in the weight's K={k} input features")
-    problem = problem_of(n, k, group, dtype, layout)
+    problem = problem_of(n, k, group, dtype, layout, zero_points)
     weight_shape, scales_shape = packed_shapes(problem, layout)
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != weight_shape:
         raise ValueError(f"packed weight must be int32 {weight_shape} for N={n}, K={k} in {layout}, "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")
     if tuple(scales.shape) != scales_shape:
-        raise ValueError(f"scales must be {scales_shape} for K={k}, group={problem.group}, N={n}, "
+        what = " with their zero points' offsets" if zero_points else ""
+        raise ValueError(f"scales{what} must be {scales_shape} for K={k}, group={problem.group}, N={n}, "
                          f"got {tuple(scales.shape)}")
     return problem
 
@@ -112,22 +114,24 @@ def _check_device(x, qweight, scales) -> None:
 
 @torch.library.custom_op("tilemarlin::w4a16_gemm", mutates_args=())
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
-               layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
+               layout: str = DEFAULT_LAYOUT, zero_points: bool = False) -> torch.Tensor:
     """y[..., N] = x[..., K] @ dequant(W)[K, N] with INT4 weights packed in `layout`.
 
     Parameters
     ----------
     x : float16 or bfloat16 CUDA tensor [..., K]; any strides (a non-contiguous x is copied).
     qweight, scales : the packed weight and scales (``schedules.marlin_mma.pack``), on x's device,
-        scales in x's dtype.
+        scales in x's dtype; with zero_points each group's scale row is followed by its offset row
+    s * (8 - z) (``marlin_mma.pack(codes, scales, zeros)``).
     n, k, group : output features, input features, rows per scale (-1: one group spanning K).
     layout : the packing of qweight and scales.
+    zero_points : whether scales carries zero points' offsets (w = s * (q - z) instead of s * (q - 8)).
 
     Returns
     -------
     A new tensor [..., N] in x's dtype.
     """
-    problem = _check_args(x, qweight, scales, n, k, group, layout)
+    problem = _check_args(x, qweight, scales, n, k, group, layout, zero_points)
     _check_device(x, qweight, scales)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel():
@@ -136,8 +140,8 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: 
 
 
 @w4a16_gemm.register_fake
-def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT):
-    _check_args(x, qweight, scales, n, k, group, layout)
+def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT, zero_points=False):
+    _check_args(x, qweight, scales, n, k, group, layout, zero_points)
     return x.new_empty((*x.shape[:-1], n))
 
 

@@ -59,10 +59,11 @@ def run_check(kernel, problem: Problem, schedule: Schedule, m: int, device: torc
     codes = torch.randint(0, 16, (problem.k, problem.n), generator=gen, dtype=torch.uint8, device=device)
     scales = (torch.rand((problem.num_groups, problem.n), generator=gen, device=device) * 0.02 + 0.001).to(dtype)
     a = torch.randn((m, problem.k), generator=gen, device=device).to(dtype)
+    zeros = torch.randint(0, 16, scales.shape, generator=gen, device=device) if problem.zero_points else None
     fam, knobs = schedule.module, schedule.knobs
-    qweight, packed_scales = fam.pack(codes, scales)
+    qweight, packed_scales = fam.pack(codes, scales, zeros)
     out = torch.full((m, problem.n), float("nan"), dtype=dtype, device=device)
     fp32_elems, counters = fam.workspace_elems(problem, knobs, m)
     partials, tile_counters = split_k_workspace(device, fp32_elems, counters) if fp32_elems or counters else (None, None)
     kernel(*fam.kernel_args(problem, knobs, a, qweight, packed_scales, out, partials, tile_counters))
-    return mismatch(out, reference_matmul(a, codes, scales, problem.bits), problem.dtype)
+    return mismatch(out, reference_matmul(a, codes, scales, problem.bits, zeros), problem.dtype)

@@ -1,8 +1,10 @@
-"""The act-order gather and the zero-point correction against dense fp32 references, on the CPU.
+"""Checkpoint layers (act-order, zero points) through QuantLinear against dense fp32 references, on
+the CPU.
 
-Where QuantLinear's forward must compute, the op's CUDA launch is replaced by the fp32 reference
-(`cpu_op`), so that everything around the kernel is what runs: the gather by perm, the op's shapes,
-the correction, the bias.
+Where QuantLinear's forward must compute, the op's CUDA launch is replaced by the fp32 reference of
+what the kernel computes from the packed tensors (`cpu_op`: the codes less 8 times the scales, plus
+the zero points' offsets), so that everything around the kernel is what runs: the gather by perm,
+the packing of the offsets, the op's shapes, the bias.
 """
 import pytest
 import torch
@@ -11,16 +13,20 @@ import runtime.op as op
 from runtime import QuantLinear
 from runtime.checkpoint.layer import build_layer
 from runtime.checkpoint.loader import load_quantized
-from runtime.zero_points import add_zero_point_correction, group_sums, zero_point_offsets
 from schedules import marlin_mma
-from schedules.quant import dequantize, reference_matmul
+from schedules.marlin_mma.layout import split_offsets
+from schedules.quant import dequantize, zero_point_offsets
 from tests.checkpoint_writers import dense_model, draw_layer, write_checkpoint
 from tests.reference import assert_matches_reference
 
 
 def reference_launch(a, qweight, scales, out, problem, layout):
-    codes, unpacked_scales = marlin_mma.unpack(qweight, scales)
-    out.copy_(reference_matmul(a, codes, unpacked_scales).to(out.dtype))
+    scales, offsets = split_offsets(scales) if problem.zero_points else (scales, None)
+    codes, scales = marlin_mma.unpack(qweight, scales)
+    w = dequantize(codes, scales)
+    if offsets is not None:
+        w = (w.unflatten(0, (problem.num_groups, problem.group)) + offsets.float().unsqueeze(1)).flatten(0, 1)
+    out.copy_((a.float() @ w).to(out.dtype))
 
 
 @pytest.fixture
@@ -29,33 +35,25 @@ def cpu_op(monkeypatch):
     monkeypatch.setattr(op, "_launch", reference_launch)
 
 
-def test_group_sums():
-    x = torch.arange(12.0).reshape(2, 6)
-    assert group_sums(x, 3).tolist() == [[3.0, 12.0], [21.0, 30.0]]
-    assert group_sums(x.half(), 6).dtype == torch.float32
-
-
-@pytest.mark.parametrize("group", [64, 256])
-def test_zero_point_correction_is_exact_math(group):
-    """x @ (s (q - 8)) + groupsum(x) @ (s (8 - z)) == x @ (s (q - z)), all in fp32."""
-    gen = torch.Generator().manual_seed(group)
-    k, n = 256, 192
-    codes = torch.randint(0, 16, (k, n), generator=gen, dtype=torch.uint8)
-    scales = torch.rand(k // group, n, generator=gen) + 0.5
-    zeros = torch.randint(0, 16, (k // group, n), generator=gen)
-    x = torch.randn(5, k, generator=gen)
-    w = (codes.float().reshape(-1, group, n) - zeros.float().unsqueeze(1)) * scales.unsqueeze(1)
-    symmetric = x @ dequantize(codes, scales)
-    got = add_zero_point_correction(symmetric, x, zero_point_offsets(scales, zeros), group)
-    torch.testing.assert_close(got, x @ w.reshape(k, n), rtol=1e-5, atol=1e-4)
-
-
 def test_offsets_are_computed_in_fp32_and_stored_in_the_scales_dtype():
     scales = torch.tensor([[0.1, 3.0]], dtype=torch.bfloat16)
     zeros = torch.tensor([[1, 15]])
     offsets = zero_point_offsets(scales, zeros)
     assert offsets.dtype == torch.bfloat16
     assert torch.equal(offsets, (scales.float() * torch.tensor([[7.0, -7.0]])).to(torch.bfloat16))
+
+
+def test_a_layer_with_zero_points_keeps_their_offsets_after_its_scale_rows():
+    gen = torch.Generator().manual_seed(9)
+    drawn = draw_layer(256, 64, 128, False, False, torch.float16, gen)
+    layer = build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, 128, None, torch.float16)
+    module = QuantLinear.from_layer(layer)
+    assert module.zero_points and module.problem.zero_points and tuple(module.scales.shape) == (4, 64)
+    assert torch.equal(module.unpack()[1], layer.scales)
+    assert torch.equal(module.offsets(), zero_point_offsets(layer.scales, layer.zeros))
+    symmetric = QuantLinear.from_layer(build_layer(drawn.codes, drawn.scales, None, drawn.g_idx, 128, None,
+                                                   torch.float16))
+    assert not symmetric.zero_points and symmetric.offsets() is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -110,8 +108,8 @@ def test_loaded_model_logits_on_cpu(cpu_op, tmp_path, fmt, symmetric, act_order,
 
 
 def test_checkpoint_layer_traces_in_one_graph(cpu_op):
-    """The gather and the correction add no graph break: torch.compile(fullgraph=True) traces them
-    with the op (aot_eager: the trace without code generation)."""
+    """The gather adds no graph break: torch.compile(fullgraph=True) traces it with the op, zero
+    points and all (aot_eager: the trace without code generation)."""
     gen = torch.Generator().manual_seed(5)
     drawn = draw_layer(256, 128, 128, False, True, torch.float16, gen)
     layer = build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, 128, None, torch.float16)

@@ -114,7 +114,7 @@ def test_load_quantized_on_cpu(tmp_path, fmt, symmetric, act_order, shards):
     for name, module in quantized.items():
         assert module.qweight.device.type == "cpu" and module.scales.dtype == torch.bfloat16
         assert (module.perm is not None) == act_order
-        assert (module.zero_offsets is not None) == (not symmetric)
+        assert module.zero_points == (not symmetric) and (module.offsets() is not None) == (not symmetric)
     assert isinstance(model.lm_head, nn.Linear)
     assert torch.equal(model.lm_head.weight, stored["lm_head.weight"])
     assert torch.equal(model.model.embed_tokens.weight, stored["model.embed_tokens.weight"])

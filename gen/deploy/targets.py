@@ -22,6 +22,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
     p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
+    p.add_argument("--zero-points", action="store_true",
+                   help="layers with zero points of their own (asymmetric checkpoints: GPTQ sym=false, AWQ)")
     p.add_argument("--buckets", help=f"M buckets, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--arch", help="target arch, e.g. sm_90a (default: this GPU's); needs no GPU")
     p.add_argument("--gpu", metavar="SLUG", help="the tuned table to follow (see `gen cache list`; default: this "

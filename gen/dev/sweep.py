@@ -32,6 +32,7 @@ def register(subparsers) -> None:
     p.add_argument("--shapes", help="KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
     p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
+    p.add_argument("--zero-points", action="store_true", help="layers with zero points of their own")
     p.add_argument("--ms", default="1,16", help="M values (bucket edges), comma separated (default: %(default)s)")
     p.add_argument("--show", type=int, default=5, help="fastest candidates printed per layer and M (default: %(default)s)")
     p.add_argument("--json", metavar="FILE",

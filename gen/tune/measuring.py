@@ -29,7 +29,7 @@ from schedules.problem import Problem
 from schedules.quant import reference_matmul, relative_error, torch_dtype
 from schedules.registry import Schedule
 
-from gen.timing import Fp16Baseline, random_weights, time_calls, time_calls_between, weight_copies
+from gen.timing import Fp16Baseline, random_weights, random_zero_points, time_calls, time_calls_between, weight_copies
 from gen.tune.search import BucketSearch
 
 # fp16 outputs carry ~5e-4 of rounding error; bf16 has an 8-bit mantissa, so its rounding alone is ~2e-3.
@@ -252,6 +252,7 @@ class Bench:
         self.between = between
         self.dtype = torch_dtype(problem.dtype)
         self.codes, self.scales = random_weights(problem)
+        self.zeros = random_zero_points(problem)
         self._packed: dict[str, list] = {}
         self._fp16 = None
 
@@ -260,7 +261,7 @@ class Bench:
         Families that read the same layout share them."""
         layout = family_module.LAYOUT
         if layout not in self._packed:
-            self._packed[layout] = weight_copies(family_module.pack(self.codes, self.scales))
+            self._packed[layout] = weight_copies(family_module.pack(self.codes, self.scales, self.zeros))
         return self._packed[layout]
 
     def _time(self, calls: list, a) -> float:
@@ -305,7 +306,7 @@ class Bench:
                 a, out, args = run(m, *copies[0])
                 kernel(*args)
                 torch.cuda.synchronize()
-                err = relative_error(out, reference_matmul(a, self.codes, self.scales, p.bits))
+                err = relative_error(out, reference_matmul(a, self.codes, self.scales, p.bits, self.zeros))
                 worst = max(worst, err)
                 if not err < tol:
                     return {"error": f"wrong: relative error {err:.3g} at M={m} (call {call}), tolerance {tol}",
@@ -316,7 +317,7 @@ class Bench:
         a, out, _ = run(bucket, *copies[0])
         us = self._time(self.rotated_calls(kernel, fam, knobs, a, out, ws, counters), a)
         # The replays must still compute the right thing (e.g. split-K state across graph replays).
-        err = relative_error(out, reference_matmul(a, self.codes, self.scales, p.bits))
+        err = relative_error(out, reference_matmul(a, self.codes, self.scales, p.bits, self.zeros))
         if not err < tol:
             return {"error": f"wrong after timing: relative error {err:.3g} at M={bucket}", "rel_err": err}
         return {"us": us, "rel_err": max(worst, err)}

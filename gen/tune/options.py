@@ -40,7 +40,7 @@ def targets_from_args(args) -> list[Target]:
     targets: dict[Problem, Target] = {}
     for layer in layers:
         try:
-            problem = problem_of(layer.n, layer.k, args.group, args.dtype)
+            problem = problem_of(layer.n, layer.k, args.group, args.dtype, zero_points=args.zero_points)
         except ValueError as exc:
             raise ValueError(f"layer {layer.name} ({layer.shape}): {exc}") from None
         targets.setdefault(problem, Target(problem, [])).layers.append(layer.name)

@@ -12,8 +12,8 @@ makes every group contiguous again: the codes are stored in that order, `perm[i]
 feature of row i, and since x @ W = x[..., perm] @ W[perm], the layer gathers its input's columns
 by `perm` before the GEMM. The trivial map g_idx[k] = k // group needs no permutation: perm is None.
 
-Zero points. w = s * (q - z). None means symmetric, z = 8 everywhere, which the kernels decode
-natively; other zero points are served by the correction in runtime/zero_points.py.
+Zero points. w = s * (q - z). None means symmetric, z = 8 everywhere; other zero points the kernels
+decode from pre-scaled offsets beside the scales (schedules/marlin_mma/layout.py).
 """
 from __future__ import annotations
 
