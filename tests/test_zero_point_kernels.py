@@ -150,3 +150,20 @@ def test_zero_point_kernels_decode_with_an_fma_per_pair(problem, schedule, arch)
     if not problem.channelwise:
         twin = compile_schedule(Problem(problem.n, problem.k, problem.group), schedule, arch)
         assert SCALING_MULTIPLY.search(twin.ptx()) and (twin.folder / "kernel.cu").read_text().count(name + "(") == 1
+
+
+# --- the tools --------------------------------------------------------------------------------------
+
+def test_the_tools_name_zero_point_layers():
+    from gen.cli import build_parser
+    from gen.bench import command as bench, report
+    from gen.tune.options import targets_from_args
+
+    args = build_parser().parse_args(["tune", "--model", "llama-2-7b", "--zero-points"])
+    assert all(t.problem.zero_points and t.problem.name.endswith("_zp") for t in targets_from_args(args))
+    args = build_parser().parse_args(["tune", "--model", "llama-2-7b"])
+    assert not any(t.problem.zero_points for t in targets_from_args(args))
+    assert bench.parse_kernels("tilemarlin,tilemarlin_zp,fp16") == ["tilemarlin", "tilemarlin_zp", "fp16"]
+    assert "tilemarlin_zp" not in bench.KERNELS      # timed only when named
+    assert report.weight_bytes("tilemarlin_zp", 4096, 4096, 128) - report.weight_bytes("tilemarlin", 4096, 4096, 128) \
+        == 32 * 4096 * 2

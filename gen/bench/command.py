@@ -33,6 +33,9 @@ from gen.bench.contenders import CONTENDERS, KernelUnavailable, LayerWeights, la
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
+# Timed only when named: tilemarlin on the same codes and scales with zero points drawn over 0..15
+# (asymmetric checkpoints' layers), beside the symmetric kernels in the same run.
+OPTIONAL_KERNELS = ("tilemarlin_zp",)
 # fp16 results land near 1e-3 and bf16 ones (torch_int4) near 5e-3 of the reference; a wrong layout,
 # scale or reduction lands near 1.
 REL_ERR_LIMIT = 2e-2
@@ -80,9 +83,10 @@ def parse_seconds(text: str) -> float:
 
 def parse_kernels(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in KERNELS]
+    unknown = [name for name in names if name not in KERNELS + OPTIONAL_KERNELS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown kernel(s) {', '.join(unknown)}; known: {', '.join(KERNELS)}")
+        raise argparse.ArgumentTypeError(f"unknown kernel(s) {', '.join(unknown)}; known: "
+                                         f"{', '.join(KERNELS + OPTIONAL_KERNELS)}")
     if report.BASELINE not in names:
         raise argparse.ArgumentTypeError(f"the list must include {report.BASELINE}: every speedup is over it")
     return list(dict.fromkeys(names))
@@ -117,7 +121,8 @@ def register(subparsers) -> None:
     parser.add_argument("--ms", type=parse_ms, default=list(DEFAULT_MS), metavar="M,...",
                         help="batch sizes (default: %s)" % ",".join(map(str, DEFAULT_MS)))
     parser.add_argument("--kernels", type=parse_kernels, default=list(KERNELS), metavar="NAME,...",
-                        help="kernels to time; must include fp16 (default: %s)" % ",".join(KERNELS))
+                        help="kernels to time; must include fp16 (default: %s; also known: %s)"
+                        % (",".join(KERNELS), ",".join(OPTIONAL_KERNELS)))
     parser.add_argument("--rounds", type=parse_rounds, default=DEFAULT_ROUNDS,
                         help="times each point is timed, the kernels taking turns; the median counts "
                              "(default: %(default)s)")
@@ -381,7 +386,8 @@ def _precompile_tilemarlin(layers: list, args) -> None:
     from schedules.problem import Problem
 
     print("compiling tilemarlin's kernels for these layers and batch sizes...", file=sys.stderr, flush=True)
-    problems = [Problem.make(n=layer.n, k=layer.k, group=args.group) for layer in layers]
+    problems = [Problem.make(n=layer.n, k=layer.k, group=args.group, zero_points=zero_points) for layer in layers
+                for zero_points in (False, True) if ("tilemarlin_zp" if zero_points else "tilemarlin") in args.kernels]
     try:
         failed = {job: error for job, error in precompile(problems, args.ms).items() if error}
     except Exception as exc:   # the first calls compile instead, and record any failure per point
@@ -435,7 +441,7 @@ def _measure_and_report(args, model: str, layers: list) -> int:
     data = {"meta": _meta(args, model, layers), "rows": []}
     stem = f"{report.slug(data['meta']['gpu'])}-{report.slug(model)}"
     json_path = report.output_paths(args.out, stem)["json"]
-    if "tilemarlin" in args.kernels:
+    if {"tilemarlin", "tilemarlin_zp"} & set(args.kernels):
         _precompile_tilemarlin(layers, args)
     windows: dict[int, list] = {}
     nvml = _energy_counter(data["meta"]) if args.sustain else None

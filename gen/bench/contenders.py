@@ -59,6 +59,22 @@ def tilemarlin_contender(w: LayerWeights) -> Contender:
                      exact=True)
 
 
+def tilemarlin_zero_points_contender(w: LayerWeights) -> Contender:
+    """tilemarlin with zero points of its own per group and column (0..15, drawn from torch's generator
+    as it stands): the same codes and scales, the kernels that add the zero points' offsets. Not the
+    reference's symmetric weights, so not checked here (tests/test_kernel_gpu.py checks them)."""
+    try:
+        from runtime.op import w4a16_gemm
+    except ImportError as exc:
+        raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
+    from schedules import marlin_mma
+
+    zeros = torch.randint(0, 16, w.scales.shape, device=w.scales.device)
+    copies = weight_copies(marlin_mma.pack(w.codes, w.scales, zeros))
+    return Contender(lambda x: [functools.partial(w4a16_gemm, x, qw, qs, w.n, w.k, w.group, zero_points=True)
+                                for qw, qs in copies], exact=False)
+
+
 def fp16_contender(w: LayerWeights) -> Contender:
     return Contender(Fp16Baseline(w.codes, w.scales).calls, exact=True)
 
@@ -104,4 +120,5 @@ def humming_contender(w: LayerWeights) -> Contender:
 
 
 CONTENDERS = {"tilemarlin": tilemarlin_contender, "fp16": fp16_contender,
-              "torch_int4": torch_int4_contender, "humming": humming_contender}
+              "torch_int4": torch_int4_contender, "humming": humming_contender,
+              "tilemarlin_zp": tilemarlin_zero_points_contender}

@@ -31,6 +31,8 @@ def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
         return 2 * k * n
     if kernel == "torch_int4":   # tinygemm stores a bf16 (scale, zero) pair per group and column
         return k * n // 2 + 4 * groups * n
+    if kernel == "tilemarlin_zp":   # an offset beside each scale
+        return k * n // 2 + 4 * groups * n
     return k * n // 2 + 2 * groups * n   # INT4 codes + fp16 scales (tilemarlin, humming)
 
 
@@ -289,7 +291,7 @@ class PlotsUnavailable(RuntimeError):
     pass
 
 
-_COLORS = {OURS: "C0", BASELINE: "C7", "torch_int4": "C1", "humming": "C2"}
+_COLORS = {OURS: "C0", BASELINE: "C7", "torch_int4": "C1", "humming": "C2", "tilemarlin_zp": "C9"}
 
 
 def _color(kernel: str) -> str:
