@@ -513,3 +513,15 @@ def test_a_sustained_timing_on_the_gpu_reads_time_energy_and_clock():
     run = measure.time_sustained([lambda: a @ b] * 2, 0.3, nvml)
     assert 1 < run["us"] < 10_000 and run["mj_per_call"] > 0 and run["sm_mhz"] > 100
     assert measure.time_sustained([lambda: a @ b], 0.1)["mj_per_call"] is None
+
+
+def test_a_bf16_run_names_its_baseline_bf16(sample):
+    header, _ = report.summary_table(sample)
+    assert header[1] == "FP16 sum (us)"
+    bf16 = {**sample, "meta": {**sample["meta"], "dtype": "bfloat16"}}
+    assert report.summary_table(bf16)[0][1] == "BF16 sum (us)" and report.baseline_label(bf16["meta"]) == "BF16"
+
+
+def test_the_gemm_bench_takes_a_dtype():
+    assert bench.bench_dtype(parse([])) == "float16"
+    assert bench.bench_dtype(parse(["--dtype", "bfloat16"])) == "bfloat16"

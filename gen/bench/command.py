@@ -81,6 +81,11 @@ def parse_seconds(text: str) -> float:
     return seconds
 
 
+def bench_dtype(args) -> str:
+    """The activations' dtype of a GEMM run (--dtype; float16 by default)."""
+    return args.dtype or "float16"
+
+
 def parse_kernels(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [name for name in names if name not in KERNELS + OPTIONAL_KERNELS]
@@ -304,7 +309,7 @@ def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: di
         except Exception as exc:  # this layer's shape or format does not suit the kernel
             layer_errors[kernel] = _error_text(exc)
     for m in args.ms:
-        x = torch.randn(m, w.k, dtype=torch.float16, device="cuda")
+        x = torch.randn(m, w.k, dtype=w.scales.dtype, device="cuda")
         reference = functools.cache(lambda: reference_matmul(x, w.codes, w.scales))   # only if needed
         line = []
         start = time.time()
@@ -343,6 +348,7 @@ def _meta(args, model: str, layers: list) -> dict:
         "model": model,
         "layers": [{"name": layer.name, "k": layer.k, "n": layer.n} for layer in layers],
         "group": args.group,
+        "dtype": bench_dtype(args),
         "ms": args.ms,
         "kernels": args.kernels,
         "rounds": args.rounds,
@@ -386,7 +392,7 @@ def _precompile_tilemarlin(layers: list, args) -> None:
     from schedules.problem import Problem
 
     print("compiling tilemarlin's kernels for these layers and batch sizes...", file=sys.stderr, flush=True)
-    problems = [Problem.make(n=layer.n, k=layer.k, group=args.group, zero_points=zero_points) for layer in layers
+    problems = [Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=bench_dtype(args), zero_points=zero_points)
                 for zero_points in (False, True) if ("tilemarlin_zp" if zero_points else "tilemarlin") in args.kernels]
     try:
         failed = {job: error for job, error in precompile(problems, args.ms).items() if error}
@@ -439,7 +445,8 @@ def _measure_and_report(args, model: str, layers: list) -> int:
 
     torch.manual_seed(0)
     data = {"meta": _meta(args, model, layers), "rows": []}
-    stem = f"{report.slug(data['meta']['gpu'])}-{report.slug(model)}"
+    dtype = data["meta"]["dtype"]
+    stem = f"{report.slug(data['meta']['gpu'])}-{report.slug(model)}" + ("" if dtype == "float16" else f"-{dtype}")
     json_path = report.output_paths(args.out, stem)["json"]
     if {"tilemarlin", "tilemarlin_zp"} & set(args.kernels):
         _precompile_tilemarlin(layers, args)
@@ -447,7 +454,7 @@ def _measure_and_report(args, model: str, layers: list) -> int:
     nvml = _energy_counter(data["meta"]) if args.sustain else None
     with torch.no_grad(), ClockLog(_smi_device()) as clocks:
         for layer in layers:
-            weights = layer_weights(layer, args.group)
+            weights = layer_weights(layer, args.group, bench_dtype(args))
             _measure_layer(weights, args, data["meta"]["skipped"], data["rows"], windows, nvml)
             del weights
             _save(data, json_path)   # a crash later still leaves the layers done

@@ -1,8 +1,9 @@
 """The kernels `gen bench` compares: tilemarlin, FP16 torch.matmul, torch's INT4 kernel and humming.
 
 Each contender turns one layer's weights into its own format, in as many copies as L2 needs to miss
-(gen.timing.weight_copies), and returns a function from activations x [M, K] fp16 to the list of
-calls to time, one per copy. FP16 is gen.timing.Fp16Baseline, the baseline `gen tune` times too.
+(gen.timing.weight_copies), and returns a function from activations x [M, K] (fp16, or bf16 in a
+`--dtype bfloat16` run) to the list of calls to time, one per copy. The baseline is
+gen.timing.Fp16Baseline, torch.matmul in the run's dtype, which `gen tune` times too.
 """
 from __future__ import annotations
 
@@ -31,12 +32,13 @@ class LayerWeights:
     n: int
     group: int            # rows per scale (K for channelwise)
     codes: object         # uint8 [K, N] in 0..15
-    scales: object        # fp16 [K / group, N]
+    scales: object        # [K / group, N] in the activations' dtype (fp16 or bf16)
 
 
-def layer_weights(layer, group: int) -> LayerWeights:
-    """Random weights (gen.timing.random_weights) for `layer` (with .name, .k, .n) at `group` rows per scale."""
-    problem = Problem.make(n=layer.n, k=layer.k, group=group)
+def layer_weights(layer, group: int, dtype: str = "float16") -> LayerWeights:
+    """Random weights (gen.timing.random_weights) for `layer` (with .name, .k, .n) at `group` rows per
+    scale, scales in `dtype`."""
+    problem = Problem.make(n=layer.n, k=layer.k, group=group, dtype=dtype)
     codes, scales = random_weights(problem)
     return LayerWeights(layer.name, problem.k, problem.n, problem.group, codes, scales)
 
@@ -76,7 +78,7 @@ def tilemarlin_zero_points_contender(w: LayerWeights) -> Contender:
 
 
 def fp16_contender(w: LayerWeights) -> Contender:
-    return Contender(Fp16Baseline(w.codes, w.scales).calls, exact=True)
+    return Contender(Fp16Baseline(w.codes, w.scales, dtype=w.scales.dtype).calls, exact=True)
 
 
 def torch_int4_contender(w: LayerWeights) -> Contender:
@@ -108,11 +110,11 @@ def humming_contender(w: LayerWeights) -> Contender:
         from humming.layer import HummingLayer
     except ImportError as exc:
         raise KernelUnavailable(f"humming is not importable: {exc}") from None
-    weight_nk = dequantize(w.codes, w.scales).to(torch.float16).t().contiguous()
+    weight_nk = dequantize(w.codes, w.scales).to(w.scales.dtype).t().contiguous()
     layers = []
     for _ in range(copies_for(report.weight_bytes("humming", w.k, w.n, w.group))):
         config = {"dtype": "int4", "group_size": 0 if w.group == w.k else w.group}   # 0: channelwise
-        layer = HummingLayer(shape_n=w.n, shape_k=w.k, weight_config=config, torch_dtype=torch.float16).cuda()
+        layer = HummingLayer(shape_n=w.n, shape_k=w.k, weight_config=config, torch_dtype=w.scales.dtype).cuda()
         layer.load_from_unquantized(weight_nk)
         layer.transform()
         layers.append(layer)

@@ -79,7 +79,8 @@ def add_arguments(parser) -> None:
                        help="time a whole model (--model) built with random weights: decode steps and prefills "
                             "over a static KV cache in CUDA graphs, dense against tilemarlin and humming; "
                             "weight memory; greedy tokens of tilemarlin against its dequantized weights")
-    group.add_argument("--dtype", choices=tuple(models.DTYPES), help="the model's dtype (default: float16)")
+    group.add_argument("--dtype", choices=tuple(models.DTYPES),
+                       help="the activations' and scales' dtype, or with --e2e the model's (default: float16)")
     group.add_argument("--batches", type=command.parse_ms, metavar="B,...",
                        help="decode batch sizes (default: %s)" % ",".join(map(str, DEFAULT_BATCHES)))
     group.add_argument("--contexts", type=command.parse_ms, metavar="T,...",
@@ -92,7 +93,7 @@ def add_arguments(parser) -> None:
                        help="run every variant's steps through torch.compile before capturing them")
 
 
-E2E_ONLY = ("dtype", "batches", "contexts", "prefill", "variants", "compile")
+E2E_ONLY = ("batches", "contexts", "prefill", "variants", "compile")
 
 
 def misplaced_e2e_flags(args) -> list[str]:

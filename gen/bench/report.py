@@ -174,6 +174,11 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def baseline_label(meta: dict) -> str:
+    """What the baseline is called: torch.matmul in the run's dtype."""
+    return "BF16" if meta.get("dtype") == "bfloat16" else "FP16"
+
+
 def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the layers-summed table: per M, FP16 and tilemarlin sums, every speedup,
     tilemarlin's lowest and highest speedup over the rounds (a `--rounds` run), and the ideal INT4
@@ -184,7 +189,7 @@ def summary_table(data: dict) -> tuple[list[str], list[list[str]]]:
     gains = speedups(times)
     shapes = [(k, n) for _, k, n in layers(data)]
     per_round = round_speedups(data)
-    header = ["M", "FP16 sum (us)", f"{OURS} sum (us)"] + [f"{k} speedup" for k in others]
+    header = ["M", f"{baseline_label(meta)} sum (us)", f"{OURS} sum (us)"] + [f"{k} speedup" for k in others]
     if per_round:
         header.append(PER_ROUND)
     header.append("ideal INT4 speedup")
@@ -327,7 +332,7 @@ def plot_speedup(data: dict, path: str | Path) -> Path:
         gains = speedups(times)
         ideal = [ideal_int4_speedup(shapes, m, meta["group"], meta["ceilings"]) for m in ms]
         ax.plot(ms, ideal, "k--", lw=1.2, label="ideal INT4 (roofline)")
-        ax.axhline(1.0, color="grey", lw=0.8, label="FP16 (torch.matmul)")
+        ax.axhline(1.0, color="grey", lw=0.8, label=f"{baseline_label(meta)} (torch.matmul)")
         for kernel in kernels(data):
             points = [(m, gains[m][kernel]) for m in ms if kernel in gains.get(m, {})]
             if points:
@@ -338,12 +343,12 @@ def plot_speedup(data: dict, path: str | Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("batch size M")
-        ax.set_ylabel("speedup over FP16")
+        ax.set_ylabel(f"speedup over {baseline_label(meta)}")
         ax.grid(True, alpha=0.3)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"W4A16 speedup over FP16: {meta.get('model', '')} on {meta.get('gpu', '')}, "
+    fig.suptitle(f"W4A16 speedup over {baseline_label(meta)}: {meta.get('model', '')} on {meta.get('gpu', '')}, "
                  f"group {meta['group']}")
     fig.savefig(path, dpi=130)
     return Path(path)
