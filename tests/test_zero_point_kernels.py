@@ -27,10 +27,12 @@ WGMMA_STAGED = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 1, 64, 6, rele
 MMA_ASYNC = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 2, ahead=3, x_ldmatrix=True, async_weights=True,
                                                     cluster_reduce=True, early_start=2))
 MMA_REGISTERS = Schedule("stream_mma", stream_mma.Knobs(2, 4, 4, 2, ahead=1))
+MMA_FOLD = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 2, ahead=2, fold_zero_point=True, fold_lag=True))
 
 KERNELS = [(GROUPED, WGMMA, SM90), (CHANNELWISE, WGMMA_STAGED, SM90), (GROUPED, MMA_ASYNC, SM90),
-           (CHANNELWISE, MMA_REGISTERS, SM80),
-           (Problem(1024, 4096, 128), WGMMA, SM90), (Problem(1024, 4096, 128), MMA_ASYNC, SM90)]
+           (CHANNELWISE, MMA_REGISTERS, SM80), (GROUPED, MMA_FOLD, SM90),
+           (Problem(1024, 4096, 128), WGMMA, SM90), (Problem(1024, 4096, 128), MMA_ASYNC, SM90),
+           (Problem(1024, 4096, 128), MMA_FOLD, SM90)]
 
 
 # --- the problem and the layout contract -----------------------------------------------------------
@@ -97,9 +99,6 @@ def test_the_kernel_arguments_want_the_stacked_scales():
 
 def test_the_families_that_decode_zero_points_and_the_forms_that_do_not():
     assert "zero point 8 only" in marlin_mma.check(GROUPED, marlin_mma.Knobs(16, 256, 128, 1, 4, 1, 4, 1), SM90)
-    fold = stream_mma.Knobs(1, 8, 8, 1, ahead=1, fold_zero_point=True)
-    assert stream_mma.check(Problem(1024, 4096, 128), fold, SM90) is None
-    assert "fold_zero_point" in stream_mma.check(GROUPED, fold, SM90)
     sacc = stream_wgmma.Knobs(32, 2, 1, 64, 4, split_k=4, scale_on_acc=True)
     assert stream_wgmma.check(Problem(1024, 4096, 128), sacc, SM90) is None
     assert "scale_on_acc" in stream_wgmma.check(GROUPED, sacc, SM90)
@@ -110,7 +109,7 @@ def test_the_families_that_decode_zero_points_and_the_forms_that_do_not():
 @pytest.mark.parametrize("problem", [GROUPED, CHANNELWISE], ids=["g128", "channelwise"])
 def test_every_arch_has_zero_point_kernels_to_search(problem):
     mma = stream_mma.space(problem, SM80)
-    assert mma and not any(kb.fold_zero_point for kb in mma)
+    assert any(kb.fold_zero_point for kb in mma) and any(not kb.fold_zero_point for kb in mma)
     assert marlin_mma.space(problem, SM90) == []
     wgmma = stream_wgmma.space(Problem(4096, 4096, 128, zero_points=True), SM90)
     assert wgmma and not any(kb.scale_on_acc for kb in wgmma)
@@ -150,6 +149,17 @@ def test_zero_point_kernels_decode_with_an_fma_per_pair(problem, schedule, arch)
     if not problem.channelwise:
         twin = compile_schedule(Problem(problem.n, problem.k, problem.group), schedule, arch)
         assert SCALING_MULTIPLY.search(twin.ptx()) and (twin.folder / "kernel.cu").read_text().count(name + "(") == 1
+
+
+def test_the_fold_adds_the_activation_sums_times_the_offsets():
+    """fold_zero_point with zero points: the offsets' MMA sums the activations in its rows g + 8 (a
+    constant A of ones there), and each fold adds that sum times the offsets: one more fp32 FMA per
+    sum and fold than the symmetric fold, which takes (sums - offsets) x scale alone."""
+    problem, schedule, arch = GROUPED, MMA_FOLD, SM90
+    zp = compile_schedule(problem, schedule, arch)
+    twin = compile_schedule(Problem(problem.n, problem.k, problem.group), schedule, arch)
+    folds = [kernel.ptx().count("fma.rn.f32") for kernel in (twin, zp)]
+    assert folds[1] >= 2 * folds[0] > 0, folds
 
 
 # --- the tools --------------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ def swapped_mmas(plan: Plan):
 def sums_fold(plan: Plan):
     """fold_zero_point: a T.macro(bufs, scale, ab, ob, sb) that adds one batch's sums (set ab) less the
     offsets (set ob), times its group's scales (`scale` from sb; channelwise: none), to the running
-    total."""
+    total; with zero points also the batch's activation sums (set ob, elements 2-3 of each m-tile)
+    times the zero points' offsets (`scale` from sb + 8)."""
     m_tiles, acc_index = plan.m_tiles, plan.acc_index
 
     @T.macro
@@ -151,10 +152,16 @@ def sums_fold(plan: Plan):
             for mi in T.unroll(m_tiles):
                 for e in T.unroll(4):
                     i = acc_index(j, mi) + e
-                    part = bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e]
-                    if plan.grouped:
+                    if plan.zp:
+                        # The offsets' sums of this row of M in elements 0-1, its activations' sum in 2-3:
+                        # (raw - magic - 8) x s, plus the activations' sum times s * (8 - z).
+                        part = bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e % 2]
+                        bufs.total[i] = bufs.total[i] + part * T.cast(scale[sb + 2 * j + e // 2], "float32") + \
+                            bufs.off[ob + mi * 4 + 2 + e % 2] * T.cast(scale[sb + 8 + 2 * j + e // 2], "float32")
+                    elif plan.grouped:
+                        part = bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e]
                         bufs.total[i] = bufs.total[i] + part * T.cast(scale[sb + 2 * j + e // 2], "float32")
                     else:
-                        bufs.total[i] = bufs.total[i] + part
+                        bufs.total[i] = bufs.total[i] + (bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e])
 
     return fold_sums

@@ -164,8 +164,12 @@ def registers_cleared(plan: Plan):
             for i in T.unroll(2 * per_s):
                 bufs.lag_scale[i] = T.cast(0, plan.dtype)    # folded with zero sums before the first batch
         for i in T.unroll(8):
-            # A registers 0-3 meet k % 16 < 8, registers 4-7 meet k % 16 >= 8.
-            bufs.a_off[i] = T.cast(plan.lo_off if i < 4 else plan.hi_off, plan.dtype)
+            # A registers 0-3 meet k % 16 < 8, registers 4-7 meet k % 16 >= 8; registers 2, 3, 6 and 7
+            # are the fragment's rows g + 8, which with zero points sum the activations themselves.
+            if plan.zp:
+                bufs.a_off[i] = T.cast(1 if i % 4 >= 2 else plan.lo_off if i < 4 else plan.hi_off, plan.dtype)
+            else:
+                bufs.a_off[i] = T.cast(plan.lo_off if i < 4 else plan.hi_off, plan.dtype)
 
     return clear
 

@@ -182,9 +182,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"x_ldmatrix reads two k-steps per ldmatrix.x4: unroll={kb.unroll} must be even"
     if kb.async_weights and not kb.x_ldmatrix:
         return "async_weights needs x_ldmatrix (the activations' cp.async slots and waits)"
-    if kb.fold_zero_point and problem.zero_points:
-        return ("fold_zero_point takes the zero point 8 off the sums, the same for every column: zero points "
-                "of their own are added in the scaled decode")
     if kb.fold_lag and not kb.fold_zero_point:
         return "fold_lag delays fold_zero_point's per-batch fold: it needs fold_zero_point"
     if kb.fold_lag and kb.ahead % 2:
