@@ -237,7 +237,7 @@ def _install_kernels(tar: tarfile.TarFile, members: list, kernels: list[str], ro
     """Extract into a staging folder inside the cache, then rename each kernel folder into the store
     (a reader sees a whole entry or none); an entry the store already holds, current, stays."""
     from .kernels import _is_current
-    from .table import writable_folder
+    from .cache_files import writable_folder
 
     writable_folder(root / "kernels")
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".artifact-"))

@@ -62,7 +62,7 @@ def kernel_dir() -> Path:
 def writable_kernel_dir() -> Path:
     """kernel_dir(), created, for a build: an unwritable one is a clear error, not a failure deep
     inside TileLang (an installed package's folder is often read-only)."""
-    from .table import writable_folder
+    from .cache_files import writable_folder
 
     return writable_folder(kernel_dir())
 

@@ -28,9 +28,7 @@ import dataclasses
 import importlib.metadata
 import json
 import math
-import os
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -38,6 +36,8 @@ from pathlib import Path
 
 from schedules.problem import Problem
 from schedules.registry import Schedule
+
+from .cache_files import atomic_write, table_lock, writable_folder
 
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)      # schema 1 kept each entry's candidates inline, in one file
@@ -441,43 +441,6 @@ def _read_trusted(path: Path, gpu: GpuKey | None, history: bool = False) -> Tune
     if reason:
         raise TableError(reason)
     return table
-
-
-def table_lock(path):
-    """The file lock (`<table>.lock`) under which tuners write a table and the files beside it."""
-    from filelock import FileLock
-
-    return FileLock(str(path) + ".lock")
-
-
-def writable_folder(folder: Path) -> Path:
-    """`folder`, created: a read-only cache is a clear error that names the path and the fix, and
-    creates nothing."""
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
-    if not os.access(existing, os.W_OK):
-        where = "" if existing == folder else f"cannot create {folder}: "
-        raise PermissionError(f"{where}{existing} is not writable; point TILEMARLIN_CACHE_DIR at a writable folder")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise PermissionError(f"cannot create {folder} ({exc.strerror}); point TILEMARLIN_CACHE_DIR at a "
-                              "writable folder") from None
-    return folder
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Replace `path` with `text` so that a reader sees the old file or the new one, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)      # mkstemp's 0600 would hide a shared cache's tables from other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def tables_dir() -> Path:

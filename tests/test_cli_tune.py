@@ -153,7 +153,7 @@ def test_two_forced_tuners_of_the_same_buckets_keep_each_others_progress(tmp_pat
 
 
 def _hold_the_table_lock(table_path, held, release):
-    from runtime.table import table_lock
+    from runtime.cache_files import table_lock
 
     with table_lock(table_path):
         held.set()

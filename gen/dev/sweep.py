@@ -135,7 +135,8 @@ def write_records(path: Path, searches, between: bool = False) -> None:
     """The searches' timings as `gen sweep --json` records (what --seed and gen modelcheck read); timed
     after the activations' producer (--between), each record says so (`"harness": "between"`, as a
     tuned table's entries do), since those times include a kernel boundary the cost model leaves out."""
-    from runtime.table import BETWEEN, atomic_write
+    from runtime.cache_files import atomic_write
+    from runtime.table import BETWEEN
 
     harness = {"harness": BETWEEN} if between else {}
     atomic_write(path, json.dumps([{"problem": dataclasses.asdict(s.problem), "m": s.bucket, "fp16_us": s.fp16_us,

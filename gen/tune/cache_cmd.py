@@ -108,7 +108,8 @@ def show_tables(args, paths: list[Path]) -> int:
 
 def clear(args, paths: list[Path]) -> int:
     from runtime.kernels import kernel_dir
-    from runtime.table import table_lock, tables_dir
+    from runtime.cache_files import table_lock
+    from runtime.table import tables_dir
 
     from gen.tune.command import unwritable_cache
 

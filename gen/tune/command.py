@@ -185,7 +185,7 @@ class ForcedRun:
         return f"{problem.name}@{bucket}" in self.done
 
     def finished(self, problem: Problem, bucket: int) -> None:
-        from runtime.table import atomic_write, table_lock
+        from runtime.cache_files import atomic_write, table_lock
 
         self.done.add(f"{problem.name}@{bucket}")
         with table_lock(self.table_path):
@@ -193,7 +193,7 @@ class ForcedRun:
             atomic_write(self.path, json.dumps({"pairs": self.pairs, "done": sorted(self.done)}))
 
     def complete(self) -> None:
-        from runtime.table import table_lock
+        from runtime.cache_files import table_lock
 
         with table_lock(self.table_path):
             self.path.unlink(missing_ok=True)
@@ -202,7 +202,7 @@ class ForcedRun:
 def unwritable_cache(folders) -> str | None:
     """Why a run cannot write into `folders` (created where missing), naming the folder and
     TILEMARLIN_CACHE_DIR, or None: checked before anything is compiled or measured."""
-    from runtime.table import writable_folder
+    from runtime.cache_files import writable_folder
 
     try:
         for folder in folders:
