@@ -1,4 +1,5 @@
-"""Symmetric round-to-nearest INT4 quantization and the fp32 reference every kernel is checked against.
+"""Round-to-nearest INT4 quantization (symmetric, or with zero points) and the fp32 reference every
+kernel is checked against.
 
 Convention used across tilemarlin: the weight is W[K, N] (input features x output features), so that
 C = A @ W with A[M, K]. `codes` are unsigned integers in [0, 2**bits), the stored zero point is
@@ -47,6 +48,28 @@ def quantize_rtn(weight_kn: torch.Tensor, group: int = 128, bits: int = 4, dtype
     codes = torch.round(w / scales.float().unsqueeze(1)) + zero
     codes = codes.clamp_(0, qmax).to(torch.uint8).reshape(k, n)
     return codes, scales
+
+
+def quantize_rtn_asymmetric(weight_kn: torch.Tensor, group: int = 128, bits: int = 4, dtype: str = "float16"):
+    """Round-to-nearest quantization of W[K, N] with a zero point per group and column.
+
+    Returns (codes uint8 [K, N], scales [K // group, N] in `dtype`, zero points int64 [K // group, N]).
+    Each group's range is widened to hold 0, so that zero weights stay exact (and a group of one
+    repeated value is its top or bottom code): s = (max - min) / 15, z = round(-min / s). As in
+    quantize_rtn the scale is rounded to `dtype` before the codes and zero points are chosen.
+    """
+    if weight_kn.dim() != 2:
+        raise ValueError(f"weight must be 2-D [K, N], got shape {tuple(weight_kn.shape)}")
+    k, n = weight_kn.shape
+    problem = Problem.make(n=n, k=k, group=group, dtype=dtype, bits=bits)
+    w = weight_kn.float().reshape(problem.num_groups, problem.group, n)
+    qmax = (1 << bits) - 1
+    low, high = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
+    scales = ((high - low) / qmax).clamp_min(_MIN_SCALE[dtype]).to(torch_dtype(dtype))
+    zeros = torch.round(-low / scales.float()).clamp_(0, qmax)
+    codes = torch.round(w / scales.float().unsqueeze(1)) + zeros.unsqueeze(1)
+    codes = codes.clamp_(0, qmax).to(torch.uint8).reshape(k, n)
+    return codes, scales, zeros.to(torch.int64)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int = 4, zeros: torch.Tensor | None = None

@@ -6,13 +6,14 @@ import re
 import pytest
 import torch
 
+from runtime import QuantLinear
 from runtime.kernels import compile_schedule
 from runtime.table import TunedTable, GpuKey
 from schedules import marlin_mma, stream_mma, stream_wgmma
 from schedules.arch import get_arch
 from schedules.marlin_mma.layout import packed_shapes, split_offsets, stack_offsets
 from schedules.problem import Problem
-from schedules.quant import dequantize, quantize_rtn, reference_matmul, zero_point_offsets
+from schedules.quant import dequantize, quantize_rtn, quantize_rtn_asymmetric, reference_matmul, zero_point_offsets
 from schedules.registry import Schedule
 from templates import offset_decode_name, render_dequant
 
@@ -93,6 +94,34 @@ def test_the_kernel_arguments_want_the_stacked_scales():
     with pytest.raises(ValueError, match=r"scales must have shape \[64x1024\]"):
         stream_mma.kernel_args(problem, knobs, a, weight, torch.zeros(32, 1024, dtype=torch.float16),
                                torch.zeros(3, 1024, dtype=torch.float16))
+
+
+def test_asymmetric_rtn_spans_each_groups_range_with_zero_kept_exact():
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(512, 64, generator=gen) + 0.3
+    w[:128, 0] = 0.0            # a zero group: stays zero
+    w[128:256, 1] = 0.25        # one repeated value: its range widened to hold 0, the value the top code
+    w[256:384, 2] = torch.rand(128, generator=gen) + 1.0     # all positive: zero point 0
+    codes, scales, zeros = quantize_rtn_asymmetric(w, 128)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15 and zeros.min() >= 0 and zeros.max() <= 15
+    back = dequantize(codes, scales, zeros=zeros)
+    step = scales.float().repeat_interleave(128, dim=0)
+    assert ((back - w).abs() <= step / 2 + 1e-6).all()
+    assert (back[:128, 0] == 0).all() and torch.allclose(back[128:256, 1], torch.full((128,), 0.25), rtol=2e-3)
+    assert zeros[2, 2] == 0
+    sym_codes, sym_scales = quantize_rtn(w, 128)
+    assert (back - w).norm() < (dequantize(sym_codes, sym_scales) - w).norm()   # closer than symmetric
+
+
+def test_from_linear_with_zero_points_packs_its_offsets():
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(256, 128, bias=False).half()
+    module = QuantLinear.from_linear(linear, 128, zero_points=True)
+    codes, scales, zeros = quantize_rtn_asymmetric(linear.weight.detach().t(), 128)
+    assert module.zero_points and module.problem.name.endswith("_zp")
+    assert torch.equal(module.unpack()[0], codes) and torch.equal(module.unpack()[1], scales)
+    assert torch.equal(module.offsets(), zero_point_offsets(scales, zeros))
+    assert not QuantLinear.from_linear(linear, 128).zero_points
 
 
 # --- which kernels take them -----------------------------------------------------------------------
