@@ -285,6 +285,8 @@ def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule, ho
     command = f"gen tune --shapes {problem.k}x{problem.n} --group {-1 if problem.channelwise else problem.group}"
     if problem.dtype != "float16":
         command += f" --dtype {problem.dtype}"
+    if problem.zero_points:
+        command += " --zero-points"
     warnings.warn(
         f"no tuned kernel for {problem.name} on {torch.cuda.get_device_name(device)}; running {schedule.name}, "
         f"{how}, which may be slower. Tune this shape with: {command}",

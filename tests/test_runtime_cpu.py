@@ -452,3 +452,10 @@ def test_when_the_replacement_fails_too_the_call_fails(dispatch, monkeypatch):
     with pytest.warns(op.KernelCheckWarning), pytest.raises(runtime.selfcheck.KernelCheckError, match=FALLBACK.name):
         op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
     assert (op.DEFAULT_LAYOUT, 16) not in {(k[2], k[3]) for k in op._LAUNCHERS}
+
+
+def test_the_untuned_warning_names_the_tune_of_a_zero_point_bf16_layer(dispatch):
+    problem = Problem.make(n=128, k=256, group=128, dtype="bfloat16", zero_points=True)
+    with pytest.warns(op.UntunedShapeWarning,
+                      match="gen tune --shapes 256x128 --group 128 --dtype bfloat16 --zero-points"):
+        op._launcher(CUDA0, problem, op.DEFAULT_LAYOUT, 1)
