@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from runtime import QuantLinear, load_quantized
-from tests.checkpoint_writers import dense_model, write_checkpoint
+from runtime.checkpoint.layer import build_layer
+from tests.checkpoint_writers import dense_model, draw_layer, write_checkpoint
 from tests.reference import assert_matches_reference, generator, seed_of
 from tests.test_checkpoint_math import MODEL_TOLERANCE
 
@@ -47,3 +48,30 @@ def test_checkpoint_layer_in_a_cuda_graph(tmp_path):
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(out, expected.float(), context="replayed graph")   # split-K sums may add in any order
+
+
+LLAMA_2_7B = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}
+
+
+@pytest.mark.parametrize("layer", list(LLAMA_2_7B))
+@pytest.mark.parametrize("group", [128, -1])
+@pytest.mark.parametrize("symmetric, act_order", [(False, False), (False, True), (True, True)])
+def test_checkpoint_layers_on_llama_shapes(layer, group, symmetric, act_order):
+    """Zero points and act-order on Llama-2-7B's layers, as a checkpoint holds them, against the fp32
+    product with the format's dense weights, at odd M."""
+    if act_order and group == -1:
+        pytest.skip("act-order permutes the rows of groups: channelwise has one")
+    k, n = LLAMA_2_7B[layer]
+    case = (layer, group, symmetric, act_order)
+    drawn = draw_layer(k, n, group, symmetric, act_order, torch.float16,
+                       torch.Generator().manual_seed(seed_of(*case) % 2 ** 31))
+    built = build_layer(drawn.codes.cuda(), drawn.scales.cuda(), drawn.zeros.cuda(), drawn.g_idx.cuda(), group, None,
+                        torch.float16)
+    module = QuantLinear.from_layer(built, max_m=1024)
+    assert module.zero_points == (not symmetric) and (module.perm is not None) == act_order
+    weight = drawn.weight.cuda()
+    for m in (1, 3, 17, 100, 257, 1024):
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=generator(seed_of(*case, m)))
+        with torch.no_grad():
+            out = module(x)
+        assert_matches_reference(out, x.float() @ weight, context=f"{case} M={m}")
