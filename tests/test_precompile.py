@@ -189,7 +189,7 @@ def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_pa
     drawn = write_checkpoint(tmp_path / "ckpt", "gptq", symmetric=False, act_order=True)
     load_quantized(tmp_path / "ckpt", device="cpu")
     (jobs, arch), = compiler
-    problems = {Problem(layer.codes.shape[1], layer.codes.shape[0], 128) for layer in drawn.values()}
+    problems = {Problem(layer.codes.shape[1], layer.codes.shape[0], 128, zero_points=True) for layer in drawn.values()}
     assert len(problems) == 4 and arch == SM90 and len(jobs) == len(set(jobs))
     assert set(jobs) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
 
