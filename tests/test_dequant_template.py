@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from schedules.quant import dequantize
-from templates import dequant_function_names, raw_decode, render_dequant
+from templates import dequant_function_names, offset_decode_name, raw_decode, render_dequant
 from tests.reference import seed_of
 
 DTYPES = ("float16", "bfloat16")
@@ -210,11 +210,12 @@ class Device:
         return self.call(name, *args), tokens
 
 
-def run(dtype, name, words, scales=None, source=None):
-    """Run entry point `name` on 32-bit `words` (and one scale pair per word); the four 32-bit outputs."""
+def run(dtype, name, words, scales=None, source=None, offsets=None):
+    """Run entry point `name` on 32-bit `words` (and one scale pair, and one offset pair, per word);
+    the four 32-bit outputs."""
     device = Device(render_dequant(dtype) if source is None else source, dtype)
     frag = Pointer([None] * 4)
-    args = (Pointer([words]),) + (() if scales is None else (Pointer([scales]),)) + (frag,)
+    args = (Pointer([words]),) + tuple(Pointer([v]) for v in (scales, offsets) if v is not None) + (frag,)
     device.call(name, *args)
     return frag.cells
 
@@ -259,6 +260,13 @@ def sample_scales(dtype, count):
     return scales, scales.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
 
 
+def sample_offsets(dtype, count):
+    """Zero-point offset pairs s * (8 - z), of either sign, as dtype bits."""
+    gen = torch.Generator().manual_seed(seed_of("dequant offsets", dtype))
+    offsets = ((torch.rand(count, 2, generator=gen) * 2 - 1) * 0.8).to(TORCH[dtype])
+    return offsets, offsets.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+
+
 def expected_bits(values: torch.Tensor, dtype) -> np.ndarray:
     """fp32 values [words, 4 pairs, 2] rounded to dtype, as [4, words] 32-bit words (low = element 0)."""
     bits = values.to(TORCH[dtype]).view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
@@ -284,6 +292,10 @@ def decode_mismatches(dtype, source=None) -> list[str]:
     plain_b, scaled_b = dequant_function_names(dtype, operand="b")
     plain_a, scaled_a = dequant_function_names(dtype, operand="a")
     raw_name, magic_lo, magic_hi = raw_decode(dtype)
+    # with zero points: (code - 8) * s + o, one fma, so rounded once (float64 holds the sum exactly)
+    offsets, offset_bits = sample_offsets(dtype, len(words))
+    tile = torch.tensor([b_pair_position(p)[1] // 8 for p in A_ORDER])
+    with_offsets = decoded_values(codes, scales, A_ORDER).double() + offsets.double()[:, tile].unsqueeze(-1)
     # raw decode: every value is its pair's magic + code, exactly (the kernel takes the magic off)
     raw_magic = torch.tensor([magic_lo if p in (0, 2) else magic_hi for p in A_ORDER], dtype=torch.float32)
     raw_codes = torch.tensor(codes[:, [[p, p + 4] for p in A_ORDER]].astype(np.float32))
@@ -294,9 +306,17 @@ def decode_mismatches(dtype, source=None) -> list[str]:
         scaled_a: (scale_bits[:, 0] | (scale_bits[:, 1] << 16), decoded_values(codes, scales, A_ORDER)),
         raw_name: (None, raw_codes + raw_magic[None, :, None]),
     }
+    cases[offset_decode_name(dtype)] = (scale_bits[:, 0] | (scale_bits[:, 1] << 16), with_offsets,
+                                        offset_bits[:, 0] | (offset_bits[:, 1] << 16))
     found = []
-    for name, (scale_words, values) in cases.items():
-        got = run(dtype, name, words, scale_words, source)
+    for name, (scale_words, values, *offset_words) in cases.items():
+        try:
+            got = run(dtype, name, words, scale_words, source, *offset_words)
+        except AssertionError as exc:   # a changed source can leave what is emulated exactly (subnormals)
+            if source is None:
+                raise
+            found.append(f"{name}: {exc}")
+            continue
         want = expected_bits(values, dtype)
         for register in range(4):
             bad = np.flatnonzero(got[register] != want[register])
@@ -326,6 +346,8 @@ MUTATIONS = {   # (rendered text, replacement, dtype): one constant or order of 
     "fp16 raw high magic": ("MAGIC_HI = 0x54005400u", "MAGIC_HI = 0x64006400u", "float16"),
     "fp16 scales swapped": ("out[1] = __hmul2(out[1], s0)", "out[1] = __hmul2(out[1], s1)", "float16"),
     "fp16 A order": ("out[1] = p[2];\n  out[2] = p[1];", "out[1] = p[1];\n  out[2] = p[2];", "float16"),
+    "fp16 offsets swapped": ("out[1] = __hfma2(p[2], s1, o1)", "out[1] = __hfma2(p[2], s1, o0)", "float16"),
+    "bf16 offset order": ("out[2] = __hfma2(p[1], s0, o0)", "out[2] = __hfma2(p[3], s0, o0)", "bfloat16"),
     "bf16 magic": ("const unsigned MAGIC = 0x43004300u", "const unsigned MAGIC = 0x43804380u", "bfloat16"),
     "bf16 zero point": ("0x43084308u", "0x43094308u", "bfloat16"),
     "bf16 shift": ("q >> 12, 0x000f000fu, MAGIC)), SUB", "q >> 16, 0x000f000fu, MAGIC)), SUB", "bfloat16"),
@@ -356,7 +378,8 @@ def test_constants_are_the_values_their_comments_claim(dtype):
 @pytest.mark.parametrize("dtype,vec", [("float16", "half2"), ("bfloat16", "__nv_bfloat162")])
 def test_template_renders_per_dtype(dtype, vec):
     src = render_dequant(dtype)
-    for name in (*dequant_function_names(dtype), *dequant_function_names(dtype, operand="a"), raw_decode(dtype)[0]):
+    for name in (*dequant_function_names(dtype), *dequant_function_names(dtype, operand="a"), raw_decode(dtype)[0],
+                 offset_decode_name(dtype)):
         assert f"void {name}(" in src
     assert "lop3.b32" in src and vec in src
     assert "{{" not in src and "{%" not in src
