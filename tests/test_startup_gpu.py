@@ -58,7 +58,8 @@ FIRST_CHOICE = """
 
 def _fresh(code: str, cache: Path, **names) -> dict:
     prelude = "".join(f"{name} = {value!r}\n" for name, value in names.items())
-    env = {**os.environ, "TILEMARLIN_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "TILEMARLIN_CACHE_DIR": str(cache), "PYTHONPATH": path}
     out = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
