@@ -135,6 +135,13 @@ def test_the_families_that_decode_zero_points_and_the_forms_that_do_not():
         assert schedule.module.check(problem, schedule.knobs, arch) is None
 
 
+def test_stream_mma_counts_the_offsets_registers():
+    knobs = stream_mma.Knobs(1, 4, 4, 1, ahead=2, fold_zero_point=True, fold_lag=True)
+    symmetric = Problem(1024, 4096, 128)
+    assert knobs.registers_estimate(symmetric) == knobs.registers_estimate()
+    assert knobs.registers_estimate(GROUPED) == knobs.registers_estimate(symmetric) + 2 * 4 + 2 * 4   # buffers, lag
+
+
 @pytest.mark.parametrize("problem", [GROUPED, CHANNELWISE], ids=["g128", "channelwise"])
 def test_every_arch_has_zero_point_kernels_to_search(problem):
     mma = stream_mma.space(problem, SM80)

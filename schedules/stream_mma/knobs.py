@@ -136,14 +136,16 @@ class Knobs:
             return 0
         return padding_for_at_most(self.max_blocks, self._k_loop_bytes(problem), self.x_slots_bytes, spare=1024)
 
-    def registers_estimate(self) -> int:
+    def registers_estimate(self, problem: Problem | None = None) -> int:
+        """32-bit registers per thread; a problem with zero points holds their offsets beside the scales."""
+        scale_regs = 8 if problem is not None and problem.zero_points else 4    # per batch: 8 or 16 halves
         sets = 2 if self.fold_lag else 1
         acc = 4 * self.m_tiles * 4 * (1 + sets if self.fold_zero_point else 1)
         acc += (self.m_tiles * 4 * sets + 4) if self.fold_zero_point else 0     # offsets' sums, constant A
-        acc += 8 if self.fold_lag else 0      # the folded batch's scales (two sets of half2)
+        acc += 2 * scale_regs if self.fold_lag else 0      # the folded batch's scales (two sets)
         x_regs = self.m_tiles * 2 * self.unroll
         w_bufs = 1 if self.async_weights else self.ahead
-        loads = w_bufs * (self.unroll * 4 + 4) + self.ahead * (0 if self.x_ldmatrix else x_regs)
+        loads = w_bufs * (self.unroll * 4 + scale_regs) + self.ahead * (0 if self.x_ldmatrix else x_regs)
         loads += x_regs if self.x_ldmatrix else 0
         return acc + loads + 32   # + addresses and loop state (76 measured for mt1 u4 a1: est. 76)
 
@@ -193,7 +195,7 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.batches(problem) < workers:
         return (f"{kb.batches(problem)} batches of {batch_rows} rows leave some of the "
                 f"split_k * warps = {workers} warps without work")
-    regs = kb.registers_estimate()
+    regs = kb.registers_estimate(problem)
     if regs > 200:
         return f"about {regs} registers per thread for sums and loads would spill"
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
