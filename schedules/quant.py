@@ -35,19 +35,12 @@ def quantize_rtn(weight_kn: torch.Tensor, group: int = 128, bits: int = 4, dtype
     The scale is rounded to `dtype` before the codes are computed, so that dequantizing with the
     stored scale reproduces exactly what the codes were chosen for.
     """
-    if weight_kn.dim() != 2:
-        raise ValueError(f"weight must be 2-D [K, N], got shape {tuple(weight_kn.shape)}")
-    k, n = weight_kn.shape
-    problem = Problem.make(n=n, k=k, group=group, dtype=dtype, bits=bits)
-    w = weight_kn.float().reshape(problem.num_groups, problem.group, n)
+    w = _grouped(weight_kn, group, bits, dtype)
     qmax = (1 << bits) - 1
-    zero = zero_point(bits)
     # GPTQ's symmetric convention: the range [-max, max] spread over 2**bits - 1 steps.
     scales = (w.abs().amax(dim=1) * (2.0 / qmax)).clamp_min(_MIN_SCALE[dtype])
     scales = scales.to(torch_dtype(dtype))
-    codes = torch.round(w / scales.float().unsqueeze(1)) + zero
-    codes = codes.clamp_(0, qmax).to(torch.uint8).reshape(k, n)
-    return codes, scales
+    return _rounded_codes(w, scales, zero_point(bits), bits), scales
 
 
 def quantize_rtn_asymmetric(weight_kn: torch.Tensor, group: int = 128, bits: int = 4, dtype: str = "float16"):
@@ -58,18 +51,27 @@ def quantize_rtn_asymmetric(weight_kn: torch.Tensor, group: int = 128, bits: int
     repeated value is its top or bottom code): s = (max - min) / 15, z = round(-min / s). As in
     quantize_rtn the scale is rounded to `dtype` before the codes and zero points are chosen.
     """
-    if weight_kn.dim() != 2:
-        raise ValueError(f"weight must be 2-D [K, N], got shape {tuple(weight_kn.shape)}")
-    k, n = weight_kn.shape
-    problem = Problem.make(n=n, k=k, group=group, dtype=dtype, bits=bits)
-    w = weight_kn.float().reshape(problem.num_groups, problem.group, n)
+    w = _grouped(weight_kn, group, bits, dtype)
     qmax = (1 << bits) - 1
     low, high = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
     scales = ((high - low) / qmax).clamp_min(_MIN_SCALE[dtype]).to(torch_dtype(dtype))
     zeros = torch.round(-low / scales.float()).clamp_(0, qmax)
-    codes = torch.round(w / scales.float().unsqueeze(1)) + zeros.unsqueeze(1)
-    codes = codes.clamp_(0, qmax).to(torch.uint8).reshape(k, n)
-    return codes, scales, zeros.to(torch.int64)
+    return _rounded_codes(w, scales, zeros.unsqueeze(1), bits), scales, zeros.to(torch.int64)
+
+
+def _grouped(weight_kn: torch.Tensor, group: int, bits: int, dtype: str) -> torch.Tensor:
+    """W[K, N] as fp32 [K // group, group, N], after checking that it makes a Problem."""
+    if weight_kn.dim() != 2:
+        raise ValueError(f"weight must be 2-D [K, N], got shape {tuple(weight_kn.shape)}")
+    k, n = weight_kn.shape
+    problem = Problem.make(n=n, k=k, group=group, dtype=dtype, bits=bits)
+    return weight_kn.float().reshape(problem.num_groups, problem.group, n)
+
+
+def _rounded_codes(w: torch.Tensor, scales: torch.Tensor, zero, bits: int) -> torch.Tensor:
+    """Codes uint8 [K, N] of grouped weights w: round(w / s) + zero, clamped to the code range."""
+    codes = torch.round(w / scales.float().unsqueeze(1)) + zero
+    return codes.clamp_(0, (1 << bits) - 1).to(torch.uint8).reshape(-1, w.shape[-1])
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int = 4, zeros: torch.Tensor | None = None
