@@ -220,7 +220,7 @@ BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_s
 # at group 128 and on every other layer, grouped and channelwise in turn.
 ZERO_POINT_SCHEDULES = ("stream_m16_split4", "swg_m128_release_producer", "stream_m8", "stream_m16_aw_split4",
                         "stream_m8_fold", "stream_m16_fold_split4", "stream_m8_fold_lag_registers",
-                        "stream_m16_fold_lag_aw_cluster2", "stream_m8_early_cluster8", "stream_m16_xl_fold",
+                        "stream_m8_early_cluster8", "stream_m16_xl_fold",
                         "stream_m8_cluster8", "stream_m32_xl", "swg_m128_g2", "swg_m64_split4", "swg_m8_s8_split4",
                         "swg_m32_cluster_split2", "swg_m16_producer_cluster_early", "swg_m256_setmaxnreg_staged",
                         "swg_m16_k64_producer_split3_uneven", "swg_m64_producer_pdl_early_staged")

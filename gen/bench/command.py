@@ -393,6 +393,7 @@ def _precompile_tilemarlin(layers: list, args) -> None:
 
     print("compiling tilemarlin's kernels for these layers and batch sizes...", file=sys.stderr, flush=True)
     problems = [Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=bench_dtype(args), zero_points=zero_points)
+                for layer in layers
                 for zero_points in (False, True) if ("tilemarlin_zp" if zero_points else "tilemarlin") in args.kernels]
     try:
         failed = {job: error for job, error in precompile(problems, args.ms).items() if error}
