@@ -28,13 +28,17 @@ def kernel(tmp_path_factory):
 def test_a_right_kernel_passes_once_and_is_stamped(kernel):
     device = torch.device("cuda", torch.cuda.current_device())
     stamp = selfcheck.stamp_path(kernel.folder, device)
-    stamp.unlink(missing_ok=True)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    selfcheck.check_once(kernel, PROBLEM, SCHEDULE, 16, device)
-    torch.cuda.synchronize()
-    print(f"first-run check of {SCHEDULE.name} at M=16, {PROBLEM.name}: {1e3 * (time.perf_counter() - start):.1f} ms")
-    assert stamp.is_file()
+    costs = []
+    for _ in range(2):    # the first check in a process also pays the process's first cuBLAS and RNG calls
+        stamp.unlink(missing_ok=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        selfcheck.check_once(kernel, PROBLEM, SCHEDULE, 16, device)
+        torch.cuda.synchronize()
+        costs.append(1e3 * (time.perf_counter() - start))
+        assert stamp.is_file()
+    print(f"first-run check of {SCHEDULE.name} at M=16, {PROBLEM.name}: {costs[0]:.1f} ms as the process's "
+          f"first, {costs[1]:.1f} ms for a further kernel")
 
 
 class OneElementOff:
