@@ -525,3 +525,51 @@ def test_a_bf16_run_names_its_baseline_bf16(sample):
 def test_the_gemm_bench_takes_a_dtype():
     assert bench.bench_dtype(parse([])) == "float16"
     assert bench.bench_dtype(parse(["--dtype", "bfloat16"])) == "bfloat16"
+
+
+
+def test_act_order_gathers_the_activations_by_a_permutation_in_each_timed_call(monkeypatch):
+    """tilemarlin_act times what QuantLinear runs for an act-order layer: x's columns gathered by the
+    layer's permutation, then the GEMM on the group-sorted weights, one call per weight copy."""
+    import runtime.op
+    from gen import timing
+    from schedules import marlin_mma
+    from schedules.quant import dequantize
+
+    seen = []
+
+    def gemm(x, qweight, scales, n, k, group):
+        seen.append(x)
+        return x.float() @ dequantize(*marlin_mma.unpack(qweight, scales)).float()
+
+    monkeypatch.setattr(runtime.op, "w4a16_gemm", gemm)
+    monkeypatch.setattr(timing, "copies_for", lambda nbytes: 2)
+    w = _cpu_layer()
+    x = torch.arange(256, dtype=torch.float16).repeat(3, 1)     # each column names itself
+    outputs = [call() for call in contenders.tilemarlin_act_order_contender(w).calls(x)]
+    assert len(outputs) == 2 and len(seen) == 2
+    perm = seen[0][0].long()
+    assert sorted(perm.tolist()) == list(range(256)) and not torch.equal(perm, torch.arange(256))
+    assert torch.equal(seen[1], seen[0]) and torch.equal(seen[0], x[:, perm])
+    assert torch.equal(outputs[0], x[:, perm].float() @ dequantize(w.codes, w.scales).float())
+    assert report.weight_bytes("tilemarlin_act", 256, 64, 128) == report.weight_bytes("tilemarlin", 256, 64, 128) + 8 * 256
+    assert bench.parse_kernels("tilemarlin,tilemarlin_act,fp16") == ["tilemarlin", "tilemarlin_act", "fp16"]
+
+
+@pytest.mark.parametrize("kernels,expected", [
+    ("tilemarlin,fp16", {False}), ("tilemarlin_zp,fp16", {True}), ("tilemarlin_act,fp16", {False}),
+    ("tilemarlin,tilemarlin_zp,tilemarlin_act,fp16", {False, True})])
+def test_the_kernels_of_every_layer_are_built_before_timing(kernels, expected, monkeypatch):
+    """Every layer's problem, with zero points where tilemarlin_zp runs, at the run's batch sizes."""
+    import runtime.op
+    from gen.cli import build_parser
+    from gen.models import model_layers
+
+    asked = []
+    monkeypatch.setattr(runtime.op, "precompile", lambda problems, ms: asked.append((problems, ms)) or {})
+    args = build_parser().parse_args(["bench", "--model", "llama-2-7b", "--kernels", kernels, "--ms", "1,64"])
+    layers = model_layers("llama-2-7b")
+    bench._precompile_tilemarlin(layers, args)
+    (problems, ms), = asked
+    assert ms == [1, 64]
+    assert {(p.k, p.n, p.zero_points) for p in problems} == {(l.k, l.n, zp) for l in layers for zp in expected}

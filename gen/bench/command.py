@@ -33,9 +33,10 @@ from gen.bench.contenders import CONTENDERS, KernelUnavailable, LayerWeights, la
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
-# Timed only when named: tilemarlin on the same codes and scales with zero points drawn over 0..15
-# (asymmetric checkpoints' layers), beside the symmetric kernels in the same run.
-OPTIONAL_KERNELS = ("tilemarlin_zp",)
+# Timed only when named, beside the symmetric kernels in the same run: tilemarlin on the same codes
+# and scales with zero points drawn over 0..15 (asymmetric checkpoints' layers), and with act-order
+# (the activations' columns gathered by a permutation before each GEMM).
+OPTIONAL_KERNELS = ("tilemarlin_zp", "tilemarlin_act")
 # fp16 results land near 1e-3 and bf16 ones (torch_int4) near 5e-3 of the reference; a wrong layout,
 # scale or reduction lands near 1.
 REL_ERR_LIMIT = 2e-2
@@ -392,9 +393,9 @@ def _precompile_tilemarlin(layers: list, args) -> None:
     from schedules.problem import Problem
 
     print("compiling tilemarlin's kernels for these layers and batch sizes...", file=sys.stderr, flush=True)
+    wanted = {False: bool({"tilemarlin", "tilemarlin_act"} & set(args.kernels)), True: "tilemarlin_zp" in args.kernels}
     problems = [Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=bench_dtype(args), zero_points=zero_points)
-                for layer in layers
-                for zero_points in (False, True) if ("tilemarlin_zp" if zero_points else "tilemarlin") in args.kernels]
+                for layer in layers for zero_points in (False, True) if wanted[zero_points]]
     try:
         failed = {job: error for job, error in precompile(problems, args.ms).items() if error}
     except Exception as exc:   # the first calls compile instead, and record any failure per point
@@ -449,7 +450,7 @@ def _measure_and_report(args, model: str, layers: list) -> int:
     dtype = data["meta"]["dtype"]
     stem = f"{report.slug(data['meta']['gpu'])}-{report.slug(model)}" + ("" if dtype == "float16" else f"-{dtype}")
     json_path = report.output_paths(args.out, stem)["json"]
-    if {"tilemarlin", "tilemarlin_zp"} & set(args.kernels):
+    if {"tilemarlin", "tilemarlin_zp", "tilemarlin_act"} & set(args.kernels):
         _precompile_tilemarlin(layers, args)
     windows: dict[int, list] = {}
     nvml = _energy_counter(data["meta"]) if args.sustain else None

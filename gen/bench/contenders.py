@@ -1,4 +1,5 @@
-"""The kernels `gen bench` compares: tilemarlin, FP16 torch.matmul, torch's INT4 kernel and humming.
+"""The kernels `gen bench` compares: tilemarlin (symmetric, with zero points, with act-order), FP16
+torch.matmul, torch's INT4 kernel and humming.
 
 Each contender turns one layer's weights into its own format, in as many copies as L2 needs to miss
 (gen.timing.weight_copies), and returns a function from activations x [M, K] (fp16, or bf16 in a
@@ -77,6 +78,27 @@ def tilemarlin_zero_points_contender(w: LayerWeights) -> Contender:
                                 for qw, qs in copies], exact=False)
 
 
+def tilemarlin_act_order_contender(w: LayerWeights) -> Contender:
+    """tilemarlin serving an act-order layer as QuantLinear does: the weight rows stored sorted by group
+    (the same codes and scales as tilemarlin), and each call gathers x's columns by the layer's
+    permutation (a random one per layer, drawn from torch's generator as it stands) before the GEMM.
+    The gather is timed with the kernel. x[:, perm] @ W is not the reference's x @ W, so not checked
+    here (tests/test_checkpoint_gpu.py checks act-order layers against their dequantized weights)."""
+    try:
+        from runtime.op import w4a16_gemm
+    except ImportError as exc:
+        raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
+    from schedules import marlin_mma
+
+    perm = torch.randperm(w.k, device=w.codes.device)
+    copies = weight_copies(marlin_mma.pack(w.codes, w.scales))
+
+    def gathered_gemm(x, qweight, scales):
+        return w4a16_gemm(x.index_select(-1, perm), qweight, scales, w.n, w.k, w.group)
+
+    return Contender(lambda x: [functools.partial(gathered_gemm, x, qw, qs) for qw, qs in copies], exact=False)
+
+
 def fp16_contender(w: LayerWeights) -> Contender:
     return Contender(Fp16Baseline(w.codes, w.scales, dtype=w.scales.dtype).calls, exact=True)
 
@@ -123,4 +145,4 @@ def humming_contender(w: LayerWeights) -> Contender:
 
 CONTENDERS = {"tilemarlin": tilemarlin_contender, "fp16": fp16_contender,
               "torch_int4": torch_int4_contender, "humming": humming_contender,
-              "tilemarlin_zp": tilemarlin_zero_points_contender}
+              "tilemarlin_zp": tilemarlin_zero_points_contender, "tilemarlin_act": tilemarlin_act_order_contender}

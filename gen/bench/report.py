@@ -33,6 +33,8 @@ def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
         return k * n // 2 + 4 * groups * n
     if kernel == "tilemarlin_zp":   # an offset beside each scale
         return k * n // 2 + 4 * groups * n
+    if kernel == "tilemarlin_act":   # and the permutation, int64 per input feature
+        return k * n // 2 + 2 * groups * n + 8 * k
     return k * n // 2 + 2 * groups * n   # INT4 codes + fp16 scales (tilemarlin, humming)
 
 
@@ -296,7 +298,7 @@ class PlotsUnavailable(RuntimeError):
     pass
 
 
-_COLORS = {OURS: "C0", BASELINE: "C7", "torch_int4": "C1", "humming": "C2", "tilemarlin_zp": "C9"}
+_COLORS = {OURS: "C0", BASELINE: "C7", "torch_int4": "C1", "humming": "C2", "tilemarlin_zp": "C9", "tilemarlin_act": "C4"}
 
 
 def _color(kernel: str) -> str:
