@@ -54,11 +54,46 @@ def raw_decode(dtype: str, bits: int = 4) -> tuple[str, int, int]:
     return f"tm_decode_raw_a_{d['name']}", d["magic_value"], d["raw_hi_magic"]
 
 
+def e4m3_bits(value: int) -> int:
+    """The FP8 e4m3 bit pattern of a small integer (|value| <= 15, exact in 3 mantissa bits below 16)."""
+    if not -15 <= value <= 15:
+        raise ValueError(f"{value} is not a small integer that e4m3 holds exactly")
+    if value == 0:
+        return 0
+    magnitude = abs(value)
+    exponent = magnitude.bit_length() - 1
+    mantissa = (magnitude << 3 >> exponent) & 0x7
+    if (mantissa | 8) << exponent >> 3 != magnitude:
+        raise ValueError(f"{value} needs more than e4m3's 3 mantissa bits")
+    return (0x80 if value < 0 else 0) | (exponent + 7) << 3 | mantissa
+
+
+def _byte_table(values) -> str:
+    """Four values' e4m3 bytes as one 32-bit word, the first in the lowest byte (prmt's byte 0)."""
+    word = sum(e4m3_bits(v) << 8 * i for i, v in enumerate(values))
+    return f"0x{word:08x}u"
+
+
+# The FP8 decode's tables (prmt looks up 8 bytes of two words): a nibble's low 3 bits j index them;
+# codes 8-15 (bit 3 set) decode to j, codes 0-7 to j - 8.
+E4M3_TABLES = {"POS_LO": _byte_table(range(0, 4)), "POS_HI": _byte_table(range(4, 8)),
+               "NEG_LO": _byte_table(range(-8, -4)), "NEG_HI": _byte_table(range(-4, 0))}
+
+
+def fp8_decode_name(bits: int = 4) -> str:
+    """Extern name of the INT4 -> FP8 e4m3 decode for W4A8: a packed word to the lane's two 32-bit A
+    registers of an 8-bit wgmma/mma k32 step's half (rows g and g + 8), each holding the codes - 8 of k
+    = 2t, 2t + 8, 2t + 1, 2t + 9 of the word's 16 x 16 sub-tile (see fp8_k_order in
+    schedules/marlin_mma/layout.py: the activations are stored in that order)."""
+    _check("float16", bits)
+    return "tm_decode_e4m3_a_u4"
+
+
 @lru_cache(maxsize=None)
 def render_dequant(dtype: str, bits: int = 4) -> str:
     """CUDA source of the INT`bits` -> `dtype` register decode (templates/dequant.cuh.j2)."""
     _check(dtype, bits)
-    return _ENV.get_template("dequant.cuh.j2").render(dtype=dtype, bits=bits, **_DEQUANT[dtype])
+    return _ENV.get_template("dequant.cuh.j2").render(dtype=dtype, bits=bits, **_DEQUANT[dtype], **E4M3_TABLES)
 
 
 def render(template: str, **context) -> str:

@@ -114,6 +114,7 @@ class Device:
             params = [p.split()[-1].lstrip("*") for p in match.group(2).split(",")]
             self.functions[match.group(1)] = (params, source[match.end():end - 1])
         self.lop3 = self._lop3()
+        self.prmt = self._prmt()
         self.bit_casts = self._bit_casts()
 
     def _lop3(self):
@@ -133,6 +134,26 @@ class Device:
                     out |= ((a if index & 4 else ~a) & (b if index & 2 else ~b) & (c if index & 1 else ~c))
             return out
         return lop3
+
+    def _prmt(self):
+        """prmt from its inline PTX (the default mode, checked): byte i of the result is byte (selector
+        nibble i & 7) of the eight bytes b:a, or that byte's sign bit replicated where nibble bit 3 is set."""
+        params, body = self.functions.pop("prmt")
+        asm = re.search(r'prmt\.b32 %0, %1, %2, %3;[^:]*: "=r"\(\w+\) : "r"\((\w+)\), "r"\((\w+)\), "r"\((\w+)\)', body)
+        assert asm, f"no default-mode prmt.b32 in prmt: {body}"
+        operands = [params.index(name) for name in asm.group(1, 2, 3)]
+
+        def prmt(*args):
+            a, b, selector = (np.asarray(args[i], dtype=np.uint64) for i in operands)
+            source = a | (b << np.uint64(32))
+            out = np.zeros(np.broadcast(a, b, selector).shape, dtype=np.uint64)
+            for i in range(4):
+                nibble = (selector >> np.uint64(4 * i)) & np.uint64(0xF)
+                byte = (source >> (np.uint64(8) * (nibble & np.uint64(7)))) & np.uint64(0xFF)
+                sign = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                out |= np.where(nibble & np.uint64(8), sign, byte) << np.uint64(8 * i)
+            return out.astype(np.uint32)
+        return prmt
 
     def _bit_casts(self):
         """The as_<vec>(unsigned) helpers, checked to reinterpret their argument's bits and nothing else."""
@@ -202,6 +223,8 @@ class Device:
         tokens = tokens[1:]
         if name == "lop3_and_or":
             return self.lop3(*args), tokens
+        if name == "prmt":
+            return self.prmt(*args), tokens
         if name in self.bit_casts:
             return args[0], tokens
         if name in self.intrinsics:

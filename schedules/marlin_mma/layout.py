@@ -23,6 +23,13 @@ its words for all four sub-tiles and a warp reads a slab with 32 consecutive 16-
 Scales are not permuted: [K / group, N] in natural order. A lane reads the few it needs from a
 shared-memory row once per k-tile, whether it applies them to the weights or to the fp32 sums.
 
+For 8-bit MMAs (W4A8: FP8 e4m3 activations) the same words serve. An 8-bit A register holds four
+consecutive k of one row (lane l's k = 4t..4t+3 of row g or g + 8 in each 16-column half of the k32
+step); the FP8 decode (templates.fp8_decode_name) puts row g's nibbles 0, 1, 4, 5 into one register
+and row g + 8's 2, 3, 6, 7 into the other, that is k = 2t, 2t + 8, 2t + 1, 2t + 9 of the sub-tile.
+The activations are stored in that k order instead (fp8_k_order): position 4t + j of each 16 columns
+holds column FP8_K_ORDER[4t + j], so both operands meet at the same k and the words are not repacked.
+
 Zero points other than 8 (w = s * (q - z)) travel as pre-scaled offsets o = s * (8 - z), so that the
 decode's one multiply per pair becomes one fma, w = (q - 8) * s + o, at the same instruction count:
 the scales tensor is then [2 * K / group, N], row 2g the scales of group g and row 2g + 1 its offsets
@@ -47,6 +54,18 @@ def _subtile_map() -> tuple[torch.Tensor, torch.Tensor]:
     k = 2 * t + 8 * (pair % 2) + elem
     n = 8 * (pair // 2) + g
     return k, n
+
+
+# Position 4t + j of a 16-column block of FP8 activations holds column 2t + (0, 8, 1, 9)[j].
+FP8_K_ORDER = tuple(2 * t + (0, 8, 1, 9)[j] for t in range(4) for j in range(4))
+
+
+def fp8_k_order(k: int) -> torch.Tensor:
+    """The column of the activations stored at each of the k positions of their FP8 copy (int64 [k])."""
+    if k % TILE_K:
+        raise ValueError(f"K={k} must be a multiple of {TILE_K} for the marlin_mma layout")
+    position = torch.arange(k)
+    return position - position % TILE_K + torch.tensor(FP8_K_ORDER)[position % TILE_K]
 
 
 def check_packable(k: int, n: int) -> None:

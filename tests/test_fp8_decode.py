@@ -1,0 +1,124 @@
+"""The INT4 -> FP8 e4m3 decode for W4A8, run bit for bit on the CPU, and the k order it shares with
+the activations.
+
+The rendered template is executed by tests/test_dequant_template.py's `Device` (prmt and lop3 read
+from their inline PTX). The expected bytes are torch's own float -> float8_e4m3fn conversion, and the
+positions come from the PTX fragment of an 8-bit MMA's A operand and the marlin_mma layout's packing,
+so no table, selector or order is typed in here.
+"""
+import numpy as np
+import pytest
+import torch
+
+from schedules import marlin_mma
+from schedules.marlin_mma.layout import LANES, SLAB_N, TILE_K, WORDS_PER_LANE, fp8_k_order
+from templates import e4m3_bits, fp8_decode_name, render_dequant
+from tests.test_dequant_template import Device, Pointer
+
+
+def e4m3_of(values) -> np.ndarray:
+    """torch's float8_e4m3fn bytes of `values`."""
+    return torch.as_tensor(values, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+
+
+def decode(words, dtype="float16", source=None) -> tuple[np.ndarray, np.ndarray]:
+    """The decode's two output registers for each 32-bit word."""
+    device = Device(render_dequant(dtype) if source is None else source, dtype)
+    frag = Pointer([None, None])
+    device.call(fp8_decode_name(), Pointer([np.asarray(words, dtype=np.uint32)]), frag)
+    return frag.cells[0], frag.cells[1]
+
+
+def as_bytes(registers: np.ndarray) -> np.ndarray:
+    """[words] uint32 -> [words, 4] bytes, byte 0 first (the lowest k position of the register)."""
+    return registers.astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_every_code_decodes_to_its_e4m3_value_exactly(dtype):
+    """A word of eight equal codes decodes to eight equal bytes, whatever the order: code - 8 in e4m3."""
+    codes = np.arange(16, dtype=np.uint32)
+    words = codes * np.uint32(0x11111111)
+    low, high = decode(words, dtype)
+    expected = e4m3_of(codes.astype(np.int64) - 8)
+    for register in (low, high):
+        assert (as_bytes(register) == expected[:, None]).all()
+
+
+def test_the_templates_byte_tables_are_e4m3():
+    assert [e4m3_bits(v) for v in range(-8, 8)] == list(e4m3_of(np.arange(-8, 8)))
+    with pytest.raises(ValueError, match="exactly"):
+        e4m3_bits(17)
+
+
+def fragment_from_lanes(words_by_lane: list[np.ndarray]) -> np.ndarray:
+    """The 16 x 32 A tile (rows = n, columns = k positions) of one k32 step of an 8-bit MMA, from each
+    lane's decoded registers: the PTX fragment of 8-bit A (m16n8k32, and each warp's 16 rows of wgmma's
+    m64nNk32) gives lane 4g + t registers a0 (row g, columns 4t..4t+3), a1 (row g + 8, the same
+    columns), a2 and a3 (the same rows, columns 16 + 4t..); a0, a1 come from the first k16 sub-tile's
+    word and a2, a3 from the second's."""
+    tile = np.zeros((16, 32), dtype=np.uint8)
+    for lane, (first, second) in enumerate(words_by_lane):
+        g, t = lane // 4, lane % 4
+        for half, word in enumerate((first, second)):
+            row_g, row_g8 = decode([word])
+            tile[g, 16 * half + 4 * t:16 * half + 4 * t + 4] = as_bytes(row_g)[0]
+            tile[g + 8, 16 * half + 4 * t:16 * half + 4 * t + 4] = as_bytes(row_g8)[0]
+    return tile
+
+
+def test_the_decoded_fragment_times_the_reordered_activations_is_the_product():
+    """Packed real codes, decoded lane by lane into the 8-bit A fragment, multiplied by activations
+    stored in fp8_k_order: exactly x @ (W - 8) for the sub-tile's 16 columns, in integers."""
+    generator = torch.Generator().manual_seed(20261203)
+    k, n = 2 * TILE_K, SLAB_N
+    codes = torch.randint(0, 16, (k, n), dtype=torch.uint8, generator=generator)
+    scales = torch.ones(1, n, dtype=torch.float16)
+    packed, _ = marlin_mma.pack(codes, scales)
+    words = packed.view(torch.int32).numpy().view(np.uint32)
+    x = torch.randint(-3, 4, (5, k), generator=generator).to(torch.float64)
+    stored_x = x[:, fp8_k_order(k)]
+    for subtile in range(WORDS_PER_LANE):          # the slab's four 16-column sub-tiles
+        lanes = [(words[0, lane * WORDS_PER_LANE + subtile], words[1, lane * WORDS_PER_LANE + subtile])
+                 for lane in range(LANES)]
+        tile = fragment_from_lanes(lanes)
+        weights = torch.from_numpy(tile.view(np.uint8).copy()).view(torch.float8_e4m3fn).to(torch.float64)
+        columns = slice(16 * subtile, 16 * subtile + 16)
+        expected = x @ (codes[:, columns].to(torch.float64) - 8)
+        assert torch.equal(stored_x @ weights.T, expected), f"sub-tile {subtile}"
+
+
+def test_the_activation_order_is_a_permutation_within_each_16_columns():
+    order = fp8_k_order(64)
+    assert sorted(order.tolist()) == list(range(64))
+    assert ((order // TILE_K) == (torch.arange(64) // TILE_K)).all()
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_k_order(40)
+
+
+@pytest.mark.parametrize("old,new", [("0x4e4c4a48u", "0x4e4c4a40u"), ("0x32103210u", "0x32013201u"),
+                                     ("0x3120u", "0x2130u"), ("0x77777777u", "0xf7777777u")],
+                         ids=["table entry", "pick", "row gather", "index mask"])
+def test_a_changed_constant_is_caught(old, new):
+    source = render_dequant("float16")
+    assert source.count(old) == 1
+    mutated = source.replace(old, new)
+    words = np.random.default_rng(7).integers(0, 2 ** 32, 512, dtype=np.uint64).astype(np.uint32)
+    assert any(not np.array_equal(a, b) for a, b in zip(decode(words, source=mutated), decode(words)))
+
+
+def test_nvcc_makes_seven_prmt_and_two_lop3_of_a_word_for_sm90():
+    """What the decode costs per word of eight codes, in the PTX nvcc makes of it for sm_90a: the byte
+    gather, four table lookups and two picks, two masks, no conversion instruction."""
+    import re
+
+    from tilelang.contrib import nvcc
+
+    probe = render_dequant("float16") + (
+        'extern "C" __global__ void probe(const unsigned* words, unsigned* out) {\n'
+        f"  {fp8_decode_name()}(words + threadIdx.x, out + 2 * threadIdx.x);\n}}\n")
+    ptx = bytes(nvcc.compile_cuda(probe, target_format="ptx", arch="sm_90a")).decode()
+    body = ptx[ptx.index(".entry probe"):]
+    assert len(re.findall(r"\bprmt\.b32\b", body)) == 7
+    assert len(re.findall(r"\blop3\.b32\b", body)) == 2
+    assert not re.search(r"\bcvt\.\w*(e4m3|f16|f32)", body)
