@@ -102,6 +102,26 @@ def reference_matmul(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return a.float() @ w
 
 
+FP8_E4M3_MAX = 448.0     # the largest finite float8_e4m3fn
+
+
+def quantize_fp8_per_token(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W4A8's activations: (a8 float8_e4m3fn [M, K], scales fp32 [M, 1]) with a ~ a8 * scales, one
+    scale per row (token) taken dynamically from its largest magnitude, which becomes exactly 448;
+    an all-zero row gets scale 1."""
+    amax = a.float().abs().amax(dim=-1, keepdim=True)
+    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    return (a.float() / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scales
+
+
+def reference_w4a8(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int = 4,
+                   zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 product W4A8 kernels must match: a's per-token FP8 values times their scales, times
+    the dequantized weights."""
+    a8, token_scales = quantize_fp8_per_token(a)
+    return (a8.float() * token_scales) @ dequantize(codes, scales, bits, zeros).float()
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref||, in fp32; NaN or Inf anywhere in `out` gives inf."""
     out = out.float()

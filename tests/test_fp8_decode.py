@@ -122,3 +122,30 @@ def test_nvcc_makes_seven_prmt_and_two_lop3_of_a_word_for_sm90():
     assert len(re.findall(r"\bprmt\.b32\b", body)) == 7
     assert len(re.findall(r"\blop3\.b32\b", body)) == 2
     assert not re.search(r"\bcvt\.\w*(e4m3|f16|f32)", body)
+
+
+# --- the activations' side: per-token FP8 and the product W4A8 kernels must match --------------------
+
+def test_per_token_fp8_scales_each_rows_largest_magnitude_to_448():
+    from schedules.quant import FP8_E4M3_MAX, quantize_fp8_per_token
+
+    generator = torch.Generator().manual_seed(5)
+    a = torch.randn(7, 256, generator=generator).to(torch.float16) * torch.logspace(-3, 3, 7).unsqueeze(1).half()
+    a[3] = 0
+    a8, scales = quantize_fp8_per_token(a)
+    assert a8.dtype == torch.float8_e4m3fn and scales.shape == (7, 1) and scales.dtype == torch.float32
+    peaks = a8.float().abs().amax(dim=1)
+    assert torch.equal(peaks[[0, 1, 2, 4, 5, 6]], torch.full((6,), FP8_E4M3_MAX))
+    assert scales[3].item() == 1 and not a8[3].float().any()
+    back = a8.float() * scales
+    assert ((back - a.float()).abs() <= a.float().abs() / 16 + scales * 2.0 ** -9).all()   # 3 mantissa bits
+
+
+def test_w4a8_reference_is_near_the_w4a16_one_and_not_equal():
+    from schedules.quant import quantize_rtn, reference_matmul, reference_w4a8, relative_error
+
+    generator = torch.Generator().manual_seed(6)
+    a = torch.randn(17, 512, generator=generator).half()
+    codes, scales = quantize_rtn(torch.randn(512, 128, generator=generator), 128)
+    w4a16, w4a8 = reference_matmul(a, codes, scales), reference_w4a8(a, codes, scales)
+    assert 0 < relative_error(w4a8, w4a16) < 0.06
