@@ -1,5 +1,7 @@
 """Linear-layer shapes of common models, as serving engines run them: q, k and v fused into one qkv
-projection and gate and up into one gate_up projection, so each decoder layer has four GEMMs.
+projection and gate and up into one gate_up projection, so each decoder layer has four GEMMs; or, with
+`fused=False` (`--unfused`), as transformers' modules run them, seven GEMMs with q, k, v, gate and up
+apart.
 
 Shapes are K x N (input features x output features). With tensor parallelism, the column-parallel
 layers (qkv, gate_up) split their outputs N across ranks and the row-parallel ones (o, down) split
@@ -26,6 +28,10 @@ MODELS: dict[str, dict] = {
     "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8),
     "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_attention_heads=64, num_key_value_heads=8),
 }
+
+
+UNFUSED_HELP = ("the --model layers as transformers' modules run them: q, k, v, gate and up apart (seven "
+                "GEMMs a decoder layer) instead of the qkv and gate_up projections serving engines fuse")
 
 
 @dataclass(frozen=True)
@@ -68,8 +74,10 @@ def _positive_int(config: dict, field: str, default: int | None = None) -> int:
     return value
 
 
-def layers_from_config(config: dict, tp: int = 1) -> list[Layer]:
-    """The four linear layers of one decoder layer of a Hugging Face-style config, on one of `tp` ranks."""
+def layers_from_config(config: dict, tp: int = 1, fused: bool = True) -> list[Layer]:
+    """The linear layers of one decoder layer of a Hugging Face-style config, on one of `tp` ranks:
+    the four a serving engine runs (`fused`), or the seven transformers' modules run, with q, k, v,
+    gate and up apart."""
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
     hidden = _positive_int(config, "hidden_size")
@@ -90,6 +98,16 @@ def layers_from_config(config: dict, tp: int = 1) -> list[Layer]:
     else:
         raise ValueError(f"num_key_value_heads={kv_heads} can neither be split nor replicated over --tp {tp}")
     inter = _split(intermediate, tp, "intermediate_size")
+    if not fused:
+        return [
+            Layer("q_proj", hidden, q_heads * head_dim, "column"),
+            Layer("k_proj", hidden, kv_per_rank * head_dim, "column"),
+            Layer("v_proj", hidden, kv_per_rank * head_dim, "column"),
+            Layer("o_proj", q_heads * head_dim, hidden, "row"),
+            Layer("gate_proj", hidden, inter, "column"),
+            Layer("up_proj", hidden, inter, "column"),
+            Layer("down_proj", inter, hidden, "row"),
+        ]
     return [
         Layer("qkv_proj", hidden, (q_heads + 2 * kv_per_rank) * head_dim, "column"),
         Layer("o_proj", q_heads * head_dim, hidden, "row"),
@@ -98,8 +116,9 @@ def layers_from_config(config: dict, tp: int = 1) -> list[Layer]:
     ]
 
 
-def model_layers(name_or_config_path: str, tp: int = 1) -> list[Layer]:
-    """Linear layers of a registered model (see MODELS) or of a config.json given by path."""
+def model_layers(name_or_config_path: str, tp: int = 1, fused: bool = True) -> list[Layer]:
+    """Linear layers of a registered model (see MODELS) or of a config.json given by path (`fused`:
+    see layers_from_config)."""
     config = MODELS.get(str(name_or_config_path).lower())
     if config is None:
         path = Path(name_or_config_path)
@@ -115,7 +134,7 @@ def model_layers(name_or_config_path: str, tp: int = 1) -> list[Layer]:
         # Multimodal configs keep the language model's fields under text_config.
         if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
             config = config["text_config"]
-    return layers_from_config(config, tp)
+    return layers_from_config(config, tp, fused)
 
 
 def parse_shapes(text: str) -> list[Layer]:

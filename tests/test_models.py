@@ -24,6 +24,29 @@ def test_gqa_models():
         "qkv_proj": (3584, 4608), "o_proj": (3584, 3584), "gate_up_proj": (3584, 37888), "down_proj": (18944, 3584)}
 
 
+def test_unfused_layers_are_the_modules_transformers_runs():
+    assert shapes(model_layers("llama-3-8b", fused=False)) == {
+        "q_proj": (4096, 4096), "k_proj": (4096, 1024), "v_proj": (4096, 1024), "o_proj": (4096, 4096),
+        "gate_proj": (4096, 14336), "up_proj": (4096, 14336), "down_proj": (14336, 4096)}
+    # the fused projections are the unfused ones side by side
+    for tp in (1, 4):
+        fused, unfused = shapes(model_layers("qwen2.5-72b", tp=tp)), shapes(model_layers("qwen2.5-72b", tp, fused=False))
+        assert fused["qkv_proj"][1] == unfused["q_proj"][1] + unfused["k_proj"][1] + unfused["v_proj"][1]
+        assert fused["gate_up_proj"][1] == unfused["gate_proj"][1] + unfused["up_proj"][1]
+
+
+def test_unfused_tune_targets_share_a_problem_per_shape():
+    from gen.cli import build_parser
+    from gen.tune.options import targets_from_args
+
+    args = build_parser().parse_args(["tune", "--model", "llama-2-7b", "--unfused"])
+    assert {(t.problem.k, t.problem.n): t.layers for t in targets_from_args(args)} == {
+        (4096, 4096): ["q_proj", "k_proj", "v_proj", "o_proj"], (4096, 11008): ["gate_proj", "up_proj"],
+        (11008, 4096): ["down_proj"]}
+    for command in (["precompile"], ["sweep", "--family", "stream_mma"]):
+        assert build_parser().parse_args([*command, "--model", "llama-2-7b", "--unfused"]).unfused
+
+
 def test_required_models_are_registered():
     for name in ("llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "llama-3-70b", "mistral-7b", "qwen2.5-7b"):
         assert len(model_layers(name)) == 4

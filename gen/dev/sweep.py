@@ -19,6 +19,7 @@ from pathlib import Path
 
 from schedules.problem import SUPPORTED_DTYPES
 
+from gen.models import UNFUSED_HELP
 from gen.tune.options import positive_workers
 
 
@@ -29,6 +30,7 @@ def register(subparsers) -> None:
     p.add_argument("--knobs", default="", help='the grid: "name=v1,v2 name=v3 ..." (unnamed knobs keep their defaults)')
     p.add_argument("--model", help="a registered model or a path to a Hugging Face config.json")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over")
+    p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     p.add_argument("--shapes", help="KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
     p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")

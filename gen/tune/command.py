@@ -20,6 +20,7 @@ from pathlib import Path
 from runtime.table import BETWEEN, BUCKETS, REPLAY
 from schedules.problem import SUPPORTED_DTYPES, Problem
 
+from gen.models import UNFUSED_HELP
 from gen.tune.measuring import MeasureError
 from gen.tune.options import (Target, load_seeds, parse_axes, parse_buckets, parse_families, parse_variants,
                               positive_workers, searched_axes, targets_from_args)
@@ -38,6 +39,7 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over (--shapes are taken as given)")
+    p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
     p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")

@@ -35,7 +35,7 @@ def targets_from_args(args) -> list[Target]:
 
     if not args.model and not args.shapes:
         raise ValueError("name the layers: --model NAME|PATH/config.json and/or --shapes KxN,...")
-    layers = (model_layers(args.model, tp=args.tp) if args.model else []) + \
+    layers = (model_layers(args.model, tp=args.tp, fused=not args.unfused) if args.model else []) + \
         (parse_shapes(args.shapes) if args.shapes else [])
     targets: dict[Problem, Target] = {}
     for layer in layers:
