@@ -1,0 +1,53 @@
+"""W4A8's activation kernel: per-token dynamic FP8 e4m3, stored in the k order of the FP8 decode.
+
+One block per row (token): its threads read the row once into registers (16-byte loads), reduce the
+largest magnitude across the block, and write each element divided by amax / 448 as e4m3, clamped to
+the finite range, at its position in marlin_mma.layout.fp8_k_order (position p of every 16 columns
+holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with the packed INT4 words sums matching k.
+The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the output. The
+math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
+"""
+# (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
+# build()'s locals)
+from .marlin_mma.layout import FP8_K_ORDER, TILE_K
+from .quant import FP8_E4M3_MAX
+
+THREADS = 128
+
+
+def _source_column(j):
+    """The column stored at position j: j's 16-column block, then FP8_K_ORDER within it, written as
+    arithmetic on j (2 (p // 4) + 8 (p % 2) + (p % 4) // 2 for p = j % 16) so that it stays an index
+    expression; checked against FP8_K_ORDER at import."""
+    p = j % TILE_K
+    return j - p + 2 * (p // 4) + 8 * (p % 2) + p % 4 // 2
+
+
+assert tuple(_source_column(p) for p in range(TILE_K)) == FP8_K_ORDER
+
+
+def build(k: int, dtype: str = "float16"):
+    """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32), M dynamic."""
+    import tilelang.language as T
+
+    if k % TILE_K:
+        raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
+    m = T.dynamic("m")
+
+    @T.prim_func
+    def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
+                     S: T.Tensor((m, 1), "float32")):
+        with T.Kernel(m, threads=THREADS) as row:
+            x = T.alloc_fragment((1, k), "float32")
+            amax = T.alloc_fragment((1,), "float32")
+            for i, j in T.Parallel(1, k):
+                x[i, j] = X[row, j]
+            T.reduce_absmax(x, amax, dim=1)
+            scale = T.alloc_var("float32")
+            scale = T.if_then_else(amax[0] > 0, amax[0] / FP8_E4M3_MAX, 1.0)
+            for i, j in T.Parallel(1, k):
+                value = T.cast(X[row, _source_column(j)], "float32") / scale
+                Q[row, j] = T.cast(T.clamp(value, -FP8_E4M3_MAX, FP8_E4M3_MAX), "float8_e4m3fn")
+            S[row, 0] = scale
+
+    return quantize_fp8

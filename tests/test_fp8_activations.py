@@ -1,0 +1,66 @@
+"""W4A8's activation kernel (schedules/fp8_activations.py): the code nvcc makes of it for sm_90a on
+the CPU, and on a GPU its output against schedules.quant.quantize_fp8_per_token in the FP8 k order."""
+import re
+
+import pytest
+import torch
+
+from schedules.arch import get_arch
+from schedules.fp8_activations import build
+from schedules.marlin_mma.layout import fp8_k_order
+from schedules.quant import quantize_fp8_per_token
+
+SM90 = get_arch("sm_90a")
+
+
+def compiled(k, dtype="float16", arch=SM90):
+    import tilelang
+
+    return tilelang.compile(build(k, dtype), target=arch.target)
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    from tilelang.contrib import nvcc
+    from tvm.target import Target
+
+    with Target(SM90.target):
+        return nvcc.get_ptx_from_source(compiled(4096).get_kernel_source())
+
+
+def test_the_ptx_converts_to_e4m3_with_saturation_and_reduces_across_the_block(ptx):
+    assert re.search(r"\bcvt\.rn\.satfinite\.e4m3x2\.f32\b", ptx)
+    assert re.search(r"\bshfl\.sync\.bfly\.b32\b", ptx)          # the block's amax, warp by warp
+    assert re.search(r"\bst\.global\.f32\b", ptx)                  # the row's scale
+
+
+@pytest.mark.parametrize("k,dtype", [(11008, "float16"), (3584, "bfloat16")])
+def test_llama_and_qwen_widths_build(k, dtype):
+    source = compiled(k, dtype).get_kernel_source()
+    assert "fp8_e4_t" in source and "AllReduce<tl::MaxOp" in source
+
+
+def test_widths_the_k_order_cannot_cover_are_refused():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        build(4100)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 3, 17, 100, 257, 1024])
+def test_the_kernel_matches_the_reference_in_the_fp8_k_order(m):
+    k = 4096
+    kernel = compiled(k)
+    generator = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, device="cuda", generator=generator).half() * 3
+    x[m // 2] = 0
+    q = torch.full((m, k), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    s = torch.full((m, 1), float("nan"), device="cuda")
+    kernel(x, q, s)
+    q_ref, s_ref = quantize_fp8_per_token(x)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    order = fp8_k_order(k).cuda()
+    stored = q.view(torch.uint8)
+    expected = q_ref[:, order].view(torch.uint8)
+    # one e4m3 step apart at most where fast-math division lands beside a rounding boundary
+    steps = (stored.int() - expected.int()).abs()
+    assert steps.max().item() <= 1 and (steps == 0).float().mean().item() > 0.999
