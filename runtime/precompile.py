@@ -48,7 +48,7 @@ class Dispatch:
 
         schedule, how = self.table.lookup(problem, bucket), None
         if schedule is None:
-            schedule, how = fallback.fallback_schedule(problem, bucket, self.arch, self.gpu, self.winners)
+            schedule, how = fallback.fallback_schedule(problem, bucket, self.arch, self.gpu, self.winners, self.table)
         if schedule.module.LAYOUT != layout:
             raise ValueError(f"{schedule.name} reads weights in layout {schedule.module.LAYOUT}, but these are "
                              f"packed in {layout}; repack the layer for it")

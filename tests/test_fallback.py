@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from runtime.fallback import fallback_schedule, transferred
-from runtime.table import winners_for_arch
+from runtime.fallback import fallback_schedule, transferred, twins
+from runtime.table import TunedTable, shipped_tables_dir, winners_for_arch
 from schedules.arch import get_arch
 from schedules.cost import GpuSpec
 from schedules.problem import Problem
@@ -49,3 +49,37 @@ def test_without_a_fitting_winner_the_whole_space_is_ranked(monkeypatch):
 
     monkeypatch.setattr(fallback, "best_schedule", lambda problem, m, arch, gpu: "ranked")
     assert fallback_schedule(UNTUNED[0], 1, SM90, H200, ()) == ("ranked", "the cost model's pick of the whole search space")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return TunedTable.read(shipped_tables_dir() / "nvidia-h200_sm_90a_132sm.json")
+
+
+def test_twins_differ_in_dtype_or_zero_points_nearest_first():
+    p = Problem(4096, 4096, 128, "bfloat16", zero_points=True)
+    assert [(t.dtype, t.zero_points) for t in twins(p)] == [
+        ("bfloat16", False), ("float16", True), ("float16", False)]
+    assert all((t.n, t.k, t.group, t.bits) == (p.n, p.k, p.group, p.bits) for t in twins(p))
+
+
+@pytest.mark.parametrize("bucket", [1, 16, 64, 256, 4096])
+def test_a_bf16_shape_runs_its_fp16_twins_tuned_winner(shipped, winners, bucket):
+    """Same loads, tiles and splits; only the decode differs: the fp16 winner, not the cost model's
+    pick among all winners (which ran bf16 o_proj at M = 64 in 12.6 us where this one takes 7.4)."""
+    fp16 = Problem(4096, 4096)
+    schedule, how = fallback_schedule(Problem(4096, 4096, dtype="bfloat16"), bucket, SM90, H200, winners, shipped)
+    assert schedule == shipped.lookup(fp16, bucket) and fp16.name in how
+
+
+def test_a_twin_winner_the_problem_cannot_run_is_passed_over(shipped, winners):
+    """o_proj's M = 64 winner puts the scales on the sums (scale_on_acc), which takes no zero points."""
+    zero_points = Problem(4096, 4096, zero_points=True)
+    twin_winner = shipped.lookup(Problem(4096, 4096), 64)
+    assert twin_winner.module.check(zero_points, twin_winner.knobs, SM90) is not None
+    schedule, how = fallback_schedule(zero_points, 64, SM90, H200, winners, shipped)
+    assert schedule != twin_winner and "tuned winners" in how
+    assert schedule.module.check(zero_points, schedule.knobs, SM90) is None
+    # where the twin's winner fits, it is taken
+    schedule, how = fallback_schedule(zero_points, 1, SM90, H200, winners, shipped)
+    assert schedule == shipped.lookup(Problem(4096, 4096), 1) and "tuned winner of" in how

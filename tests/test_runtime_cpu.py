@@ -349,7 +349,7 @@ def dispatch(monkeypatch):
     monkeypatch.setattr(runtime.selfcheck, "check_once", lambda kernel, problem, schedule, bucket, device: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(runtime.fallback, "fallback_schedule",
-                        lambda problem, m, arch, gpu, winners: (calls["fallback"].append(m) or FALLBACK, "a stub"))
+                        lambda problem, m, arch, gpu, winners, table=None: (calls["fallback"].append(m) or FALLBACK, "a stub"))
     monkeypatch.setattr(runtime.kernels, "compile_schedule",
                         lambda problem, schedule, arch: calls["compile"].append(schedule) or f"kernel {schedule.name}")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stub GPU")
@@ -406,7 +406,7 @@ def test_resolving_one_shape_never_blocks_another(dispatch, monkeypatch):
     other = Problem(n=256, k=256, group=128)
     entered, release = threading.Event(), threading.Event()
 
-    def slow_fallback(problem, m, arch, gpu, winners):
+    def slow_fallback(problem, m, arch, gpu, winners, table=None):
         if problem == other:
             entered.set()
             assert release.wait(30), "the other shape was never resolved"
