@@ -2,7 +2,7 @@
 parallel before the first call.
 
 The op (runtime/op.py) runs one kernel per (problem, M bucket): the tuned table's entry for this GPU,
-else the fallback's pick among the arch's tuned winners (runtime/fallback.py). `Dispatch.choose` is
+else the fallback's pick (runtime/fallback.py: its twin's winner, or one of the arch's tuned winners). `Dispatch.choose` is
 that choice as a function of its inputs alone, and the op's `schedule_for` makes it through the same
 function, so `plan` (problems x buckets -> the (problem, schedule) pairs to build) names exactly the
 kernels the op will load. Only a kernel that fails its first-run check is replaced by one the plan

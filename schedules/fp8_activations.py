@@ -1,7 +1,8 @@
 """W4A8's activation kernel: per-token dynamic FP8 e4m3, stored in the k order of the FP8 decode.
 
-One block per row (token): its threads read the row once into registers (16-byte loads), reduce the
-largest magnitude across the block, and write each element divided by amax / 448 as e4m3, clamped to
+One block per row (token): its threads read the row into registers (16-byte loads) and reduce the
+largest magnitude across the block, then read the row again in the FP8 k order (scalar loads that hit
+L1/L2) and write each element divided by amax / 448 as e4m3 (round to nearest, saturating), clamped to
 the finite range, at its position in marlin_mma.layout.fp8_k_order (position p of every 16 columns
 holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with the packed INT4 words sums matching k.
 The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the output. The

@@ -545,7 +545,8 @@ def test_act_order_gathers_the_activations_by_a_permutation_in_each_timed_call(m
     monkeypatch.setattr(runtime.op, "w4a16_gemm", gemm)
     monkeypatch.setattr(timing, "copies_for", lambda nbytes: 2)
     w = _cpu_layer()
-    x = torch.arange(256, dtype=torch.float16).repeat(3, 1)     # each column names itself
+    # each column names itself, each row is offset by its own multiple of 256 (exact in fp16 below 2048)
+    x = (torch.arange(256) + 256 * torch.arange(3).unsqueeze(1)).to(torch.float16)
     outputs = [call() for call in contenders.tilemarlin_act_order_contender(w).calls(x)]
     assert len(outputs) == 2 and len(seen) == 2
     perm = seen[0][0].long()
@@ -553,6 +554,8 @@ def test_act_order_gathers_the_activations_by_a_permutation_in_each_timed_call(m
     assert torch.equal(seen[1], seen[0]) and torch.equal(seen[0], x[:, perm])
     assert torch.equal(outputs[0], x[:, perm].float() @ dequantize(w.codes, w.scales).float())
     assert report.weight_bytes("tilemarlin_act", 256, 64, 128) == report.weight_bytes("tilemarlin", 256, 64, 128) + 8 * 256
+    assert report.bytes_moved("tilemarlin_act", 256, 64, 3, 128) == \
+        report.bytes_moved("tilemarlin", 256, 64, 3, 128) + 8 * 256 + 4 * 3 * 256
     assert bench.parse_kernels("tilemarlin,tilemarlin_act,fp16") == ["tilemarlin", "tilemarlin_act", "fp16"]
 
 

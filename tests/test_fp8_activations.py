@@ -59,8 +59,5 @@ def test_the_kernel_matches_the_reference_in_the_fp8_k_order(m):
     q_ref, s_ref = quantize_fp8_per_token(x)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     order = fp8_k_order(k).cuda()
-    stored = q.view(torch.uint8)
-    expected = q_ref[:, order].view(torch.uint8)
-    # one e4m3 step apart at most where fast-math division lands beside a rounding boundary
-    steps = (stored.int() - expected.int()).abs()
-    assert steps.max().item() <= 1 and (steps == 0).float().mean().item() > 0.999
+    # the same IEEE division (div.rn.f32) and round-to-nearest conversion as torch's: the same bytes
+    assert torch.equal(q.view(torch.uint8), q_ref[:, order].contiguous().view(torch.uint8))

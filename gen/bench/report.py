@@ -39,8 +39,10 @@ def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
 
 
 def bytes_moved(kernel: str, k: int, n: int, m: int, group: int) -> int:
-    """Weights (+scales) read, activations read and output written, at 2 bytes per element."""
-    return weight_bytes(kernel, k, n, group) + 2 * m * k + 2 * m * n
+    """Weights (+scales) read, activations read and output written, at 2 bytes per element (act-order:
+    the gathered copy of the activations written and read again)."""
+    gathered = 4 * m * k if kernel == "tilemarlin_act" else 0
+    return weight_bytes(kernel, k, n, group) + 2 * m * k + 2 * m * n + gathered
 
 
 def flops(k: int, n: int, m: int) -> int:
