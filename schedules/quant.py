@@ -110,7 +110,9 @@ def quantize_fp8_per_token(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scale per row (token) taken dynamically from its largest magnitude, which becomes exactly 448;
     an all-zero row gets scale 1."""
     amax = a.float().abs().amax(dim=-1, keepdim=True)
-    scales = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded reciprocal,
+    # one ulp away from the IEEE quotient the kernels compute
+    scales = torch.where(amax > 0, amax / torch.full_like(amax, FP8_E4M3_MAX), torch.ones_like(amax))
     return (a.float() / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scales
 
 
