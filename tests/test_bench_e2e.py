@@ -196,6 +196,11 @@ def test_correctness_line(sample):
     assert "30 of 32 decode steps of tilemarlin match" in line and "first differs at step 29" in line
     sample["correctness"].update(matching=32, first_mismatch=None)
     assert "differs" not in e2e_report.correctness_line(sample)
+    sample["correctness"]["same_history"] = {"agreeing": 31, "logits_rel_error": 0.0042, "max_logit_difference": 0.031,
+                                             "disagreements": [{"step": 5, "lead": 0.004}], "median_top2_lead": 0.29}
+    line = e2e_report.correctness_line(sample)
+    assert "fed the same tokens, they agree on 31 of 32, logits within 0.42% (largest difference 0.031)" in line
+    assert "led by at most 0.004, against a median lead of 0.29" in line
     sample["correctness"] = None
     assert "not checked" in e2e_report.correctness_line(sample)
 
@@ -264,8 +269,39 @@ def full_recompute_greedy(model, prompt, steps_: int) -> list[int]:
 def test_static_cache_steps_decode_as_the_model_does_without_a_cache(tiny_model):
     prompt = torch.randint(0, TINY_LLAMA["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(0))
     reference = full_recompute_greedy(tiny_model, prompt, 9)
-    # greedy_tokens returns the decode steps' tokens; the prefill's token is the reference's first
-    assert steps.greedy_tokens(tiny_model, prompt, 8) == reference[1:]
+    run = steps.greedy_decode(tiny_model, prompt, 8)
+    # the prefill's token is the reference's first, then the decode steps'
+    assert [run.prefill_token, *run.tokens] == reference
+    assert run.logits.shape == (8, TINY_LLAMA["vocab_size"])
+    assert run.logits.argmax(-1).tolist() == run.tokens
+
+
+@torch.no_grad()
+def test_a_decode_fed_another_runs_tokens_sees_that_history(tiny_model):
+    prompt = torch.randint(0, TINY_LLAMA["vocab_size"], (1, 5), generator=torch.Generator().manual_seed(0))
+    own = steps.greedy_decode(tiny_model, prompt, 6)
+    assert torch.equal(steps.greedy_decode(tiny_model, prompt, 6, follow=own).logits, own.logits)
+    other = steps.Greedy(prefill_token=(own.prefill_token + 1) % TINY_LLAMA["vocab_size"], tokens=[3, 1, 4, 1, 5, 9],
+                         logits=own.logits)
+    followed = steps.greedy_decode(tiny_model, prompt, 6, follow=other)
+    # step t sees other's tokens up to t; step 0's input is other's prefill token
+    expected = full_recompute_greedy(tiny_model, torch.cat([prompt, torch.tensor([[other.prefill_token, 3]])], 1), 1)
+    assert followed.tokens[1] == expected[0]
+    assert not torch.equal(followed.logits, own.logits)
+
+
+def test_logit_agreement_measures_the_gap_a_flip_happened_in():
+    ref_logits = torch.tensor([[5.0, 4.9, 0.0], [3.0, 0.0, 1.0], [0.0, 2.0, 1.5]])
+    reference = steps.Greedy(0, [0, 0, 1], ref_logits)
+    own_logits = ref_logits.clone()
+    own_logits[0, 1] = 5.05   # a flip in a near tie at step 0
+    own = steps.Greedy(0, [1, 0, 1], own_logits)
+    agreement = e2e._logit_agreement(own, reference)
+    assert agreement["agreeing"] == 2
+    assert agreement["disagreements"] == [{"step": 0, "lead": pytest.approx(0.1)}]
+    assert agreement["max_logit_difference"] == pytest.approx(0.15)
+    assert agreement["logits_rel_error"] == pytest.approx(0.15 / float(torch.linalg.vector_norm(ref_logits[0])))
+    assert agreement["median_top2_lead"] == pytest.approx(0.5)
 
 
 @torch.no_grad()
@@ -396,6 +432,7 @@ def test_a_run_records_every_variant_and_rebuilds_its_report(tmp_path, monkeypat
         assert record["weight_bytes"] == models.weight_bytes(tiny_model) and record["quantized_bytes"] == 0
     check = data["correctness"]
     assert check["matching"] == 32 and check["first_mismatch"] is None and check["tokens"] == check["reference_tokens"]
+    assert check["same_history"]["agreeing"] == 32 and check["same_history"]["max_logit_difference"] == 0
     assert "32 of 32 decode steps" in e2e_report.terminal_report(data)
 
 

@@ -286,7 +286,9 @@ def _build(variant: str, config, opts: Options):
 
 def _check_tokens(model, config) -> dict:
     """Greedy tokens of the tilemarlin `model` against its dequantized twin (the model is converted
-    in place, so this runs last)."""
+    in place, so this runs last): each decoding freely, and the twin fed tilemarlin's tokens, so that
+    their logits compare on the same history. A random-weight model's top logits are often close,
+    so a flip in a near tie is told apart from an error by the gap it happened in."""
     import torch
 
     from gen.timing import capture_graph
@@ -294,12 +296,32 @@ def _check_tokens(model, config) -> dict:
     generator = torch.Generator(device=model.device).manual_seed(models.SEED)
     prompt = torch.randint(0, config.vocab_size, (1, PROMPT_TOKENS), device=model.device, generator=generator)
     replayed = lambda step: capture_graph([step]).replay   # noqa: E731
-    tokens = steps.greedy_tokens(model, prompt, CHECK_STEPS, replayed)
-    reference = steps.greedy_tokens(models.to_dequantized(model), prompt, CHECK_STEPS, replayed)
-    same = [a == b for a, b in zip(tokens, reference)]
+    own = steps.greedy_decode(model, prompt, CHECK_STEPS, replayed)
+    twin = models.to_dequantized(model)
+    reference = steps.greedy_decode(twin, prompt, CHECK_STEPS, replayed)
+    same_history = steps.greedy_decode(twin, prompt, CHECK_STEPS, replayed, follow=own)
+    same = [a == b for a, b in zip(own.tokens, reference.tokens)]
     return {"variant": "tilemarlin", "prompt_tokens": PROMPT_TOKENS, "steps": CHECK_STEPS, "matching": sum(same),
             "first_mismatch": same.index(False) if False in same else None,
-            "tokens": tokens, "reference_tokens": reference}
+            "tokens": own.tokens, "reference_tokens": reference.tokens,
+            "same_history": _logit_agreement(own, same_history)}
+
+
+def _logit_agreement(own, reference) -> dict:
+    """How two decodes over the same history agree: tokens, the logits' relative error (the worst
+    step) and largest difference, and at each step where the tokens differ, how far the reference's
+    choice leads tilemarlin's in the reference's own logits, beside the median lead of its top
+    token over the next (the near-tie scale)."""
+    import torch
+
+    ref = reference.logits
+    errors = torch.linalg.vector_norm(own.logits - ref, dim=-1) / torch.linalg.vector_norm(ref, dim=-1)
+    top2 = ref.topk(2, dim=-1).values
+    gaps = [{"step": t, "lead": float(ref[t, b] - ref[t, a])}
+            for t, (a, b) in enumerate(zip(own.tokens, reference.tokens)) if a != b]
+    return {"agreeing": len(own.tokens) - len(gaps), "logits_rel_error": float(errors.max()),
+            "max_logit_difference": float((own.logits - ref).abs().max()), "disagreements": gaps,
+            "median_top2_lead": float((top2[:, 0] - top2[:, 1]).median())}
 
 
 def _built(variant: str, config, opts: Options, data: dict):

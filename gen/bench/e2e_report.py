@@ -135,9 +135,23 @@ def correctness_line(data: dict) -> str:
     if "error" in check:
         return f"greedy tokens: the check failed: {check['error']}"
     where = "" if check["first_mismatch"] is None else f"; the first differs at step {check['first_mismatch']}"
-    return (f"greedy tokens: {check['matching']} of {check['steps']} decode steps of {check['variant']} match the "
+    line = (f"greedy tokens: {check['matching']} of {check['steps']} decode steps of {check['variant']} match the "
             f"same model with its dequantized weights in {label(data, DENSE)} nn.Linear layers, from one "
             f"{check['prompt_tokens']}-token prompt{where}")
+    return line + _same_history_text(check.get("same_history"), check["steps"])
+
+
+def _same_history_text(agreement: dict | None, steps: int) -> str:
+    """The teacher-forced comparison: whether a flip was a near tie or an error."""
+    if not agreement:
+        return ""
+    text = (f"; fed the same tokens, they agree on {agreement['agreeing']} of {steps}, logits within "
+            f"{agreement['logits_rel_error']:.2%} (largest difference {agreement['max_logit_difference']:.3g})")
+    if agreement["disagreements"]:
+        worst = max(d["lead"] for d in agreement["disagreements"])
+        text += (f"; where they differ, the reference's own token led by at most {worst:.3g}, against a median "
+                 f"lead of {agreement['median_top2_lead']:.3g} of its top token over the next")
+    return text
 
 
 def notes(data: dict) -> list[str]:

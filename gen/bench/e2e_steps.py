@@ -24,6 +24,7 @@ arguments from its own.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 
@@ -74,10 +75,11 @@ class CachedForward:
     """model over `cache` for `batch` sequences of `q` new tokens, from fixed buffers.
 
     `tokens` [batch, q] and `start` (0-dim) are the inputs, `next_tokens` [batch] the output (the
-    argmax of the last position's logits). `forward` is the model or its torch.compile'd form.
+    argmax of the last position's logits). `forward` is the model or its torch.compile'd form. With
+    `keep_logits`, the last position's logits are also left in `logits` [batch, vocab] (fp32).
     """
 
-    def __init__(self, model, cache, batch: int, q: int, length: int, forward=None):
+    def __init__(self, model, cache, batch: int, q: int, length: int, forward=None, keep_logits: bool = False):
         device = model.device
         self.model, self.forward, self.cache = model, forward or model, cache
         self.tokens = torch.zeros(batch, q, dtype=torch.long, device=device)
@@ -85,6 +87,7 @@ class CachedForward:
         self.offsets = torch.arange(q, device=device)
         self.keys = torch.arange(length, device=device)
         self.next_tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.logits = torch.zeros(batch, model.config.vocab_size, device=device) if keep_logits else None
         self.keywords = _forward_keywords(model)
 
     def __call__(self) -> None:
@@ -101,6 +104,8 @@ class CachedForward:
             kwargs[self.keywords["logits"]] = 1
         logits = self.forward(input_ids=self.tokens, **kwargs).logits
         self.next_tokens.copy_(logits[:, -1].argmax(-1))
+        if self.logits is not None:
+            self.logits.copy_(logits[:, -1])
 
 
 def decode_step(model, batch: int, context: int, forward=None) -> CachedForward:
@@ -116,23 +121,37 @@ def prefill_step(model, tokens: int, forward=None) -> CachedForward:
     return CachedForward(model, static_cache(model, 1, tokens), 1, tokens, tokens, forward)
 
 
-def greedy_tokens(model, prompt: torch.Tensor, steps: int, replayed=None) -> list[int]:
-    """The tokens of `steps` greedy decode steps after `prompt` [1, P]: one prefill, then a decode step
-    per token through a static cache of P + steps positions. `replayed(step)` turns the decode step
-    into what runs it (a captured CUDA graph's replay); by default it runs as it is."""
+@dataclass
+class Greedy:
+    """A greedy decode: the prefill's token, the `steps` decode steps' tokens, and each decode step's
+    last-position logits [steps, vocab] (fp32)."""
+    prefill_token: int
+    tokens: list[int]
+    logits: torch.Tensor
+
+
+def greedy_decode(model, prompt: torch.Tensor, steps: int, replayed=None, follow: Greedy | None = None) -> Greedy:
+    """`steps` greedy decode steps after `prompt` [1, P]: one prefill, then a decode step per token
+    through a static cache of P + steps positions. With `follow` (another run's decode), each step is
+    fed `follow`'s previous token instead of its own, so that both runs see the same history and
+    their logits compare step by step. `replayed(step)` turns the decode step into what runs it (a
+    captured CUDA graph's replay); by default it runs as it is."""
     length = prompt.shape[1] + steps
     cache = static_cache(model, 1, length)
     prefill = CachedForward(model, cache, 1, prompt.shape[1], length)
     prefill.tokens.copy_(prompt)
     prefill()
-    decode = CachedForward(model, cache, 1, 1, length)
-    decode.tokens.copy_(prefill.next_tokens[:, None])
+    prefill_token = int(prefill.next_tokens[0])
+    history = [follow.prefill_token, *follow.tokens] if follow else None
+    decode = CachedForward(model, cache, 1, 1, length, keep_logits=True)
+    decode.tokens.fill_(history[0] if history else prefill_token)
     decode.start.fill_(prompt.shape[1])
     run = replayed(decode) if replayed else decode   # a capture's warm-up writes the first position, as step 0 does
-    tokens = []
-    for _ in range(steps):
+    tokens, logits = [], []
+    for step in range(steps):
         run()
         tokens.append(int(decode.next_tokens[0]))
-        decode.tokens.copy_(decode.next_tokens[:, None])
+        logits.append(decode.logits[0].clone())
+        decode.tokens.fill_(history[step + 1] if history else tokens[-1])
         decode.start.add_(1)
-    return tokens
+    return Greedy(prefill_token, tokens, torch.stack(logits))
