@@ -24,13 +24,17 @@ from schedules.problem import Problem
 from schedules.registry import Schedule
 
 
-def transferred(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners) -> Schedule | None:
-    """The cost model's pick among `winners` that can run `problem` on `arch`, or None. Ties go to
-    the schedule's name, so the choice never depends on the order of the tables."""
+def ranked_transfers(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners) -> list[Schedule]:
+    """The `winners` that can run `problem` on `arch`, fastest estimate at `bucket` first. Ties go to
+    the schedule's name, so the order never depends on the order of the tables."""
     valid = sorted({s for s in winners if s.module.check(problem, s.knobs, arch) is None}, key=lambda s: s.name)
-    if not valid:
-        return None
-    return min(valid, key=lambda s: estimate_us(problem, s, bucket, gpu))
+    return sorted(valid, key=lambda s: estimate_us(problem, s, bucket, gpu))
+
+
+def transferred(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners) -> Schedule | None:
+    """The cost model's pick among `winners` that can run `problem` on `arch`, or None."""
+    ranked = ranked_transfers(problem, bucket, arch, gpu, winners)
+    return ranked[0] if ranked else None
 
 
 def twins(problem: Problem) -> list[Problem]:
@@ -42,13 +46,20 @@ def twins(problem: Problem) -> list[Problem]:
             dataclasses.replace(problem, dtype=other_dtype, zero_points=not problem.zero_points)]
 
 
-def twin_winner(problem: Problem, bucket: int, arch: Arch, table) -> tuple[Schedule, Problem] | None:
-    """(the tuned winner of the nearest twin at `bucket` that can run `problem`, that twin), or None."""
+def twin_winners(problem: Problem, bucket: int, arch: Arch, table) -> list[tuple[Schedule, Problem]]:
+    """(tuned winner, twin) of each twin at `bucket` whose winner can run `problem`, nearest first."""
+    found = []
     for twin in twins(problem):
         schedule = table.lookup(twin, bucket)
         if schedule is not None and schedule.module.check(problem, schedule.knobs, arch) is None:
-            return schedule, twin
-    return None
+            found.append((schedule, twin))
+    return found
+
+
+def twin_winner(problem: Problem, bucket: int, arch: Arch, table) -> tuple[Schedule, Problem] | None:
+    """(the tuned winner of the nearest twin at `bucket` that can run `problem`, that twin), or None."""
+    found = twin_winners(problem, bucket, arch, table)
+    return found[0] if found else None
 
 
 def fallback_schedule(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners,

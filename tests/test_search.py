@@ -160,6 +160,34 @@ def test_retune_measures_the_incumbent_once():
     assert [r.schedule for r in one.results].count(incumbent) == 1 and len(one.results) == 4
 
 
+def test_a_tune_starts_from_the_twins_winners_and_the_best_estimated_transfers():
+    import dataclasses
+
+    from runtime.fallback import ranked_transfers
+    from runtime.table import TunedTable
+    from schedules import stream_mma
+    from schedules.registry import Schedule
+
+    s = _search()
+    bf16 = dataclasses.replace(QKV, dtype="bfloat16")
+    twin_winner = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 16, ahead=2))
+    other_shape = Schedule("stream_mma", stream_mma.Knobs(1, 8, 4, 8, ahead=3))
+    table = TunedTable()
+    table.record(QKV, 1, twin_winner, 11.0)          # the fp16 twin, tuned at bucket 1 only
+    winners = [twin_winner, other_shape]
+    searches = s.plan([(bf16, 1), (bf16, 64)], H200, _spec(), top=1)
+    before = {x.bucket: [r.schedule for r in x.results] for x in searches}
+    added = s.add_transfers(searches, table, winners, H200, _spec(), per_bucket=1)
+    after = {x.bucket: [r.schedule for r in x.results] for x in searches}
+    best_estimated = {b: ranked_transfers(bf16, b, H200, _spec(), winners)[0] for b in (1, 64)}
+    assert twin_winner in after[1]                                   # the twin's bucket-1 winner
+    assert all(best_estimated[b] in after[b] for b in (1, 64))
+    assert added == sum(len(after[b]) - len(before[b]) for b in (1, 64)) > 0
+    assert s.add_transfers(searches, table, winners, H200, _spec(), per_bucket=1) == 0   # never twice
+    assert s.add_transfers(s.plan([(bf16, 1)], H200, _spec(), top=1), table, winners, H200, _spec(),
+                           families=["marlin_mma"]) == 0                                # not searched
+
+
 def test_variants_of_the_winners_join_their_buckets():
     from dataclasses import replace
 

@@ -26,7 +26,7 @@ from gen.tune.options import (Target, load_seeds, parse_axes, parse_buckets, par
                               positive_workers, searched_axes, targets_from_args)
 from gen.tune.rounds import compile_and_measure_with_progress, compile_with_progress, local_rounds
 from gen.tune.search import (DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS, achieved_gbps, add_incumbents, add_seeds,
-                             add_variants, plan)
+                             add_transfers, add_variants, plan)
 
 # A cold `gen tune --model llama-2-7b` must finish within 10 minutes on the H200 (docs/performance.md,
 # "The cold tune's time"): planning and rounds one and two take ~430 s there, so later rounds get what
@@ -216,7 +216,8 @@ def unwritable_cache(folders) -> str | None:
 
 def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     from runtime.kernels import kernel_dir
-    from runtime.table import GpuKey, TunedTable, history_path_of, table_path
+    from runtime.table import (GpuKey, TunedTable, history_path_of, load_tuned_table, table_path,
+                               winners_for_arch)
     from schedules.arch import current_arch, get_arch
     from schedules.cost import GpuSpec
 
@@ -250,6 +251,10 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     spec = GpuSpec.current()
     searches = plan(pending, arch, spec, top=args.top, families=args.families, workers=args.workers)
     add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
+    if not args.axes:   # knob development (--axes) measures its own grid alone
+        transfers = add_transfers(searches, load_tuned_table(gpu), winners_for_arch(arch.name), arch, spec,
+                                  families=args.families)
+        print(f"{transfers} candidates added from the tuned winners of twins and of other shapes")
     if args.variant_changes:
         varied = add_variants(searches, table, args.variant_changes, arch, spec, families=args.families)
         print(f"{varied} variants of the current winners added (--variants {args.variants})")

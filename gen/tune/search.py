@@ -203,6 +203,27 @@ def add_incumbents(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec
     return added
 
 
+def add_transfers(searches: list[BucketSearch], table, winners, arch: Arch, gpu: GpuSpec, per_bucket: int = 2,
+                  families=None) -> int:
+    """Start each bucket from what the runtime's fallback would run there: the tuned winners of the
+    problem's twins at the same bucket (the same shape in the other dtype or zero-point setting,
+    runtime.fallback.twins) and the `per_bucket` best-estimated of `winners` (every tuned winner for
+    the arch) that fit the problem. Proven kernels cost a compile each, mostly shared across buckets,
+    so a short tune (a low --top) starts from them instead of from the cost model's guesses alone,
+    and a tune never ends slower than the untuned fallback it replaces. Returns how many were added."""
+    from runtime.fallback import ranked_transfers, twin_winners
+
+    added = 0
+    for search in searches:
+        problem, bucket = search.problem, search.bucket
+        proven = [s for s, _ in twin_winners(problem, bucket, arch, table)]
+        proven += ranked_transfers(problem, bucket, arch, gpu, winners)[:per_bucket]
+        for schedule in proven:
+            if families is None or schedule.family in families:
+                added += _add_candidate(search, schedule, arch, gpu)
+    return added
+
+
 def add_variants(searches: list[BucketSearch], table, variants: dict[str, list[dict]], arch: Arch, gpu: GpuSpec,
                  families=None) -> int:
     """Per bucket, the current table winner with each of `variants[its family]` (knob name -> value)
