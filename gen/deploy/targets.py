@@ -19,7 +19,8 @@ from gen.models import UNFUSED_HELP
 
 def add_arguments(p) -> None:
     """The flags that name the layers, the buckets and the target GPU."""
-    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json")
+    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json; "
+                   "several, comma separated, share one run (a layer shape they share is one problem)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over")
     p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")

@@ -30,14 +30,15 @@ from gen.tune.search import (DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS, achieve
 
 # A cold `gen tune --model llama-2-7b` must finish within 10 minutes on the H200 (docs/performance.md,
 # "The cold tune's time"): planning and rounds one and two take ~430 s there, so later rounds get what
-# is left of 520 s.
+# is left of 520 s. A shorter budget skips round two too where it would end past it.
 DEFAULT_TIME_BUDGET_S = 520.0
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("tune", help="tune kernels for a model's linear layers on this GPU",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json")
+    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json; "
+                   "several, comma separated, share one run (a layer shape they share is one problem)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over (--shapes are taken as given)")
     p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
@@ -53,7 +54,7 @@ def register(subparsers) -> None:
                         f"{REFINE_ROUNDS} rounds after the first, each after round two only where the winner "
                         "moved; 0 = one round only")
     p.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, metavar="SECONDS",
-                   help="a local round after the second starts only if it is expected to end within this many "
+                   help="a local round (after round one) starts only if it is expected to end within this many "
                         f"seconds of the tune's start (default {DEFAULT_TIME_BUDGET_S:.0f})")
     p.add_argument("--force", action="store_true", help="re-tune buckets that are already in the table (an "
                    "interrupted forced run of the same buckets resumes where it stopped)")
@@ -252,7 +253,9 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     searches = plan(pending, arch, spec, top=args.top, families=args.families, workers=args.workers)
     add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
     if not args.axes:   # knob development (--axes) measures its own grid alone
-        transfers = add_transfers(searches, load_tuned_table(gpu), winners_for_arch(arch.name), arch, spec,
+        # buckets tuned before have their winner measured again instead (add_incumbents)
+        fresh = [s for s in searches if table.entry(s.problem, s.bucket) is None]
+        transfers = add_transfers(fresh, load_tuned_table(gpu), winners_for_arch(arch.name), arch, spec,
                                   families=args.families)
         print(f"{transfers} candidates added from the tuned winners of twins and of other shapes")
     if args.variant_changes:
@@ -279,9 +282,11 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
 
     labels = {t.problem: t.label for t in targets}
     try:
+        round_started = time.monotonic()
         compile_and_measure_with_progress(searches, arch, args.workers, labels, on_bucket=record,
                                           between=args.between)
-        local_rounds(searches, args, arch, spec, labels, started, record, finished)
+        first_round = (sum(len(s.results) for s in searches), time.monotonic() - round_started)
+        local_rounds(searches, args, arch, spec, labels, started, record, finished, first_round)
         finished(searches)
     except MeasureError as exc:
         print(f"gen tune: {exc}", file=sys.stderr)

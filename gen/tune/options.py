@@ -34,16 +34,20 @@ def targets_from_args(args) -> list[Target]:
     from gen.models import model_layers, parse_shapes
 
     if not args.model and not args.shapes:
-        raise ValueError("name the layers: --model NAME|PATH/config.json and/or --shapes KxN,...")
-    layers = (model_layers(args.model, tp=args.tp, fused=not args.unfused) if args.model else []) + \
-        (parse_shapes(args.shapes) if args.shapes else [])
+        raise ValueError("name the layers: --model NAME|PATH/config.json[,...] and/or --shapes KxN,...")
+    models = [name.strip() for name in (args.model or "").split(",") if name.strip()]
+    named = []      # (layer name, layer); with several models each name says its model
+    for model in models:
+        prefix = f"{model}:" if len(models) > 1 else ""
+        named += [(prefix + layer.name, layer) for layer in model_layers(model, tp=args.tp, fused=not args.unfused)]
+    named += [(layer.name, layer) for layer in (parse_shapes(args.shapes) if args.shapes else [])]
     targets: dict[Problem, Target] = {}
-    for layer in layers:
+    for name, layer in named:
         try:
             problem = problem_of(layer.n, layer.k, args.group, args.dtype, zero_points=args.zero_points)
         except ValueError as exc:
-            raise ValueError(f"layer {layer.name} ({layer.shape}): {exc}") from None
-        targets.setdefault(problem, Target(problem, [])).layers.append(layer.name)
+            raise ValueError(f"layer {name} ({layer.shape}): {exc}") from None
+        targets.setdefault(problem, Target(problem, [])).layers.append(name)
     return list(targets.values())
 
 

@@ -82,14 +82,17 @@ def expected_round_s(past: list[tuple[int, float]], added: int) -> float:
     return fixed + (took - fixed) * added / n
 
 
-def local_rounds(searches, args, arch, spec, labels: dict, started: float, record, finished) -> None:
+def local_rounds(searches, args, arch, spec, labels: dict, started: float, record, finished,
+                 first_round: tuple[int, float]) -> None:
     """Rounds two and on (--refine places per bucket): the neighbours of what measured fastest, the
     winners of the buckets beside and of the other layers at the same M (add_refinements);
-    round two for every bucket, each later one only where the round before moved the winner, and only
-    if it is expected to end within --time-budget of `started` (expected_round_s, from the rounds
-    before it). record(search) saves a measured bucket; finished(searches) marks buckets done."""
+    round two for every bucket, each later one only where the round before moved the winner, each
+    only if it is expected to end within --time-budget of `started` (expected_round_s, from the
+    rounds before it, round one's (candidates, seconds) `first_round` among them), so that a tune
+    fits the time it is given. record(search) saves a measured bucket; finished(searches) marks
+    buckets done."""
     active = list(searches) if args.refine else []
-    past = []       # (candidates, seconds) of the rounds run
+    past = [first_round]       # (candidates, seconds) of the rounds run
     for round_no in range(2, 2 + REFINE_ROUNDS):
         if not active:
             return
@@ -97,7 +100,7 @@ def local_rounds(searches, args, arch, spec, labels: dict, started: float, recor
         had = {id(s): len(s.results) for s in active}
         before = {id(s): s.winner() for s in active}
         added = add_refinements(searches, arch, spec, per_bucket=args.refine, only=active)
-        if round_no > 2 and added:
+        if added:
             expected = expected_round_s(past, added)
             if round_started - started + expected > args.time_budget:
                 for s in active:
