@@ -305,6 +305,20 @@ def test_logit_agreement_measures_the_gap_a_flip_happened_in():
 
 
 @torch.no_grad()
+def test_a_step_runs_through_a_compiled_model(tiny_model):
+    """--compile hands the steps torch.compile's module (dynamo's eager backend here: the plumbing, not
+    the compiler), which has no truth value of its own."""
+    compiled = torch.compile(tiny_model, backend="eager")
+    step = steps.decode_step(tiny_model, batch=2, context=16, forward=compiled)
+    step.tokens.copy_(torch.tensor([[1], [2]]))
+    step()
+    plain = steps.decode_step(tiny_model, batch=2, context=16)
+    plain.tokens.copy_(torch.tensor([[1], [2]]))
+    plain()
+    assert torch.equal(step.next_tokens, plain.next_tokens)
+
+
+@torch.no_grad()
 def test_a_step_run_again_writes_the_same_positions(tiny_model):
     step = steps.decode_step(tiny_model, batch=3, context=16)
     step.tokens.copy_(torch.tensor([[1], [2], [3]]))

@@ -264,15 +264,17 @@ def _point_text(point: dict) -> str:
 
 
 def _compiled(model):
-    """torch.compile of `model` with room for a graph per shape the run uses (one per batch and
-    context, and per prefill length), over dynamo's default recompile limit."""
+    """torch.compile of `model`, shapes made dynamic once a second one comes (dynamo's default): on
+    a 2-layer Llama the run's 8 decode points and 3 prefills took 10 graphs, against 22 with a graph
+    per shape (dynamic=False), each a cold compile of the whole model; the recompile limit is raised
+    to hold them."""
     import torch
     import torch._dynamo
 
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 64))
-    return torch.compile(model, dynamic=False)
+    return torch.compile(model)
 
 
 def _build(variant: str, config, opts: Options):

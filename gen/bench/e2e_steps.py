@@ -81,7 +81,7 @@ class CachedForward:
 
     def __init__(self, model, cache, batch: int, q: int, length: int, forward=None, keep_logits: bool = False):
         device = model.device
-        self.model, self.forward, self.cache = model, forward or model, cache
+        self.model, self.forward, self.cache = model, model if forward is None else forward, cache
         self.tokens = torch.zeros(batch, q, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.offsets = torch.arange(q, device=device)
