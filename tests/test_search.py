@@ -184,6 +184,13 @@ def test_a_tune_starts_from_the_twins_winners_and_the_best_estimated_transfers()
     assert all(best_estimated[b] in after[b] for b in (1, 64))
     assert added == sum(len(after[b]) - len(before[b]) for b in (1, 64)) > 0
     assert s.add_transfers(searches, table, winners, H200, _spec(), per_bucket=1) == 0   # never twice
+    # the problem's own winner in that table (the shipped one, for a tune into a cache of its own)
+    shipped = TunedTable()
+    own_winner = twin_winner
+    shipped.record(bf16, 64, own_winner, 9.0)
+    fresh = s.plan([(bf16, 64)], H200, _spec(), top=1)
+    s.add_transfers(fresh, shipped, [], H200, _spec())
+    assert own_winner in [r.schedule for r in fresh[0].results]
     assert s.add_transfers(s.plan([(bf16, 1)], H200, _spec(), top=1), table, winners, H200, _spec(),
                            families=["marlin_mma"]) == 0                                # not searched
 
