@@ -56,19 +56,14 @@ def twin_winners(problem: Problem, bucket: int, arch: Arch, table) -> list[tuple
     return found
 
 
-def twin_winner(problem: Problem, bucket: int, arch: Arch, table) -> tuple[Schedule, Problem] | None:
-    """(the tuned winner of the nearest twin at `bucket` that can run `problem`, that twin), or None."""
-    found = twin_winners(problem, bucket, arch, table)
-    return found[0] if found else None
-
-
 def fallback_schedule(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners,
                       table=None) -> tuple[Schedule, str]:
     """(schedule, how it was chosen) for an untuned (problem, bucket); `table` (a TunedTable) offers
     the twins' entries."""
-    found = twin_winner(problem, bucket, arch, table) if table is not None else None
-    if found is not None:
-        return found[0], f"the tuned winner of {found[1].name} at this bucket"
+    found = twin_winners(problem, bucket, arch, table) if table is not None else []
+    if found:
+        schedule, twin = found[0]
+        return schedule, f"the tuned winner of {twin.name} at this bucket"
     schedule = transferred(problem, bucket, arch, gpu, winners)
     if schedule is not None:
         return schedule, f"the best-estimated of {len(set(winners))} tuned winners"

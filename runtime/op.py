@@ -7,8 +7,8 @@ only the output (and a split-K workspace the first time a size is seen on a stre
 one kernel on the current stream.
 
 Dispatch: M = x.numel() // K picks an M bucket; the tuned table of this GPU names the schedule for
-(problem, bucket), else its twin's winner or the best of the tuned winners that fit the problem (runtime/fallback.py; one
-warning per problem says how to tune it). The choice and its compiled kernel are cached per (device,
+(problem, bucket), else its twin's winner or the best of the tuned winners that fit the problem
+(runtime/fallback.py; one warning per problem says how to tune it). The choice and its compiled kernel are cached per (device,
 problem, layout, bucket), so after the first call of a bucket a call costs dictionary lookups; a
 kernel is loaded from the store (or compiled) at most once per process, under a lock of its own, so
 that threads running other shapes never wait for it.
@@ -224,8 +224,8 @@ def _checked_kernel(problem: Problem, schedule: Schedule, bucket: int, device: t
 
 def schedule_for(problem: Problem, m: int, device=None, layout: str = DEFAULT_LAYOUT) -> Schedule:
     """The schedule the op runs for `problem` at M = m on `device`: the tuned table's, else its twin's
-    winner or the best of the tuned winners that fit (runtime/fallback.py), warning once per problem. Its family must
-    use `layout`."""
+    winner or the best of the tuned winners that fit (runtime/fallback.py), warning once per problem.
+    Its family must use `layout`."""
     device = _cuda_device(device)
     # The bucket's upper edge, as the tuner measures it: one choice per bucket.
     schedule, how = dispatch_for(device).choose(problem, bucket_of(m), layout)

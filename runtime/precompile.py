@@ -2,10 +2,10 @@
 parallel before the first call.
 
 The op (runtime/op.py) runs one kernel per (problem, M bucket): the tuned table's entry for this GPU,
-else the fallback's pick (runtime/fallback.py: its twin's winner, or one of the arch's tuned winners). `Dispatch.choose` is
-that choice as a function of its inputs alone, and the op's `schedule_for` makes it through the same
-function, so `plan` (problems x buckets -> the (problem, schedule) pairs to build) names exactly the
-kernels the op will load. Only a kernel that fails its first-run check is replaced by one the plan
+else the fallback's pick (runtime/fallback.py: its twin's winner, or one of the arch's tuned
+winners). `Dispatch.choose` is that choice as a function of its inputs alone, and the op's
+`schedule_for` makes it through the same function, so `plan` (problems x buckets -> the (problem,
+schedule) pairs to build) names exactly the kernels the op will load. Only a kernel that fails its first-run check is replaced by one the plan
 could not foresee (runtime/selfcheck.py).
 
 Converting a model (`replace_linear`) and constructing a `QuantLinear` on a GPU call
@@ -48,7 +48,8 @@ class Dispatch:
 
         schedule, how = self.table.lookup(problem, bucket), None
         if schedule is None:
-            schedule, how = fallback.fallback_schedule(problem, bucket, self.arch, self.gpu, self.winners, self.table)
+            schedule, how = fallback.fallback_schedule(problem, bucket, self.arch, self.gpu, self.winners,
+                                                       self.table)
         if schedule.module.LAYOUT != layout:
             raise ValueError(f"{schedule.name} reads weights in layout {schedule.module.LAYOUT}, but these are "
                              f"packed in {layout}; repack the layer for it")

@@ -28,7 +28,8 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--family", required=True, help="schedule family, e.g. stream_mma")
     p.add_argument("--knobs", default="", help='the grid: "name=v1,v2 name=v3 ..." (unnamed knobs keep their defaults)')
-    p.add_argument("--model", help="a registered model or a path to a Hugging Face config.json (several: comma separated)")
+    p.add_argument("--model", help="a registered model or a path to a Hugging Face config.json "
+                   "(several: comma separated)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over")
     p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
     p.add_argument("--shapes", help="KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
