@@ -3,7 +3,7 @@
 The tuner checks every candidate before timing it, but a served kernel may have been built elsewhere
 (a shipped table's choice, rebuilt by another CUDA toolkit) or chosen without a tune (the fallback).
 So the first time a kernel runs on a GPU model with this torch and CUDA, the op runs it once on seeded
-random weights and activations at its bucket's M and compares with schedules.quant.reference_matmul,
+random weights and activations at its bucket's M and compares with schedules.quant.problem_reference,
 before it serves any request. The check costs one kernel call, one dequantization, one fp32 matmul,
 and the drawing and packing of its inputs, all on the GPU. A passing kernel gets a stamp in its
 store folder (`verified/<gpu and versions>`), so later processes skip the check; in a read-only store
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from schedules.problem import Problem
-from schedules.quant import mismatch, reference_matmul, torch_dtype
+from schedules.quant import kernel_activations, mismatch, problem_reference, torch_dtype
 from schedules.registry import Schedule
 
 from .workspace import split_k_workspace
@@ -65,5 +65,6 @@ def run_check(kernel, problem: Problem, schedule: Schedule, m: int, device: torc
     out = torch.full((m, problem.n), float("nan"), dtype=dtype, device=device)
     fp32_elems, counters = fam.workspace_elems(problem, knobs, m)
     partials, tile_counters = split_k_workspace(device, fp32_elems, counters) if fp32_elems or counters else (None, None)
-    kernel(*fam.kernel_args(problem, knobs, a, qweight, packed_scales, out, partials, tile_counters))
-    return mismatch(out, reference_matmul(a, codes, scales, problem.bits, zeros), problem.dtype)
+    kernel(*fam.kernel_args(problem, knobs, kernel_activations(problem, a), qweight, packed_scales, out, partials,
+                            tile_counters))
+    return mismatch(out, problem_reference(problem, a, codes, scales, zeros), problem.dtype)

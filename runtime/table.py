@@ -174,10 +174,14 @@ def _timings(value) -> list[dict]:
 
 
 def _problem_dict(p: Problem) -> dict:
-    """The problem's fields as a table entry keeps them; zero_points only where set, so that the
-    symmetric entries read as they always have."""
+    """The problem's fields as a table entry keeps them; zero_points and act only where they are not
+    the default, so that the symmetric W4A16 entries read as they always have."""
     fields = {"n": p.n, "k": p.k, "group": p.group, "dtype": p.dtype, "bits": p.bits}
-    return {**fields, "zero_points": True} if p.zero_points else fields
+    if p.zero_points:
+        fields["zero_points"] = True
+    if p.act != "dtype":
+        fields["act"] = p.act
+    return fields
 
 
 def knobs_reason(schedule: Schedule, problem: Problem, arch_name: str) -> str | None:

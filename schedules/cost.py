@@ -132,8 +132,9 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     k_tiles = -(-problem.k // (bk * split))
     k_block = k_tiles * bk
     weight_tile = bk * bn * problem.bits / 8 + (0 if problem.channelwise else bn * 2 * bk / problem.group)
-    act_tile = bm * bk * 2
-    act_bytes = m * problem.k * 2
+    act_size = 1 if problem.fp8 else 2         # bytes per activation
+    act_tile = bm * bk * act_size
+    act_bytes = m * problem.k * act_size
     from_hbm = problem.weight_bytes() + act_bytes * (1 if act_bytes <= gpu.l2_bytes // 2 else n_tiles)
     to_sms = per_wave * k_tiles * (weight_tile + act_tile)          # per wave
     in_flight = per_wave * (stages - 1) * (weight_tile + act_tile)
@@ -143,6 +144,8 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
 
     busy = active_sms / gpu.sm_count * min(1.0, warps_per_sm / traits.warps_to_fill_sm) / crowding
     mma_rate = (gpu.wgmma_flops if traits.wgmma else gpu.mma_flops) * traits.mma_efficiency
+    if problem.fp8:
+        mma_rate *= 2        # FP8 tensor cores: twice the 16-bit rate (H100 / H200 datasheets)
     mma_s = per_wave * 2 * bm * bn * k_block / (mma_rate * busy)
     if getattr(kb, "fold_zero_point", False):
         # Raw codes into the MMA: 5 of the decode's 9 instructions per word, and per batch of

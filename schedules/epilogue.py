@@ -391,3 +391,24 @@ def w4a16_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str,
                        S: T.Tensor((scale_rows, n), dtype), C: T.Tensor((m, n), dtype)):
             body(A, B, S, C, None, None)
     return w4a16_gemm
+
+
+def w4a8_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str, workspace: bool, slots: int = 1):
+    """w4a16_prim_func's signature with FP8 activations: A [m, K] float8_e4m3fn (in the FP8 k order of
+    schedules/marlin_mma/layout.fp8_k_order) and their token scales TS [m, 1] fp32 first, then as
+    there; `dtype` is the scales' and the output's. `body` also takes TS, as its last argument."""
+    fp8 = "float8_e4m3fn"
+    if workspace:
+        @T.prim_func
+        def w4a8_gemm(A: T.Tensor((m, k), fp8), TS: T.Tensor((m, 1), "float32"),
+                      B: T.Tensor((k // 16, 2 * n), "int32"), S: T.Tensor((scale_rows, n), dtype),
+                      C: T.Tensor((m, n), dtype), ws: T.Tensor((slots * m, n), "float32"),
+                      counters: T.Tensor((tiles,), "int32")):
+            body(A, B, S, C, ws, counters, TS)
+    else:
+        @T.prim_func
+        def w4a8_gemm(A: T.Tensor((m, k), fp8), TS: T.Tensor((m, 1), "float32"),
+                      B: T.Tensor((k // 16, 2 * n), "int32"), S: T.Tensor((scale_rows, n), dtype),
+                      C: T.Tensor((m, n), dtype)):
+            body(A, B, S, C, None, None, TS)
+    return w4a8_gemm

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 SUPPORTED_BITS = (4,)
+# What the GEMM's activation operand is: the problem's dtype itself (W4A16), or FP8 e4m3 with a scale
+# per token (W4A8: schedules/fp8_activations.py quantizes them first).
+SUPPORTED_ACTS = ("dtype", "fp8")
 
 
 @dataclass(frozen=True)
@@ -13,8 +16,10 @@ class Problem:
 
     ``group == K`` is channelwise quantization (one scale per output column). With `zero_points`
     each group and column has its own zero point z, w = s * (q - z), instead of 8; the kernels take
-    it as a pre-scaled offset beside the scale (schedules/marlin_mma/layout.py). M is not part of
-    the problem: every compiled kernel serves any M.
+    it as a pre-scaled offset beside the scale (schedules/marlin_mma/layout.py). With ``act="fp8"``
+    the kernel multiplies FP8 e4m3 activations (a scale per token, in layout.fp8_k_order) by the
+    same packed weights on FP8 tensor cores, and `dtype` is the type of the layer's input, scales and
+    output. M is not part of the problem: every compiled kernel serves any M.
     """
 
     n: int
@@ -23,6 +28,7 @@ class Problem:
     dtype: str = "float16"
     bits: int = 4
     zero_points: bool = False
+    act: str = "dtype"
 
     def __post_init__(self):
         if self.dtype not in SUPPORTED_DTYPES:
@@ -35,16 +41,26 @@ class Problem:
             raise ValueError(f"zero_points must be True or False, got {self.zero_points!r}")
         if self.group <= 0 or self.k % self.group:
             raise ValueError(f"K={self.k} is not a multiple of the group size {self.group}")
+        if self.act not in SUPPORTED_ACTS:
+            raise ValueError(f"activations {self.act!r} are not supported; use one of {SUPPORTED_ACTS}")
+        if self.act == "fp8" and self.zero_points:
+            raise ValueError("FP8 activations with zero points are not supported: W4A8 takes symmetric weights")
 
     @classmethod
     def make(cls, n: int, k: int, group: int = 128, dtype: str = "float16", bits: int = 4,
-             zero_points: bool = False) -> "Problem":
+             zero_points: bool = False, act: str = "dtype") -> "Problem":
         """Build a problem; ``group=-1`` means channelwise (one group spanning K)."""
-        return cls(n=n, k=k, group=k if group == -1 else group, dtype=dtype, bits=bits, zero_points=zero_points)
+        return cls(n=n, k=k, group=k if group == -1 else group, dtype=dtype, bits=bits, zero_points=zero_points,
+                   act=act)
 
     @property
     def channelwise(self) -> bool:
         return self.group == self.k
+
+    @property
+    def fp8(self) -> bool:
+        """W4A8: FP8 e4m3 activations."""
+        return self.act == "fp8"
 
     @property
     def num_groups(self) -> int:
@@ -53,7 +69,8 @@ class Problem:
     @property
     def name(self) -> str:
         g = "cw" if self.channelwise else f"g{self.group}"
-        return f"n{self.n}_k{self.k}_{g}_{self.dtype}_w{self.bits}" + ("_zp" if self.zero_points else "")
+        return f"n{self.n}_k{self.k}_{g}_{self.dtype}_w{self.bits}" + ("_zp" if self.zero_points else "") + \
+            ("_a8" if self.fp8 else "")
 
     @property
     def scale_rows(self) -> int:

@@ -124,6 +124,31 @@ def reference_w4a8(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, b
     return (a8.float() * token_scales) @ dequantize(codes, scales, bits, zeros).float()
 
 
+def fp8_kernel_activations(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a W4A8 kernel takes for activations `a` [M, K]: their per-token FP8 values with the
+    columns in the FP8 k order (schedules/marlin_mma/layout.fp8_k_order) and the token scales,
+    computed by torch (schedules/fp8_activations.py is the kernel that serves them)."""
+    from .marlin_mma.layout import fp8_k_order
+
+    a8, token_scales = quantize_fp8_per_token(a)
+    return a8[:, fp8_k_order(a.shape[-1]).to(a.device)].contiguous(), token_scales
+
+
+def problem_reference(problem, a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                      zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 product a kernel of `problem` must match: W4A16's reference_matmul, or with FP8
+    activations reference_w4a8."""
+    if problem.fp8:
+        return reference_w4a8(a, codes.to(a.device), scales.to(a.device), problem.bits)
+    return reference_matmul(a, codes, scales, problem.bits, zeros)
+
+
+def kernel_activations(problem, a: torch.Tensor):
+    """The activations argument of the kernels' kernel_args for `problem`: `a` itself, or with FP8
+    activations the pair fp8_kernel_activations gives."""
+    return fp8_kernel_activations(a) if problem.fp8 else a
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref||, in fp32; NaN or Inf anywhere in `out` gives inf."""
     out = out.float()

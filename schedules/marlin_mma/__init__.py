@@ -81,15 +81,27 @@ def workspace_elems(problem: Problem, knobs: Knobs, m: int) -> tuple[int, int]:
 
 def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspace=None, counters=None) -> tuple:
     """The kernel's positional arguments, in the order build() declares them, after checking every
-    tensor: a wrong dtype, shape or device is an error that names the tensor, never a wrong answer."""
+    tensor: a wrong dtype, shape or device is an error that names the tensor, never a wrong answer.
+    With FP8 activations (problem.fp8) `a` is the pair (float8_e4m3fn [M, K] in the FP8 k order,
+    token scales fp32 [M, 1]) that schedules.quant.fp8_kernel_activations makes."""
     dtype = torch_dtype(problem.dtype)
-    _expect("activations", a, dtype, (None, problem.k))
+    token_scales = None
+    if problem.fp8:
+        if not (isinstance(a, (tuple, list)) and len(a) == 2):
+            raise TypeError("FP8 activations are the pair (float8_e4m3fn values [M, K], fp32 token scales [M, 1])")
+        a, token_scales = a
+        _expect("FP8 activations", a, torch.float8_e4m3fn, (None, problem.k))
+        _expect("token scales", token_scales, torch.float32, (a.shape[0], 1))
+    else:
+        _expect("activations", a, dtype, (None, problem.k))
     m = a.shape[0]
     weight_shape, scales_shape = layout.packed_shapes(problem.k, problem.n, problem.scale_rows)
     _expect("packed weight", weight, torch.int32, weight_shape)
     _expect("scales", scales, dtype, scales_shape)
     _expect("output", out, dtype, (m, problem.n))
     tensors = {"activations": a, "packed weight": weight, "scales": scales, "output": out}
+    if token_scales is not None:
+        tensors["token scales"] = token_scales
     if knobs.uses_workspace:
         ws_elems, n_counters = workspace_elems(problem, knobs, m)
         _expect("split-K workspace", workspace, torch.float32, None, min_elems=ws_elems)
@@ -100,9 +112,10 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
             raise ValueError(f"{what} is on {t.device}; tilemarlin kernels need CUDA tensors")
         if t.device != a.device:
             raise ValueError(f"{what} is on {t.device} but the activations are on {a.device}")
+    head = (a,) if token_scales is None else (a, token_scales)
     if not knobs.uses_workspace:
-        return a, weight, scales, out
-    return a, weight, scales, out, workspace[:ws_elems].view(-1, problem.n), counters
+        return (*head, weight, scales, out)
+    return (*head, weight, scales, out, workspace[:ws_elems].view(-1, problem.n), counters)
 
 
 def _expect(what, t, dtype, shape, min_elems=0) -> None:

@@ -100,6 +100,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
         return f"{kb.threads} threads exceed the 1024 a block may have"
     if problem.zero_points:
         return "marlin_mma decodes the zero point 8 only; stream_mma and stream_wgmma decode others"
+    if problem.fp8:
+        return "FP8 activations run on stream_wgmma only (FP8 wgmma, sm_90a)"
     reason = tiling_reason(problem, kb.block_n, kb.block_k, "one scale row per tile")
     if reason:
         return reason

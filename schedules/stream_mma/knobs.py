@@ -158,6 +158,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
             return f"{field}={getattr(kb, field)} must be positive"
     if kb.threads > 1024:
         return f"{kb.threads} threads exceed the 1024 a block may have"
+    if problem.fp8:
+        return "FP8 activations run on stream_wgmma only (FP8 wgmma, sm_90a)"
     if problem.n % kb.block_n:
         return f"N={problem.n} is not a multiple of block_n={kb.block_n} (one slab)"
     batch_rows = TILE_K * kb.unroll

@@ -13,6 +13,9 @@ Why it looks the way it does:
   k-tile's fp32 sums as they join the running sums (fold_k_tile): one FFMA per sum and k-tile instead
   of four HMUL2 per word (docs/performance.md, scale_on_acc). Channelwise scales multiply the final
   sums (plan.output_value).
+- FP8 activations (W4A8): a 32-deep wgmma's A fragment is two words' decodes (tm_decode_e4m3_a_u4:
+  the codes - 8 as e4m3, exact, unscaled), k 0-15 from word 2u and 16-31 from word 2u + 1; group
+  scales always go on the sums (knobs.fp8_reason), the token scales on the final sums (store.py).
 - Zero points: the offsets o = s * (8 - z) come with the scales (a second row of the stage's scale
   box) and the decode fuses them, w = (q - 8) * s + o: four HFMA2 per word where the symmetric
   decode has four HMUL2, so asymmetric weights cost only the offsets' bytes (3 % more at group 128).
@@ -28,7 +31,7 @@ def read_w(plan, mem, tile, wg, wq, lane, sb):
     sc[sb])."""
     g, stages, W_s, S_s, w, sc = plan.g, plan.stages, mem.W_s, mem.S_s, mem.w, mem.sc
     word = (wg * g + wq * g // 4) * 128 + lane * 4 + slab_quarter(wq, lane, 0, g, plan.kb.rotate)
-    for u in T.unroll(plan.steps):
+    for u in T.unroll(plan.word_rows):
         for v in T.vectorized(g):
             w[u * g + v] = W_s[tile % stages, u, word + v]
     if plan.grouped:
@@ -44,7 +47,12 @@ def decode_step(plan, mem, abuf, u):
     """Decode k-step u of the words into its fragment slot of A buffer `abuf`."""
     g, a_len, w, sc, a = plan.g, plan.a_len, mem.w, mem.sc, mem.a
     for i in T.unroll(g):
-        if plan.zp:
+        if plan.fp8:
+            # The k32 fragment's first two registers from word 2u (k 0-15), the last two from 2u + 1.
+            for h in T.unroll(2):
+                T.call_extern("handle", plan.decode, T.access_ptr(w[(2 * u + h) * g + i], "r"),
+                              T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8 + 4 * h], "w"))
+        elif plan.zp:
             T.call_extern("handle", plan.decode_offset, T.access_ptr(w[u * g + i], "r"),
                           T.access_ptr(sc[2 * i], "r"), T.access_ptr(sc[plan.per_s + 2 * i], "r"),
                           T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8], "w"))

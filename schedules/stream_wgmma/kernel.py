@@ -28,7 +28,7 @@ from tilelang.layout import make_swizzled_layout
 
 from templates import render_dequant
 
-from ..epilogue import CLUSTER_HELPERS, EARLY_START_HELPERS, w4a16_prim_func
+from ..epilogue import CLUSTER_HELPERS, EARLY_START_HELPERS, w4a8_prim_func, w4a16_prim_func
 from ..problem import Problem
 from .decode import zero_sums
 from .knobs import PRODUCER_REGISTERS, WARPGROUP, Knobs
@@ -48,15 +48,15 @@ def device_code(plan: Plan) -> str:
 
 
 @T.macro
-def buffers(plan, A, B, S, C, ws, counters):
+def buffers(plan, A, B, S, C, ws, counters, TS):
     """The block's shared stages, barriers and per-thread registers."""
     stages, bm, bn, dtype = plan.stages, plan.bm, plan.bn, plan.dtype
     x_shape = (stages, bm, plan.bk) if plan.atoms == 1 else (stages, plan.atoms, bm, 64)
-    X_s = T.alloc_shared(x_shape, dtype)
+    X_s = T.alloc_shared(x_shape, plan.x_dtype)
     T.annotate_layout({X_s: make_swizzled_layout(X_s)})
     full = T.alloc_barrier([1 if plan.release else plan.threads] * stages)
     empty = T.alloc_barrier([plan.consumers] * stages) if plan.release else None
-    W_s = T.alloc_shared((stages, plan.steps, 2 * bn), "int32")
+    W_s = T.alloc_shared((stages, plan.word_rows, 2 * bn), "int32")
     S_s = T.alloc_shared((stages, plan.scale_rows, bn), dtype)
     w = T.alloc_local((plan.per_w,), "int32")
     sc = T.alloc_local((plan.per_s * (2 if plan.sacc or plan.zp else 1),), dtype)
@@ -65,8 +65,8 @@ def buffers(plan, A, B, S, C, ws, counters):
     desc = T.alloc_wgmma_desc()
     if plan.kb.staged_store:
         Y_s = T.alloc_shared((bm, bn + 8), dtype)     # 16 bytes of padding per row: see store.acc_to_global_staged
-        return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s)
-    return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, None)
+        return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s, TS)
+    return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, None, TS)
 
 
 @T.macro
@@ -103,14 +103,14 @@ def pipeline_setmaxnreg(plan, mem, by, bx, tx, wg, wq, lane):
         for i in T.unroll(plan.acc_len):
             acc[i] = T.float32(0)
         consume(plan, mem, 0, by, bx, tx, wg, wq, lane, plan.trips)
-        finish_sums(plan, mem)
+        finish_sums(plan, mem, by, lane)
         store_sums(plan, mem, by, bx, tx, wg, wq, lane)
 
 
 @T.macro
-def body(plan, A, B, S, C, ws, counters):
+def body(plan, A, B, S, C, ws, counters, TS=None):
     """One block: its output tile (by, bx) and split bz, the split's k-tiles from k0, the pipeline, and
-    the epilogue of its form."""
+    the epilogue of its form (TS: W4A8's token scales)."""
     kb, m, bm, trips, extra, short = plan.kb, plan.m, plan.bm, plan.trips, plan.extra, plan.short
     producer = plan.producer
     # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
@@ -133,7 +133,7 @@ def body(plan, A, B, S, C, ws, counters):
         if kb.early_start:
             start_early(plan, B, S, bx, k0)
         plan.wait_prior()
-        mem = buffers(plan, A, B, S, C, ws, counters)
+        mem = buffers(plan, A, B, S, C, ws, counters, TS)
 
         tx = T.get_thread_binding()
         wg = tx // WARPGROUP        # along N
@@ -156,9 +156,9 @@ def body(plan, A, B, S, C, ws, counters):
         if not kb.setmaxnreg:
             if producer:
                 if not plan.in_producer_warp():      # wgmma's warpgroup instructions, not for the producer warp
-                    finish_sums(plan, mem)
+                    finish_sums(plan, mem, by, lane)
             else:
-                finish_sums(plan, mem)
+                finish_sums(plan, mem, by, lane)
 
         if kb.split_k > 1:
             C_s = T.alloc_shared((bm, plan.bn), "float32")
@@ -190,8 +190,10 @@ def build(problem: Problem, knobs: Knobs):
     Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N] (with zero
     points [2K/group, N], each group's offset row after its scale row), C [M, N];
     with split_k > 1 through the workspace also a zeroed fp32 workspace and int32 tile counters.
+    With FP8 activations (epilogue.w4a8_prim_func) A is float8_e4m3fn in layout.fp8_k_order and
+    their token scales [M, 1] fp32 come after it.
     """
     plan = Plan(problem, knobs)
-    return w4a16_prim_func(functools.partial(body, plan), plan.m, plan.tiles, problem.n, problem.k,
-                           problem.scale_rows, problem.dtype, workspace=knobs.uses_workspace,
-                           slots=knobs.workspace_slots)
+    make = w4a8_prim_func if problem.fp8 else w4a16_prim_func
+    return make(functools.partial(body, plan), plan.m, plan.tiles, problem.n, problem.k, problem.scale_rows,
+                problem.dtype, workspace=knobs.uses_workspace, slots=knobs.workspace_slots)

@@ -164,8 +164,12 @@ class Knobs:
         split_wait the last ones)."""
         return self.k_tiles(problem) % self.split_k
 
+    def mma_steps(self, problem: Problem) -> int:
+        """wgmma k-steps per stage: 16 deep, or 32 with FP8 activations (whose words then pair up)."""
+        return self.block_k // (2 * TILE_K if problem.fp8 else TILE_K)
+
     def shared_bytes(self, problem: Problem) -> int:
-        x = self.stages * self.block_m * self.block_k * 2
+        x = self.stages * self.block_m * self.block_k * (1 if problem.fp8 else 2)
         # a stage's packed words and its scale row (with zero points, the offset row too)
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2 * (2 if problem.zero_points else 1))
         c = self.block_m * self.block_n * 4 if self.split_k > 1 else 0
@@ -173,10 +177,12 @@ class Knobs:
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
         return x + w + c + y + 64
 
-    def registers_estimate(self) -> int:
+    def registers_estimate(self, problem: Problem | None = None) -> int:
         # the total and one (scale_on_acc) or two (fold_lag) sets of k-tile sums
         acc = self.groups * self.block_m // 2 * (3 if self.fold_lag else 2 if self.scale_on_acc else 1)
-        a = self.k_steps * self.groups * 4 * 2      # two fragment buffers: decode under the wgmmas
+        # two fragment buffers (decode under the wgmmas) of 4 registers per wgmma k-step and group
+        steps = self.k_steps if problem is None else self.mma_steps(problem)
+        a = steps * self.groups * 4 * 2
         raw = self.k_steps * self.groups + self.groups
         return acc + a + raw + 40
 
@@ -203,6 +209,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.block_k not in (64, 128):
         return (f"block_k={kb.block_k}: TMA fills the stages in 64-wide swizzled tiles (block_k=64, or 128 as two "
                 "of them)")
+    reason = fp8_reason(problem, kb)
+    if reason:
+        return reason
     if kb.producer_warp and not kb.release_barriers:
         return "producer_warp refills the stages that the consumers release: it needs release_barriers"
     if kb.setmaxnreg and not (kb.producer_warp and kb.warpgroups == 2 and kb.split_k == 1):
@@ -255,7 +264,7 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
                 "(the first ones a k-tile longer) need the producer warp")
     if kb.k_tiles(problem) // kb.split_k < kb.stages:
         return f"each split has fewer k-tiles than stages={kb.stages}"
-    regs = kb.registers_estimate()
+    regs = kb.registers_estimate(problem)
     if regs > kb.max_registers + 1:     # ptxas fitted estimates up to 255 without spilling
         return f"about {regs} registers per thread would spill ({kb.max_registers} for {kb.threads} threads)"
     if kb.producer_warp and regs > kb.max_registers - 20:
@@ -265,6 +274,20 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
                 "in flight")
     if kb.shared_bytes(problem) > arch.max_shared_bytes:
         return f"needs {kb.shared_bytes(problem)} B of shared memory, {arch.name} allows {arch.max_shared_bytes} B"
+    return None
+
+
+def fp8_reason(problem: Problem, kb: Knobs) -> str | None:
+    """Why the knobs cannot take FP8 activations (W4A8), or None: an FP8 k-tile of 128 is one 128-byte
+    swizzle atom, and e4m3 weights hold the codes - 8 exactly but no scale."""
+    if not problem.fp8:
+        return None
+    if kb.block_k != 128:
+        return f"block_k={kb.block_k}: with FP8 activations a k-tile is one 128-byte swizzle atom, block_k=128"
+    if not problem.channelwise and not kb.scale_on_acc:
+        return "FP8 weights are the codes - 8 unscaled: group scales go on the sums, so FP8 needs scale_on_acc"
+    if kb.ring:
+        return "ring decodes one 16-deep k-step per slot; FP8 wgmmas are 32 deep: ring=0"
     return None
 
 
@@ -289,6 +312,8 @@ RULES = (
     Rule(("block_k", "ring"), lambda p, block_k, ring: ring == 0 or ring >= 2 and block_k // TILE_K % ring == 0),
     Rule(("setmaxnreg", "ring", "scale_on_acc"), lambda p, setmaxnreg, ring, scale_on_acc:
          not scale_on_acc or not (p.channelwise or p.zero_points or ring or setmaxnreg)),
+    Rule(("block_k", "ring", "scale_on_acc"), lambda p, block_k, ring, scale_on_acc:
+         not p.fp8 or block_k == 128 and ring == 0 and (scale_on_acc or p.channelwise)),
     Rule(("scale_on_acc", "fold_lag"), lambda p, scale_on_acc, fold_lag: scale_on_acc or not fold_lag),
     Rule(("groups", "rotate"), lambda p, groups, rotate: not rotate or groups < 4),
 )

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from templates import dequant_function_names, mma_operand_dtype, offset_decode_name
+from templates import dequant_function_names, fp8_decode_name, mma_operand_dtype, offset_decode_name
 
 from ..epilogue import split_k_prelude, store_tile, store_tile_split_wait, wait_for_prior_grids
 from ..marlin_mma.layout import SLAB_N
@@ -70,7 +70,11 @@ class Plan:
         self.m = T.dynamic("m")              # rows of A and C, known at launch
         self.tiles = T.dynamic("tiles")      # split-K tile counters
         self.bm, self.bn, self.bk, self.g = kb.block_m, kb.block_n, kb.block_k, kb.groups
-        self.steps, self.stages = kb.k_steps, kb.stages
+        # W4A8 (problem.fp8): FP8 e4m3 activations, 32-deep wgmmas whose A fragment is two words
+        self.fp8 = problem.fp8
+        self.x_dtype = "float8_e4m3fn" if self.fp8 else problem.dtype     # the activations' type in A and X_s
+        self.word_rows = kb.k_steps          # 16-deep rows of packed words per k-tile
+        self.steps, self.stages = kb.mma_steps(problem), kb.stages      # wgmma k-steps per k-tile
         self.threads = kb.threads
         self.consumers = kb.consumer_threads    # the warpgroups; with producer_warp one warp (or warpgroup) more
         # K-tiles per split; the first `extra` splits take one more, with split_wait the last ones (uneven
@@ -86,8 +90,10 @@ class Plan:
         self.grouped = not problem.channelwise or self.zp
         self.scale_rows = 2 if self.zp else 1      # rows of a k-tile's scales (and offsets) in S
         self.grid_n = problem.n // self.bn
-        self.ab = mma_operand_dtype(problem.dtype)
+        self.ab = "e4m3" if self.fp8 else mma_operand_dtype(problem.dtype)
         self.decode, self.decode_scaled = dequant_function_names(problem.dtype, problem.bits, operand="a")
+        if self.fp8:
+            self.decode = fp8_decode_name(problem.bits)
         self.decode_offset = offset_decode_name(problem.dtype, problem.bits)
         self.cluster = kb.cluster_reduce     # the splits add their tiles through distributed shared memory
         self.release = kb.release_barriers   # stages freed by per-stage barriers, not a block barrier
@@ -97,15 +103,18 @@ class Plan:
         # are read. fold_lag: two sets of k-tile sums by parity, k-tile t's folded while k-tile t + 1's
         # wgmmas run.
         self.sacc, self.lag = kb.scale_on_acc, kb.fold_lag
-        self.per_w = self.steps * self.g     # packed words per lane and stage
+        self.per_w = self.word_rows * self.g     # packed words per lane and stage
         self.per_s = 2 * self.g              # group scales per lane and stage: rows g and g + 8 of each group
         # sc holds per_s scales, then with scale_on_acc the other k-tile's, or with zero points the offsets
-        self.a_len = self.steps * self.g * 8  # decoded halves per lane and stage
+        # decoded 16-bit units per lane and stage: 4 registers per wgmma k-step and group (16 halves,
+        # or 32 e4m3 from two words)
+        self.a_len = self.steps * self.g * 8
         self.acc_len = self.g * self.bm // 2  # fp32 sums: `groups` wgmma m64n{bm} accumulators
         self.acc_all = self.acc_len * (3 if self.lag else 2 if self.sacc else 1)
-        self.wgmma_shape = f"m64n{self.bm}k16"
-        self.atoms = self.bk // 64           # [block_m, 64] swizzled tiles per stage, side by side along K
-        self.stage_units = self.bm * self.bk * 2 // 16
+        self.wgmma_shape = f"m64n{self.bm}k{32 if self.fp8 else 16}"
+        x_bytes = 1 if self.fp8 else 2
+        self.atoms = self.bk * x_bytes // 128    # [block_m, 128-byte] swizzled tiles per stage, along K
+        self.stage_units = self.bm * self.bk * x_bytes // 16
         self.out_chunks = self.bm * self.bn // 8     # 16-byte chunks of the output tile (staged_store)
         self.out_rounds = -(-self.out_chunks // self.consumers)
         self.split_k_prelude = split_k_prelude(self.bm, self.bn, kb.split_k, self.threads, problem.n,
@@ -134,8 +143,9 @@ class Plan:
         return u % self.kb.ring if self.kb.ring else u
 
     def x_offset(self, u):
-        """K-step u's activations from its stage's start, in 16-byte units (block_k 128: the steps of
-        the second 64-wide tile start block_m rows of 128 bytes later)."""
+        """K-step u's activations from its stage's start, in 16-byte units: a k-step is 32 bytes
+        (16 halves or 32 e4m3), four to a 128-byte swizzle atom; the steps of a second atom (fp16
+        block_k 128) start block_m rows of 128 bytes later."""
         return u // 4 * (self.bm * 64 * 2 // 16) + u % 4 * STEP_UNITS
 
     def output_value(self, total, S, col):
@@ -171,3 +181,4 @@ class Buffers:
     acc: object
     desc: object
     Y_s: object
+    TS: object = None     # W4A8: the activations' token scales [M, 1] fp32

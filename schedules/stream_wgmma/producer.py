@@ -1,8 +1,8 @@
 """The producer side of the stream_wgmma pipeline: TMA fills each stage against its mbarrier.
 
 Why it looks the way it does:
-- One elected thread issues three TMA copies per k-tile (the activations as one or two [block_m, 64]
-  boxes in the 128-byte swizzle, the block's packed words, its scale row, with zero points the scale
+- One elected thread issues three TMA copies per k-tile (the activations as one or two [block_m,
+  128-byte] boxes in the 128-byte swizzle, the block's packed words, its scale row, with zero points the scale
   and offset rows as one box) against the stage's "full"
   mbarrier: no copy instruction, address arithmetic or proxy fence is left in the consumers' k-loop.
 - A stage is reused once its k-tile's wgmmas are done. Without release barriers a block barrier per
@@ -28,13 +28,13 @@ __device__ __forceinline__ int tm_warp_index() { return __shfl_sync(0xffffffffu,
 @T.macro
 def copy_stage(plan, mem, tile, kt, by, bx, leaders):
     """K-tile kt's three copies into the stage of the block's k-tile number `tile`."""
-    bm, bn, bk, steps, stages, group = plan.bm, plan.bn, plan.bk, plan.steps, plan.stages, plan.group
+    bm, bn, bk, steps, stages, group = plan.bm, plan.bn, plan.bk, plan.word_rows, plan.stages, plan.group
     A, B, S, X_s, W_s, S_s, full = mem.A, mem.B, mem.S, mem.X_s, mem.W_s, mem.S_s, mem.full
     if plan.atoms == 1:
         T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk:(kt + 1) * bk], X_s[tile % stages, :, :],
                    barrier=full[tile % stages], leader_scope_threads=leaders)
     else:
-        for h in range(plan.atoms):      # one box per 128-byte swizzle width
+        for h in range(plan.atoms):      # one box per 128-byte swizzle width (64 halves)
             T.tma_copy(A[by * bm:(by + 1) * bm, kt * bk + h * 64:kt * bk + (h + 1) * 64],
                        X_s[tile % stages, h, :, :], barrier=full[tile % stages], leader_scope_threads=leaders)
     T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
@@ -105,7 +105,7 @@ def start_early(plan, B, S, bx, k0):
     """early_start: let the next kernel launch, and ask L2 for the packed rows (8 * block_n bytes
     each, consecutive k-steps) and scale rows of this block's first k-tiles (from k-tile k0), a lane
     each."""
-    steps, bn = plan.steps, plan.bn
+    steps, bn = plan.word_rows, plan.bn
     lane = T.get_thread_binding() % 32
     T.call_extern("handle", "tm_launch_dependents")
     if T.get_thread_binding() < 32:

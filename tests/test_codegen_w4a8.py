@@ -1,0 +1,142 @@
+"""W4A8 code generation without a GPU: stream_wgmma with FP8 activations, compiled by nvcc for sm_90a.
+
+The PTX must show the design: 32-deep FP8 wgmmas (e4m3 x e4m3, fp32 sums) with the weights as the
+register operand, decoded from the packed INT4 words by prmt byte lookups (no conversion instruction),
+the FP8 activations filled by TMA in the 128-byte swizzle, group scales on the sums, and the token
+scales read by the kernel; and the refusals where the W4A8 form cannot apply.
+"""
+import re
+
+import pytest
+
+from runtime.kernels import compile_schedule
+from schedules import marlin_mma, stream_mma, stream_wgmma
+from schedules.arch import get_arch
+from schedules.problem import Problem
+from schedules.registry import Schedule
+from tests.test_codegen_stream import count, ptxas_output, ptxas_spills
+
+Knobs = stream_wgmma.Knobs
+SM90 = get_arch("sm_90a")
+
+
+def fp8(n, k, group=128):
+    return Problem.make(n, k, group, act="fp8")
+
+
+CASES = {
+    # Llama-2-7B's qkv at small M: two splits through the workspace, group scales on the sums.
+    "m16_split2_sacc": (fp8(12288, 4096), Knobs(16, 1, 1, 128, 6, split_k=2, release_barriers=True,
+                                                producer_warp=True, scale_on_acc=True, rotate=True)),
+    # a mid-M tile with the fold under the next k-tile's wgmmas, pdl and a staged store
+    "m64_sacc_lag_staged": (fp8(4096, 11008), Knobs(64, 1, 2, 128, 4, release_barriers=True, producer_warp=True,
+                                                     scale_on_acc=True, fold_lag=True, staged_store=True,
+                                                     pdl=True)),
+    # channelwise scales on the final sums, four splits in a cluster, bf16 output
+    "m64_channelwise_cluster4_bf16": (Problem.make(4096, 4096, -1, dtype="bfloat16", act="fp8"),
+                                      Knobs(64, 1, 1, 128, 4, split_k=4, release_barriers=True,
+                                            producer_warp=True, cluster_reduce=True)),
+    # the large-M form: a producer warpgroup handing its registers to two consumer warpgroups
+    "m256_channelwise_setmaxnreg": (Problem.make(11008, 4096, -1, act="fp8"),
+                                    Knobs(256, 1, 2, 128, 4, release_barriers=True, producer_warp=True,
+                                          setmaxnreg=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cases_are_valid_schedules(name):
+    problem, knobs = CASES[name]
+    assert stream_wgmma.check(problem, knobs, SM90) is None
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def compiled(request, tmp_path_factory):
+    problem, knobs = CASES[request.param]
+    kernel = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90)
+    ptx_path = tmp_path_factory.mktemp("ptx") / "kernel.ptx"
+    kernel.export_ptx(str(ptx_path))
+    return problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()
+
+
+def test_fp8_wgmma_takes_the_decoded_weights_from_registers(compiled):
+    _, knobs, _, ptx = compiled
+    rs = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{knobs.block_m}k32\.f32\.e4m3\.e4m3\s+"
+                    r"\{[^}]*\},\s*\{[^}]*\}", ptx)
+    assert rs, "no register-A e4m3 wgmma of the expected shape"
+    assert count(r"wgmma\.mma_async", ptx) == len(rs), "every wgmma is the FP8 one, A in registers"
+    assert count(r"\.f16\.f16|\.bf16\.bf16", ptx) == 0
+
+
+def test_the_decode_is_byte_lookups(compiled):
+    _, knobs, src, ptx = compiled
+    # tm_decode_e4m3_a_u4: 7 prmt per word, two words per k32 fragment; no float conversion or
+    # 16-bit multiply on the weights
+    assert "tm_decode_e4m3_a_u4" in src
+    words_per_stage = knobs.k_steps * knobs.groups
+    assert count(r"\bprmt\.b32\b", ptx) >= 7 * words_per_stage
+    assert count(r"\bcvt\.\w*e4m3", ptx) == 0
+    assert count(r"\bmul\.f16x2|\bfma\.rn\.f16x2|\bmul\.bf16x2|\bfma\.rn\.bf16x2", ptx) == 0
+
+
+def test_fp8_activations_arrive_by_tma_one_swizzle_atom_per_stage(compiled):
+    problem, knobs, src, ptx = compiled
+    assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"cp\.async\.cg", ptx) == 0
+    assert "fp8_e4_t" in src and re.search(r"tma_load\(A_desc[^;]*\(\(fp8_e4_t\*\)X_s\)", src)
+    # 128 e4m3 per row of a stage: one 128-byte atom, so one activation box per k-tile
+    assert len(re.findall(r"tma_load\(A_desc", src)) in (1, 2)   # (the prologue's and the loop's copy)
+
+
+def test_token_scales_are_read_and_applied(compiled):
+    problem, knobs, src, ptx = compiled
+    assert re.search(r"const float\* (__restrict__ )?TS\b", src), "the token scales are an argument"
+    # each sum times its row's scale, the row clamped to M - 1 for the tile's rows past M
+    assert re.search(r"TS\[min\(", src)
+
+
+def test_register_buffers_stay_in_registers_and_nothing_spills(compiled, tmp_path):
+    *_, ptx = compiled
+    assert count(r"\bld\.local", ptx) == 0 and count(r"\bst\.local", ptx) == 0
+    assert ptxas_spills(ptx, "sm_90a", tmp_path) == (0, 0)
+
+
+def test_ptxas_keeps_the_fp8_wgmmas_asynchronous(compiled, tmp_path):
+    *_, ptx = compiled
+    out = ptxas_output(ptx, "sm_90a", tmp_path)
+    assert "instructions are serialized" not in out, out
+
+
+@pytest.mark.parametrize("problem,knobs,fragment", [
+    (fp8(4096, 4096), Knobs(16, 1, 1, 64, 4, scale_on_acc=True), "block_k=128"),
+    (fp8(4096, 4096), Knobs(16, 1, 1, 128, 4), "needs scale_on_acc"),
+    (Problem.make(4096, 4096, -1, act="fp8"), Knobs(16, 1, 1, 128, 4, ring=2), "ring=0"),
+    (fp8(4096, 4096, 64), Knobs(16, 1, 1, 128, 4, scale_on_acc=True), "group"),
+])
+def test_check_names_what_fp8_cannot_take(problem, knobs, fragment):
+    assert fragment in stream_wgmma.check(problem, knobs, SM90)
+
+
+def test_only_stream_wgmma_runs_fp8_activations():
+    problem = fp8(4096, 4096)
+    assert "stream_wgmma only" in marlin_mma.check(problem, marlin_mma.Knobs(), SM90)
+    assert "stream_wgmma only" in stream_mma.check(problem, stream_mma.Knobs(), SM90)
+    assert marlin_mma.space(problem, SM90) == [] and stream_mma.space(problem, SM90) == []
+
+
+def test_the_search_space_holds_only_fp8_forms():
+    problem = fp8(4096, 4096)
+    points = stream_wgmma.space(problem, SM90)
+    assert points
+    assert all(kb.block_k == 128 and kb.scale_on_acc and not kb.ring for kb in points)
+    assert all(stream_wgmma.check(problem, kb, SM90) is None for kb in points[:: max(1, len(points) // 200)])
+    assert not any(kb.block_k == 128 and kb.scale_on_acc for kb in stream_wgmma.space(problem, get_arch("sm_80")))
+
+
+def test_fp8_with_zero_points_is_refused():
+    with pytest.raises(ValueError, match="symmetric"):
+        Problem.make(4096, 4096, 128, zero_points=True, act="fp8")
+    with pytest.raises(ValueError, match="activations 'int8'"):
+        Problem.make(4096, 4096, 128, act="int8")
+
+
+def test_the_problem_names_its_activations():
+    assert fp8(4096, 4096).name.endswith("_a8") and not Problem(4096, 4096).name.endswith("_a8")
