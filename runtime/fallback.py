@@ -22,12 +22,24 @@ from schedules.arch import Arch
 from schedules.cost import GpuSpec, best_schedule, estimate_us
 from schedules.problem import Problem
 from schedules.registry import Schedule
+from schedules.stream_wgmma.knobs import fp8_form
+
+
+def for_problem(problem: Problem, schedule: Schedule) -> Schedule:
+    """A winner in the form `problem` takes: with FP8 activations a stream_wgmma winner's FP8 form
+    (its tiles, splits and pipeline; 128-deep k-tiles, group scales on the sums), any other as it is
+    (the family's check then decides)."""
+    if problem.fp8 and schedule.family == "stream_wgmma":
+        return Schedule(schedule.family, fp8_form(problem, schedule.knobs))
+    return schedule
 
 
 def ranked_transfers(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners) -> list[Schedule]:
-    """The `winners` that can run `problem` on `arch`, fastest estimate at `bucket` first. Ties go to
-    the schedule's name, so the order never depends on the order of the tables."""
-    valid = sorted({s for s in winners if s.module.check(problem, s.knobs, arch) is None}, key=lambda s: s.name)
+    """The `winners` that can run `problem` on `arch` (in its form: for_problem), fastest estimate at
+    `bucket` first. Ties go to the schedule's name, so the order never depends on the order of the
+    tables."""
+    forms = {for_problem(problem, s) for s in winners}
+    valid = sorted({s for s in forms if s.module.check(problem, s.knobs, arch) is None}, key=lambda s: s.name)
     return sorted(valid, key=lambda s: estimate_us(problem, s, bucket, gpu))
 
 
@@ -39,8 +51,12 @@ def transferred(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners
 
 def twins(problem: Problem) -> list[Problem]:
     """The problems of the same shape, group and bits that differ in dtype or zero points, nearest
-    first: the other zero-point setting, then the other dtype, then both."""
+    first: the other zero-point setting, then the other dtype, then both. With FP8 activations (no
+    zero points): the other dtype's, then the W4A16 problems of either dtype."""
     other_dtype = "bfloat16" if problem.dtype == "float16" else "float16"
+    if problem.fp8:
+        return [dataclasses.replace(problem, dtype=other_dtype), dataclasses.replace(problem, act="dtype"),
+                dataclasses.replace(problem, act="dtype", dtype=other_dtype)]
     return [dataclasses.replace(problem, zero_points=not problem.zero_points),
             dataclasses.replace(problem, dtype=other_dtype),
             dataclasses.replace(problem, dtype=other_dtype, zero_points=not problem.zero_points)]
@@ -51,6 +67,8 @@ def twin_winners(problem: Problem, bucket: int, arch: Arch, table) -> list[tuple
     found = []
     for twin in twins(problem):
         schedule = table.lookup(twin, bucket)
+        if schedule is not None:
+            schedule = for_problem(problem, schedule)
         if schedule is not None and schedule.module.check(problem, schedule.knobs, arch) is None:
             found.append((schedule, twin))
     return found

@@ -208,16 +208,20 @@ def _is_current(folder: Path) -> bool:
 # --- building and loading ------------------------------------------------------------------------
 
 def _build_into(folder: Path, problem: Problem, schedule: Schedule, arch: Arch) -> None:
-    """Build the kernel and put its entry in place atomically: a reader sees all of it or none.
-    Parallel builders of one kernel each write their own staging folder; the last rename wins."""
+    """Build the kernel and put its entry in place (_store_entry)."""
     writable_kernel_dir()
-    jit = build_kernel(problem, schedule, arch)
+    _store_entry(folder, build_kernel(problem, schedule, arch), identity(problem, schedule, arch))
+
+
+def _store_entry(folder: Path, jit, ident: dict) -> None:
+    """Put a built kernel's entry in place atomically: a reader sees all of it or none. Parallel
+    builders of one kernel each write their own staging folder; the last rename wins."""
     staging = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     jit.export_library(str(staging / "kernel.so"))
     (staging / "kernel.cu").write_text(jit.get_kernel_source())
-    meta = {**identity(problem, schedule, arch), "cuda": cuda_toolkit()}
+    meta = {**ident, "cuda": cuda_toolkit()}
     (staging / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
     old = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.old")
     if folder.exists():            # a stale entry (another toolkit): moved aside, then removed
@@ -227,6 +231,33 @@ def _build_into(folder: Path, problem: Problem, schedule: Schedule, arch: Arch) 
     except OSError:                # another builder put the same kernel in place first
         shutil.rmtree(staging, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def compile_fp8_quantizer(k: int, dtype: str, arch: Arch) -> CompiledKernel:
+    """W4A8's activation kernel for K = k and `dtype` input (schedules/fp8_activations.py), from this
+    process's memory, else the store (`kernels/<arch>/fp8_activations/`), else built and stored; call
+    it with (x [M, K], fp8 out [M, K], token scales [M, 1] fp32)."""
+    key = ("fp8_activations", k, dtype, arch.name)
+    with _LOCK:
+        kernel = _LOADED.get(key)
+        if kernel is None:
+            ident = {"code": _code_fingerprint(), "tilelang": tilelang_version(), "arch": arch.name,
+                     "kernel": f"fp8_activations_k{k}_{dtype}"}
+            digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+            folder = kernel_dir() / arch.name / "fp8_activations" / f"k{k}_{dtype}-{digest[:16]}"
+            if not _is_current(folder):
+                _store_entry(folder, _build_fp8_quantizer(k, dtype, arch), ident)
+            kernel = _LOADED[key] = CompiledKernel(folder, _load_library(folder / "kernel.so"))
+        return kernel
+
+
+def _build_fp8_quantizer(k: int, dtype: str, arch: Arch):
+    import tilelang
+
+    from schedules.fp8_activations import build
+
+    os.environ["TILELANG_CACHE_DIR"] = str(writable_kernel_dir() / "tilelang")
+    return tilelang.compile(build(k, dtype), target=arch.target)
 
 
 # Loaded in this order: TVM's runtime (its symbols and its CUDA module loader), then TileLang's library,

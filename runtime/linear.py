@@ -16,7 +16,7 @@ from schedules.marlin_mma.layout import split_offsets
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn, quantize_rtn_asymmetric
 
-from .op import DEFAULT_LAYOUT, dtype_name, layout_family, packed_shapes, problem_of, w4a16_gemm
+from .op import DEFAULT_LAYOUT, dtype_name, layout_family, packed_shapes, problem_of, w4a8_gemm, w4a16_gemm
 from .precompile import precompile_layers
 
 if TYPE_CHECKING:
@@ -29,6 +29,8 @@ class QuantLinear(nn.Module):
     Build one with :meth:`from_linear` (round-to-nearest), :meth:`from_gptq` (a GPTQ checkpoint's
     tensors), :meth:`from_layer` (a checkpoint layer of any format) or :meth:`from_codes`; or
     construct an empty one of the right shape and load a state dict.
+    act="fp8" runs it as W4A8 (runtime.op.w4a8_gemm: activations quantized per token to FP8 e4m3,
+    FP8 tensor cores, Hopper only) on the same packed weights; symmetric weights only.
     On a CUDA device each of them builds, before it returns, every kernel the layer will run for M up
     to `max_m` (all M buckets by default; runtime/precompile.py); `precompile=False` or
     TILEMARLIN_PRECOMPILE=0 leaves that to the first calls.
@@ -39,12 +41,12 @@ class QuantLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = 128,
                  dtype: torch.dtype = torch.float16, device=None, layout: str = DEFAULT_LAYOUT,
                  act_order: bool = False, zero_points: bool = False,
-                 precompile: bool = True, max_m: int | None = None):
+                 precompile: bool = True, max_m: int | None = None, act: str = "dtype"):
         super().__init__()
-        problem = problem_of(out_features, in_features, group_size, dtype_name(dtype), layout, zero_points)
+        problem = problem_of(out_features, in_features, group_size, dtype_name(dtype), layout, zero_points, act)
         self.in_features, self.out_features = in_features, out_features
         self.group_size = problem.group   # group_size=-1 (one group over K) is stored as K
-        self.layout, self.zero_points = layout, zero_points
+        self.layout, self.zero_points, self.act = layout, zero_points, act
         weight_shape, scales_shape = packed_shapes(problem, layout)
         self.register_buffer("qweight", torch.zeros(weight_shape, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(scales_shape, dtype=dtype, device=device))
@@ -57,12 +59,12 @@ class QuantLinear(nn.Module):
     @property
     def problem(self) -> Problem:
         return problem_of(self.out_features, self.in_features, self.group_size, dtype_name(self.scales.dtype),
-                          self.layout, self.zero_points)
+                          self.layout, self.zero_points, self.act)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
                    layout: str = DEFAULT_LAYOUT, precompile: bool = True, max_m: int | None = None,
-                   zeros: torch.Tensor | None = None) -> "QuantLinear":
+                   zeros: torch.Tensor | None = None, act: str = "dtype") -> "QuantLinear":
         """From INT4 codes [K, N], scales [K / group, N] and zero points (the scales' shape; None for 8),
         on their device.
 
@@ -73,19 +75,19 @@ class QuantLinear(nn.Module):
         k, n = codes.shape
         if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
             raise ValueError(f"scales {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}")
-        problem_of(n, k, k // scales.shape[0], dtype_name(scales.dtype), layout, zeros is not None)
+        problem_of(n, k, k // scales.shape[0], dtype_name(scales.dtype), layout, zeros is not None, act)
         _check_scales(scales)
         if zeros is not None:
             _check_zeros(zeros, scales)
-        return cls._packed(codes, scales, bias, layout, precompile, max_m, zeros)
+        return cls._packed(codes, scales, bias, layout, precompile, max_m, zeros, act)
 
     @classmethod
-    def _packed(cls, codes, scales, bias, layout, precompile, max_m, zeros=None) -> "QuantLinear":
+    def _packed(cls, codes, scales, bias, layout, precompile, max_m, zeros=None, act="dtype") -> "QuantLinear":
         """from_codes after its checks."""
         k, n = codes.shape
         layer = cls(k, n, bias=bias is not None, group_size=k // scales.shape[0], dtype=scales.dtype,
                     device=codes.device, layout=layout, zero_points=zeros is not None, precompile=precompile,
-                    max_m=max_m)
+                    max_m=max_m, act=act)
         qweight, packed_scales = layout_family(layout).pack(codes, scales, zeros)
         layer.qweight.copy_(qweight)
         layer.scales.copy_(packed_scales)
@@ -95,7 +97,7 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 128, precompile: bool = True,
-                    max_m: int | None = None, zero_points: bool = False) -> "QuantLinear":
+                    max_m: int | None = None, zero_points: bool = False, act: str = "dtype") -> "QuantLinear":
         """Round-to-nearest INT4 quantization of an fp16/bf16 nn.Linear, on its device: symmetric
         (zero point 8), or with zero_points a zero point per group and column (each group's own range,
         widened to hold 0; closer to the weights, 3 % more bytes).
@@ -106,7 +108,7 @@ class QuantLinear(nn.Module):
         """
         weight = linear.weight.detach()
         problem_of(linear.out_features, linear.in_features, group_size, dtype_name(weight.dtype), DEFAULT_LAYOUT,
-                   zero_points)
+                   zero_points, act)
         bad = _first_false(torch.isfinite(weight))
         if bad is not None:
             row, column = bad
@@ -118,7 +120,7 @@ class QuantLinear(nn.Module):
         else:
             (codes, scales), zeros = quantize_rtn(weight.t(), group_size, cls.bits, dtype_name(weight.dtype)), None
         bias = None if linear.bias is None else linear.bias.detach()
-        return cls._packed(codes, scales, bias, DEFAULT_LAYOUT, precompile, max_m, zeros)
+        return cls._packed(codes, scales, bias, DEFAULT_LAYOUT, precompile, max_m, zeros, act)
 
     @classmethod
     def from_layer(cls, layer: QuantizedLayer, layout: str = DEFAULT_LAYOUT, precompile: bool = True,
@@ -166,19 +168,23 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
-        y = w4a16_gemm(x, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
-                       self.layout, self.zero_points)
+        if self.act == "fp8":
+            y = w4a8_gemm(x, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
+                          self.layout)
+        else:
+            y = w4a16_gemm(x, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
+                           self.layout, self.zero_points)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"bits={self.bits}, group_size={self.group_size}, layout={self.layout}, "
-                f"zero_points={self.zero_points}")
+                f"zero_points={self.zero_points}" + (f", act={self.act}" if self.act != "dtype" else ""))
 
 
 def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | Iterable[str] | None = None,
                    group_size: int = 128, skip: Iterable[str] = ("lm_head",), precompile: bool = True,
-                   max_m: int | None = None, zero_points: bool = False) -> nn.Module:
+                   max_m: int | None = None, zero_points: bool = False, act: str = "dtype") -> nn.Module:
     """Swap the nn.Linear layers of `model` for QuantLinear (round-to-nearest INT4), in place.
 
     Parameters
@@ -189,6 +195,7 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
     group_size : input rows per scale; -1 for one scale per output column.
     skip : name substrings never converted; the default keeps the (often tied) lm_head in fp16.
     zero_points : a zero point per group and column (QuantLinear.from_linear); symmetric by default.
+    act : "fp8" runs the layers as W4A8 (FP8 activations per token, Hopper; see QuantLinear).
     precompile, max_m : after converting, build every kernel the converted layers will run for M up
         to `max_m` (all buckets for None), each distinct shape once, in one parallel compile; skipped
         with precompile=False, TILEMARLIN_PRECOMPILE=0, or weights not on a CUDA device.
@@ -207,7 +214,7 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         if id(module) not in converted:
             try:
                 converted[id(module)] = QuantLinear.from_linear(module, group_size, precompile=False,
-                                                                zero_points=zero_points)
+                                                                zero_points=zero_points, act=act)
             except (ValueError, TypeError) as exc:
                 raise ValueError(f"cannot convert {name!r} ({module}): {exc}. Leave it out with "
                                  f"skip=(..., {name!r}) or a filter") from None

@@ -64,10 +64,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @functools.lru_cache(maxsize=None)
 def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAYOUT,
-               zero_points: bool = False) -> Problem:
+               zero_points: bool = False, act: str = "dtype") -> Problem:
     """The Problem of a layer, after checking that `layout` can hold its weights (N, K) and that the
     kernel families take its group size."""
-    problem = Problem.make(n=n, k=k, group=group, dtype=dtype, zero_points=zero_points)
+    problem = Problem.make(n=n, k=k, group=group, dtype=dtype, zero_points=zero_points, act=act)
     layout_family(layout).layout.check_packable(problem.k, problem.n)
     reason = group_size_problem(group, k)
     if reason:
@@ -80,14 +80,14 @@ def packed_shapes(problem: Problem, layout: str = DEFAULT_LAYOUT) -> tuple[tuple
     return layout_family(layout).layout.packed_shapes(problem.k, problem.n, problem.scale_rows)
 
 
-def _check_args(x, qweight, scales, n, k, group, layout, zero_points) -> Problem:
+def _check_args(x, qweight, scales, n, k, group, layout, zero_points, act="dtype") -> Problem:
     dtype = dtype_name(x.dtype)
     if scales.dtype != x.dtype:
         raise TypeError(f"x is {x.dtype} but the weights' scales are {scales.dtype}: "
                         f"cast the input with x.to({scales.dtype})")
     if x.dim() == 0 or x.shape[-1] != k:
         raise ValueError(f"x of shape {tuple(x.shape)} does not end in the weight's K={k} input features")
-    problem = problem_of(n, k, group, dtype, layout, zero_points)
+    problem = problem_of(n, k, group, dtype, layout, zero_points, act)
     weight_shape, scales_shape = packed_shapes(problem, layout)
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != weight_shape:
         raise ValueError(f"packed weight must be int32 {weight_shape} for N={n}, K={k} in {layout}, "
@@ -145,8 +145,43 @@ def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT, zer
     return x.new_empty((*x.shape[:-1], n))
 
 
+@torch.library.custom_op("tilemarlin::w4a8_gemm", mutates_args=())
+def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
+              layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
+    """W4A8: y[..., N] = fp8(x)[..., K] @ dequant(W)[K, N] on FP8 tensor cores (Hopper, sm_90a).
+
+    x is quantized per token (row) to FP8 e4m3 by a kernel of its own (schedules/fp8_activations.py:
+    scale = the row's largest magnitude / 448), then multiplied by the same packed INT4 weights and
+    scales that w4a16_gemm takes (symmetric weights; no zero points). Arguments and result as
+    w4a16_gemm's. Raises RuntimeError on a GPU without FP8 wgmma.
+    """
+    problem = _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
+    _check_device(x, qweight, scales)
+    _check_fp8_tensor_cores(x.device)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel():
+        _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
+    return out
+
+
+@w4a8_gemm.register_fake
+def _w4a8_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT):
+    _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _check_fp8_tensor_cores(device: torch.device) -> None:
+    from schedules.arch import current_arch
+
+    arch = current_arch(device)
+    if not arch.hopper:
+        raise RuntimeError(f"W4A8 runs on FP8 wgmma (Hopper, sm_90a); {torch.cuda.get_device_name(device)} is "
+                           f"{arch.name}: use w4a16_gemm (QuantLinear act='dtype') there")
+
+
 def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Problem, layout: str) -> None:
-    """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream."""
+    """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream (FP8
+    activations: after quantizing a with the activation kernel)."""
     if not a.is_contiguous() or a.data_ptr() % 16:   # the kernel loads rows with 16-byte copies
         a = a.clone(memory_format=torch.contiguous_format)
     m = a.shape[0]
@@ -155,7 +190,34 @@ def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Proble
     fam, knobs = schedule.module, schedule.knobs
     fp32_elems, counters = fam.workspace_elems(problem, knobs, m)
     partials, tile_counters = split_k_workspace(a.device, fp32_elems, counters) if fp32_elems or counters else (None, None)
+    if problem.fp8:
+        a = _quantized(a, problem)
     launcher.kernel(*fam.kernel_args(problem, knobs, a, qweight, scales, out, partials, tile_counters))
+
+
+def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 e4m3 [M, K] in the FP8 k order, token scales fp32 [M, 1]) of a, by the activation kernel."""
+    values = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device)
+    token_scales = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
+    _fp8_quantizer(a.device, problem.k, problem.dtype)(a, values, token_scales)
+    return values, token_scales
+
+
+_QUANTIZERS: dict[tuple, object] = {}
+
+
+def _fp8_quantizer(device: torch.device, k: int, dtype: str):
+    key = (device.index, k, dtype)
+    kernel = _QUANTIZERS.get(key)
+    if kernel is None:
+        from schedules.arch import current_arch
+
+        from .kernels import compile_fp8_quantizer
+
+        kernel = compile_fp8_quantizer(k, dtype, current_arch(device))
+        with _LOCK:
+            kernel = _QUANTIZERS.setdefault(key, kernel)
+    return kernel
 
 
 # --- choosing and loading kernels ----------------------------------------------------------------
@@ -287,6 +349,8 @@ def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule, ho
         command += f" --dtype {problem.dtype}"
     if problem.zero_points:
         command += " --zero-points"
+    if problem.fp8:
+        command += " --act fp8"
     warnings.warn(
         f"no tuned kernel for {problem.name} on {torch.cuda.get_device_name(device)}; running {schedule.name}, "
         f"{how}, which may be slower. Tune this shape with: {command}",

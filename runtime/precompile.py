@@ -104,6 +104,7 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     `max_m` (all buckets for None), as the constructors and replace_linear do: nothing when
     TILEMARLIN_PRECOMPILE is off, nothing for devices other than CUDA GPUs, one compile_many call per
     arch. Raises RuntimeError naming the kernels that failed to build (their first calls would fail)."""
+    from .kernels import compile_fp8_quantizer
     from .op import DEFAULT_LAYOUT, dispatch_for
 
     if not enabled():
@@ -120,6 +121,8 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     failed = {}
     for arch, jobs in jobs_by_arch.items():
         failed.update((job, error) for job, error in build_missing(list(jobs), arch).items() if error)
+        for k, dtype in {(p.k, p.dtype) for p, _ in jobs if p.fp8}:    # W4A8's activation kernels
+            compile_fp8_quantizer(k, dtype, arch)
     if failed:
         listed = "; ".join(f"{p.name} {s.name}: {error}" for (p, s), error in list(failed.items())[:5])
         raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); their buckets' first calls would "

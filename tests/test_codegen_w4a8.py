@@ -140,3 +140,47 @@ def test_fp8_with_zero_points_is_refused():
 
 def test_the_problem_names_its_activations():
     assert fp8(4096, 4096).name.endswith("_a8") and not Problem(4096, 4096).name.endswith("_a8")
+
+
+def test_kernel_args_name_the_fp8_tensors():
+    import torch
+
+    problem, knobs = CASES["m16_split2_sacc"]
+    k, n = problem.k, problem.n
+    weight = torch.zeros(k // 16, 2 * n, dtype=torch.int32)
+    scales = torch.zeros(k // 128, n, dtype=torch.float16)
+    out = torch.zeros(3, n, dtype=torch.float16)
+    a8 = torch.zeros(3, k).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="pair"):
+        stream_wgmma.kernel_args(problem, knobs, torch.zeros(3, k, dtype=torch.float16), weight, scales, out)
+    with pytest.raises(TypeError, match="FP8 activations must be torch.float8_e4m3fn"):
+        stream_wgmma.kernel_args(problem, knobs, (torch.zeros(3, k, dtype=torch.float16), torch.ones(3, 1)),
+                                 weight, scales, out)
+    with pytest.raises(ValueError, match=r"token scales must have shape \[3x1\]"):
+        stream_wgmma.kernel_args(problem, knobs, (a8, torch.ones(4, 1)), weight, scales, out)
+
+
+def test_an_untuned_fp8_problem_runs_its_w4a16_twins_winner_in_fp8_form():
+    from runtime.fallback import fallback_schedule, for_problem
+    from runtime.table import GpuKey, load_tuned_table, winners_for_arch
+    from schedules.cost import GpuSpec
+
+    table = load_tuned_table(GpuKey("NVIDIA H200", "sm_90a", 132))
+    problem = fp8(12288, 4096)           # Llama-2-7B's qkv
+    twin = Problem(12288, 4096)
+    for bucket in (1, 16, 256, 4096):
+        schedule, how = fallback_schedule(problem, bucket, SM90, GpuSpec.for_arch(SM90), winners_for_arch("sm_90a"),
+                                          table)
+        assert stream_wgmma.check(problem, schedule.knobs, SM90) is None
+        winner = table.lookup(twin, bucket)
+        if "tuned winner of" in how:
+            assert twin.name in how and schedule == for_problem(problem, winner)
+            assert (schedule.knobs.block_m, schedule.knobs.split_k) == (winner.knobs.block_m, winner.knobs.split_k)
+
+
+def test_fp8_entries_are_keyed_by_their_activations():
+    from runtime.table import _problem_dict
+
+    assert _problem_dict(fp8(4096, 4096))["act"] == "fp8"
+    assert "act" not in _problem_dict(Problem(4096, 4096))
+    assert Problem(**_problem_dict(fp8(4096, 4096))) == fp8(4096, 4096)

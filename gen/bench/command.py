@@ -36,7 +36,8 @@ KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
 # Timed only when named, beside the symmetric kernels in the same run: tilemarlin on the same codes
 # and scales with zero points drawn over 0..15 (asymmetric checkpoints' layers), and with act-order
 # (the activations' columns gathered by a permutation before each GEMM).
-OPTIONAL_KERNELS = ("tilemarlin_zp", "tilemarlin_act")
+# W4A8 (Hopper): tilemarlin's, FP8 W8A8 torch._scaled_mm and humming's W4A8.
+OPTIONAL_KERNELS = ("tilemarlin_zp", "tilemarlin_act", "tilemarlin_w4a8", "fp8_w8a8", "humming_w4a8")
 # fp16 results land near 1e-3 and bf16 ones (torch_int4) near 5e-3 of the reference; a wrong layout,
 # scale or reduction lands near 1.
 REL_ERR_LIMIT = 2e-2
@@ -393,9 +394,11 @@ def _precompile_tilemarlin(layers: list, args) -> None:
     from schedules.problem import Problem
 
     print("compiling tilemarlin's kernels for these layers and batch sizes...", file=sys.stderr, flush=True)
-    wanted = {False: bool({"tilemarlin", "tilemarlin_act"} & set(args.kernels)), True: "tilemarlin_zp" in args.kernels}
-    problems = [Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=bench_dtype(args), zero_points=zero_points)
-                for layer in layers for zero_points in (False, True) if wanted[zero_points]]
+    forms = {"tilemarlin": {}, "tilemarlin_act": {}, "tilemarlin_zp": {"zero_points": True},
+             "tilemarlin_w4a8": {"act": "fp8"}}
+    wanted = {tuple(form.items()) for kernel, form in forms.items() if kernel in args.kernels}
+    problems = [Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=bench_dtype(args), **dict(form))
+                for layer in layers for form in sorted(wanted)]
     try:
         failed = {job: error for job, error in precompile(problems, args.ms).items() if error}
     except Exception as exc:   # the first calls compile instead, and record any failure per point
@@ -450,7 +453,7 @@ def _measure_and_report(args, model: str, layers: list) -> int:
     dtype = data["meta"]["dtype"]
     stem = f"{report.slug(data['meta']['gpu'])}-{report.slug(model)}" + ("" if dtype == "float16" else f"-{dtype}")
     json_path = report.output_paths(args.out, stem)["json"]
-    if {"tilemarlin", "tilemarlin_zp", "tilemarlin_act"} & set(args.kernels):
+    if {"tilemarlin", "tilemarlin_zp", "tilemarlin_act", "tilemarlin_w4a8"} & set(args.kernels):
         _precompile_tilemarlin(layers, args)
     windows: dict[int, list] = {}
     nvml = _energy_counter(data["meta"]) if args.sustain else None

@@ -1,5 +1,5 @@
-"""The kernels `gen bench` compares: tilemarlin (symmetric, with zero points, with act-order), FP16
-torch.matmul, torch's INT4 kernel and humming.
+"""The kernels `gen bench` compares: tilemarlin (symmetric, with zero points, with act-order, W4A8),
+FP16 torch.matmul, torch's INT4 kernel, FP8 W8A8 torch._scaled_mm, and humming (W4A16 and W4A8).
 
 Each contender turns one layer's weights into its own format, in as many copies as L2 needs to miss
 (gen.timing.weight_copies), and returns a function from activations x [M, K] (fp16, or bf16 in a
@@ -99,6 +99,53 @@ def tilemarlin_act_order_contender(w: LayerWeights) -> Contender:
     return Contender(lambda x: [functools.partial(gathered_gemm, x, qw, qs) for qw, qs in copies], exact=False)
 
 
+def tilemarlin_w4a8_contender(w: LayerWeights) -> Contender:
+    """tilemarlin W4A8 (runtime.op.w4a8_gemm): each call quantizes x per token to FP8 e4m3 (the
+    activation kernel, timed with the GEMM), then runs the FP8 kernel on the same packed weights. FP8
+    activations are not the reference's, so not checked here (tests/test_w4a8_gpu.py checks them
+    against the W4A8 reference)."""
+    try:
+        from runtime.op import w4a8_gemm
+    except ImportError as exc:
+        raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
+    from schedules import marlin_mma
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        raise KernelUnavailable("W4A8 needs FP8 wgmma (sm_90a)")
+    copies = weight_copies(marlin_mma.pack(w.codes, w.scales))
+    return Contender(lambda x: [functools.partial(w4a8_gemm, x, qw, qs, w.n, w.k, w.group) for qw, qs in copies],
+                     exact=False)
+
+
+def fp8_w8a8_contender(w: LayerWeights) -> Contender:
+    """FP8 W8A8, torch._scaled_mm with tensor-wide scales: the dequantized weights in FP8 e4m3
+    (column-major, as cuBLASLt takes them), the activations quantized to FP8 outside the timed calls
+    (the kernel alone), their rows padded to a multiple of 16 (which _scaled_mm needs)."""
+    if not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability() < (8, 9):
+        raise KernelUnavailable("torch._scaled_mm needs FP8 tensor cores (sm_89+)")
+    weight = dequantize(w.codes, w.scales).float()
+    w_scale = weight.abs().amax() / 448.0
+    w8 = (weight / w_scale).to(torch.float8_e4m3fn).t().contiguous().t()      # [K, N] column-major
+    copies = weight_copies((w8,))
+    one = torch.ones((), device=w8.device)
+
+    def calls(x):
+        a_scale = x.float().abs().amax() / 448.0
+        rows = -(-x.shape[0] // 16) * 16
+        x8 = torch.zeros((rows, w.k), device=x.device).to(torch.float8_e4m3fn)
+        x8[:x.shape[0]] = (x.float() / a_scale).to(torch.float8_e4m3fn)
+        return [functools.partial(torch._scaled_mm, x8, b, scale_a=a_scale * one, scale_b=w_scale * one,
+                                  out_dtype=x.dtype) for (b,) in copies]
+
+    return Contender(calls, exact=False)
+
+
+def humming_w4a8_contender(w: LayerWeights) -> Contender:
+    """humming's W4A8: its INT4 weights (as humming_contender) with FP8 e4m3 activations quantized per
+    token inside its call. Its own quantization, so not checked against our reference."""
+    return _humming(w, {"dtype": "float8e4m3", "quant_mode": "dynamic_token"})
+
+
 def fp16_contender(w: LayerWeights) -> Contender:
     return Contender(Fp16Baseline(w.codes, w.scales, dtype=w.scales.dtype).calls, exact=True)
 
@@ -128,6 +175,11 @@ def humming_contender(w: LayerWeights) -> Contender:
     """humming-kernels' HummingLayer with its default kernel choices. It quantizes the weight itself
     (its own symmetric INT4 scales), so its result is not checked against our reference. Its weights
     live inside layer objects, so the copies are whole layers, as many as copies_for its format's bytes."""
+    return _humming(w, None)
+
+
+def _humming(w: LayerWeights, input_config: dict | None) -> Contender:
+    """HummingLayer copies of w's weights with `input_config` (None: activations in their dtype)."""
     try:
         from humming.layer import HummingLayer
     except ImportError as exc:
@@ -136,7 +188,8 @@ def humming_contender(w: LayerWeights) -> Contender:
     layers = []
     for _ in range(copies_for(report.weight_bytes("humming", w.k, w.n, w.group))):
         config = {"dtype": "int4", "group_size": 0 if w.group == w.k else w.group}   # 0: channelwise
-        layer = HummingLayer(shape_n=w.n, shape_k=w.k, weight_config=config, torch_dtype=w.scales.dtype).cuda()
+        layer = HummingLayer(shape_n=w.n, shape_k=w.k, weight_config=config, torch_dtype=w.scales.dtype,
+                             input_config=dict(input_config) if input_config else None).cuda()
         layer.load_from_unquantized(weight_nk)
         layer.transform()
         layers.append(layer)
@@ -145,4 +198,6 @@ def humming_contender(w: LayerWeights) -> Contender:
 
 CONTENDERS = {"tilemarlin": tilemarlin_contender, "fp16": fp16_contender,
               "torch_int4": torch_int4_contender, "humming": humming_contender,
-              "tilemarlin_zp": tilemarlin_zero_points_contender, "tilemarlin_act": tilemarlin_act_order_contender}
+              "tilemarlin_zp": tilemarlin_zero_points_contender, "tilemarlin_act": tilemarlin_act_order_contender,
+              "tilemarlin_w4a8": tilemarlin_w4a8_contender, "fp8_w8a8": fp8_w8a8_contender,
+              "humming_w4a8": humming_w4a8_contender}

@@ -35,6 +35,8 @@ def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
         return k * n // 2 + 4 * groups * n
     if kernel == "tilemarlin_act":   # and the permutation, int64 per input feature
         return k * n // 2 + 2 * groups * n + 8 * k
+    if kernel == "fp8_w8a8":   # a byte per weight
+        return k * n
     return k * n // 2 + 2 * groups * n   # INT4 codes + fp16 scales (tilemarlin, humming)
 
 
@@ -300,7 +302,8 @@ class PlotsUnavailable(RuntimeError):
     pass
 
 
-_COLORS = {OURS: "C0", BASELINE: "C7", "torch_int4": "C1", "humming": "C2", "tilemarlin_zp": "C9", "tilemarlin_act": "C4"}
+_COLORS = {OURS: "C0", BASELINE: "C7", "torch_int4": "C1", "humming": "C2", "tilemarlin_zp": "C9", "tilemarlin_act": "C4",
+           "tilemarlin_w4a8": "C6", "fp8_w8a8": "C5", "humming_w4a8": "C8"}
 
 
 def _color(kernel: str) -> str:

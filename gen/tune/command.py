@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from runtime.table import BETWEEN, BUCKETS, REPLAY
-from schedules.problem import SUPPORTED_DTYPES, Problem
+from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES, Problem
 
 from gen.models import UNFUSED_HELP
 from gen.tune.measuring import MeasureError
@@ -46,6 +46,10 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
     p.add_argument("--zero-points", action="store_true",
                    help="layers with zero points of their own (asymmetric checkpoints: GPTQ sym=false, AWQ)")
+    p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
+                   help="the kernels' activations: dtype (W4A16) or fp8 (W4A8: FP8 e4m3 per token on FP8 "
+                        "wgmma, sm_90a; the activation kernel's time is the same for every candidate and "
+                        "is not part of the tuned times)")
     p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure")
     p.add_argument("--refine", type=int, default=DEFAULT_REFINE,

@@ -1,6 +1,7 @@
 """Knobs and validity check of the stream_wgmma family (sm_90a only)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..arch import Arch
@@ -289,6 +290,13 @@ def fp8_reason(problem: Problem, kb: Knobs) -> str | None:
     if kb.ring:
         return "ring decodes one 16-deep k-step per slot; FP8 wgmmas are 32 deep: ring=0"
     return None
+
+
+def fp8_form(problem: Problem, kb: Knobs) -> Knobs:
+    """The knobs as FP8 activations can take them (fp8_reason): the same tiles, splits and pipeline
+    with 128-deep k-tiles, no ring and (group scales) scale_on_acc, so that a W4A16 winner transfers."""
+    sacc = not problem.channelwise
+    return dataclasses.replace(kb, block_k=128, ring=0, scale_on_acc=sacc, fold_lag=kb.fold_lag and sacc)
 
 
 # check()'s conditions on a few axes each, for the enumeration to prune with (knob_space.Rule): the
