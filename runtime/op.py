@@ -199,25 +199,64 @@ def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.T
     """(FP8 e4m3 [M, K] in the FP8 k order, token scales fp32 [M, 1]) of a, by the activation kernel."""
     values = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device)
     token_scales = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
-    _fp8_quantizer(a.device, problem.k, problem.dtype)(a, values, token_scales)
+    _activation_kernel("fp8_activations", a.device, problem.k, problem.dtype)(a, values, token_scales)
     return values, token_scales
 
 
-_QUANTIZERS: dict[tuple, object] = {}
+_ACTIVATION_KERNELS: dict[tuple, object] = {}
 
 
-def _fp8_quantizer(device: torch.device, k: int, dtype: str):
-    key = (device.index, k, dtype)
-    kernel = _QUANTIZERS.get(key)
+def _activation_kernel(kind: str, device: torch.device, k: int, dtype: str):
+    """runtime.kernels.compile_activation_kernel's kernel, looked up without a lock after its first call."""
+    key = (kind, device.index, k, dtype)
+    kernel = _ACTIVATION_KERNELS.get(key)
     if kernel is None:
         from schedules.arch import current_arch
 
-        from .kernels import compile_fp8_quantizer
+        from .kernels import compile_activation_kernel
 
-        kernel = compile_fp8_quantizer(k, dtype, current_arch(device))
+        kernel = compile_activation_kernel(kind, k, dtype, current_arch(device))
         with _LOCK:
-            kernel = _QUANTIZERS.setdefault(key, kernel)
+            kernel = _ACTIVATION_KERNELS.setdefault(key, kernel)
     return kernel
+
+
+@torch.library.custom_op("tilemarlin::gather_columns", mutates_args=())
+def gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x[..., perm]: act-order's activations in the order of the layer's sorted weight rows, by a
+    kernel that lets the GEMM after it launch at once (schedules/gather.py). perm: int64 [K] on x's
+    device, a permutation of range(K) (the checkpoint loaders check it; an index out of range reads 0)."""
+    _check_gather(x, perm)
+    k = x.shape[-1]
+    a = x.reshape(-1, k)
+    if not a.is_contiguous():
+        a = a.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _gather_into(a, perm, out.view(-1, k))
+    return out
+
+
+def _gather_into(a: torch.Tensor, perm: torch.Tensor, out: torch.Tensor) -> None:
+    """out[M, K] = a[:, perm] by the gather kernel, on the current stream."""
+    if a.device.type != "cuda":
+        raise RuntimeError(f"tilemarlin::gather_columns runs on CUDA GPUs, but x is on {a.device}")
+    _activation_kernel("gather_columns", a.device, a.shape[1], dtype_name(a.dtype))(a, perm, out)
+
+
+@gather_columns.register_fake
+def _gather_columns_fake(x, perm):
+    _check_gather(x, perm)
+    return torch.empty_like(x)
+
+
+def _check_gather(x: torch.Tensor, perm: torch.Tensor) -> None:
+    dtype_name(x.dtype)
+    if perm.dtype != torch.int64 or perm.dim() != 1 or x.dim() == 0 or perm.shape[0] != x.shape[-1]:
+        raise ValueError(f"perm must be int64 [K] for x of shape {tuple(x.shape)}, got {perm.dtype} "
+                         f"{tuple(perm.shape)}")
+    if perm.device != x.device or not perm.is_contiguous():
+        raise ValueError(f"perm must be contiguous on x's device {x.device}, got {perm.device}")
 
 
 # --- choosing and loading kernels ----------------------------------------------------------------

@@ -104,7 +104,7 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     `max_m` (all buckets for None), as the constructors and replace_linear do: nothing when
     TILEMARLIN_PRECOMPILE is off, nothing for devices other than CUDA GPUs, one compile_many call per
     arch. Raises RuntimeError naming the kernels that failed to build (their first calls would fail)."""
-    from .kernels import compile_fp8_quantizer
+    from . import kernels
     from .op import DEFAULT_LAYOUT, dispatch_for
 
     if not enabled():
@@ -122,8 +122,21 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     for arch, jobs in jobs_by_arch.items():
         failed.update((job, error) for job, error in build_missing(list(jobs), arch).items() if error)
         for k, dtype in {(p.k, p.dtype) for p, _ in jobs if p.fp8}:    # W4A8's activation kernels
-            compile_fp8_quantizer(k, dtype, arch)
+            kernels.compile_activation_kernel("fp8_activations", k, dtype, arch)
     if failed:
         listed = "; ".join(f"{p.name} {s.name}: {error}" for (p, s), error in list(failed.items())[:5])
         raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); their buckets' first calls would "
                            f"fail too. Serve smaller M with max_m=..., or build later with precompile=False")
+
+
+def precompile_gathers(layers: Iterable[tuple[int, str, object]]) -> None:
+    """Build act-order's column gather (schedules/gather.py) for these (K, dtype, torch device)
+    triples, each once, as precompile_layers builds the GEMMs (nothing when TILEMARLIN_PRECOMPILE is off
+    or for devices other than CUDA GPUs)."""
+    from . import kernels
+    from .op import dispatch_for
+
+    if not enabled():
+        return
+    for k, dtype, device in {(k, dtype, device) for k, dtype, device in layers if _on_cuda(device)}:
+        kernels.compile_activation_kernel("gather_columns", k, dtype, dispatch_for(device).arch)

@@ -216,7 +216,7 @@ class TunedTable:
 
     def items(self) -> list[tuple[tuple[Problem, int], Entry]]:
         """Entries sorted by problem and bucket."""
-        return sorted(self._entries.items(), key=lambda kv: (tuple(_problem_dict(kv[0][0]).values()), kv[0][1]))
+        return sorted(self._entries.items(), key=lambda kv: (dataclasses.astuple(kv[0][0]), kv[0][1]))
 
     def entry(self, problem: Problem, bucket: int) -> Entry | None:
         return self._entries.get((problem, bucket))

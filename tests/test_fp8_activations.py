@@ -61,3 +61,9 @@ def test_the_kernel_matches_the_reference_in_the_fp8_k_order(m):
     order = fp8_k_order(k).cuda()
     # the same IEEE division (div.rn.f32) and round-to-nearest conversion as torch's: the same bytes
     assert torch.equal(q.view(torch.uint8), q_ref[:, order].contiguous().view(torch.uint8))
+
+
+def test_the_block_is_as_wide_as_the_row_splits_evenly():
+    from schedules.fp8_activations import threads_for
+
+    assert [threads_for(k) for k in (4096, 3584, 11008, 14336, 4112)] == [512, 512, 256, 512, 128]
