@@ -22,15 +22,15 @@ from schedules.arch import Arch
 from schedules.cost import GpuSpec, best_schedule, estimate_us
 from schedules.problem import Problem
 from schedules.registry import Schedule
-from schedules.stream_wgmma.knobs import fp8_form
+from schedules.stream_wgmma.knobs import form_for
 
 
 def for_problem(problem: Problem, schedule: Schedule) -> Schedule:
-    """A winner in the form `problem` takes: with FP8 activations a stream_wgmma winner's FP8 form
-    (its tiles, splits and pipeline; 128-deep k-tiles, group scales on the sums), any other as it is
-    (the family's check then decides)."""
-    if problem.fp8 and schedule.family == "stream_wgmma":
-        return Schedule(schedule.family, fp8_form(problem, schedule.knobs))
+    """A winner in the form `problem` takes (stream_wgmma.knobs.form_for: FP8 activations' 128-deep
+    k-tiles and scales on the sums; no scale_on_acc with zero points), others as they are (the
+    family's check then decides)."""
+    if schedule.family == "stream_wgmma":
+        return Schedule(schedule.family, form_for(problem, schedule.knobs))
     return schedule
 
 

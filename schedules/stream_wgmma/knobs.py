@@ -292,11 +292,16 @@ def fp8_reason(problem: Problem, kb: Knobs) -> str | None:
     return None
 
 
-def fp8_form(problem: Problem, kb: Knobs) -> Knobs:
-    """The knobs as FP8 activations can take them (fp8_reason): the same tiles, splits and pipeline
-    with 128-deep k-tiles, no ring and (group scales) scale_on_acc, so that a W4A16 winner transfers."""
-    sacc = not problem.channelwise
-    return dataclasses.replace(kb, block_k=128, ring=0, scale_on_acc=sacc, fold_lag=kb.fold_lag and sacc)
+def form_for(problem: Problem, kb: Knobs) -> Knobs:
+    """Another problem's winner in the form `problem` takes, so that it transfers with its tiles, splits
+    and pipeline: FP8 activations need 128-deep k-tiles, no ring and (group scales) scale_on_acc
+    (fp8_reason); zero points and channelwise scales take no scale_on_acc (nor its fold_lag)."""
+    if problem.fp8:
+        sacc = not problem.channelwise
+        return dataclasses.replace(kb, block_k=128, ring=0, scale_on_acc=sacc, fold_lag=kb.fold_lag and sacc)
+    if kb.scale_on_acc and (problem.zero_points or problem.channelwise):
+        return dataclasses.replace(kb, scale_on_acc=False, fold_lag=False)
+    return kb
 
 
 # check()'s conditions on a few axes each, for the enumeration to prune with (knob_space.Rule): the
