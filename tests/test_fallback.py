@@ -1,4 +1,5 @@
 """The untuned-shape fallback: the tuned winners that fit, ranked by the cost model (no GPU)."""
+import dataclasses
 import random
 
 import pytest
@@ -72,9 +73,11 @@ def test_a_bf16_shape_runs_its_fp16_twins_tuned_winner(shipped, winners, bucket)
     assert schedule == shipped.lookup(fp16, bucket) and fp16.name in how
 
 
-def test_a_twin_winner_the_problem_cannot_run_is_passed_over(shipped, winners):
-    """o_proj's M = 64 winner puts the scales on the sums (scale_on_acc), which takes no zero points.
-    The table is the shipped one's fp16 entries, so that the fp16 winner is the only twin."""
+def test_a_twin_winner_runs_in_the_form_the_problem_takes(shipped, winners):
+    """o_proj's M = 64 winner puts the scales on the sums (scale_on_acc), which takes no zero points:
+    the zero-point problem runs it with the scales in the decode instead, its tiles, splits and
+    pipeline unchanged. The table is the shipped one's fp16 entries, so that the fp16 winner is the
+    only twin."""
     from runtime.table import TunedTable
 
     fp16_only = TunedTable()
@@ -85,7 +88,8 @@ def test_a_twin_winner_the_problem_cannot_run_is_passed_over(shipped, winners):
     twin_winner = shipped.lookup(Problem(4096, 4096), 64)
     assert twin_winner.module.check(zero_points, twin_winner.knobs, SM90) is not None
     schedule, how = fallback_schedule(zero_points, 64, SM90, H200, winners, fp16_only)
-    assert schedule != twin_winner and "tuned winners" in how
+    assert schedule.knobs == dataclasses.replace(twin_winner.knobs, scale_on_acc=False, fold_lag=False)
+    assert "tuned winner of n4096_k4096_g128_float16_w4" in how
     assert schedule.module.check(zero_points, schedule.knobs, SM90) is None
     # where the twin's winner fits, it is taken
     schedule, how = fallback_schedule(zero_points, 1, SM90, H200, winners, fp16_only)
