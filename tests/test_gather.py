@@ -67,3 +67,11 @@ def test_graphs_and_compile():
     assert torch.equal(out, x[..., perm])
     compiled = torch.compile(lambda t: gather_columns(t, perm) * 2, fullgraph=True)
     assert torch.equal(compiled(x), x[..., perm] * 2)
+
+
+def test_rows_per_block_fit_the_staged_bytes():
+    from schedules.gather import STAGED_BYTES, rows_per_block
+
+    assert rows_per_block(4096, "float16") == 4 and rows_per_block(14336, "bfloat16") == 2
+    assert rows_per_block(29568, "float16") == 1
+    assert all(rows_per_block(k, "float16") * k * 2 <= STAGED_BYTES for k in (4096, 11008, 14336, 18944))
