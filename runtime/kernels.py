@@ -234,14 +234,13 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
 
 
 # The kernels beside the GEMMs, each built per (K, dtype) from its module's build(k, dtype).
-ACTIVATION_KERNELS = {"fp8_activations": "schedules.fp8_activations", "gather_columns": "schedules.gather"}
+ACTIVATION_KERNELS = {"fp8_activations": "schedules.fp8_activations"}
 
 
 def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> CompiledKernel:
     """One of ACTIVATION_KERNELS for K = k and `dtype` activations: W4A8's FP8 quantizer (call it with
-    x [M, K], fp8 out [M, K], token scales [M, 1] fp32) or act-order's column gather (x [M, K], perm
-    [K] int64, out [M, K]). From this process's memory, else the store (`kernels/<arch>/<kind>/`),
-    else built and stored."""
+    x [M, K], fp8 out [M, K], token scales [M, 1] fp32). From this process's memory, else the store
+    (`kernels/<arch>/<kind>/`), else built and stored."""
     key = (kind, k, dtype, arch.name)
     with _LOCK:
         kernel = _LOADED.get(key)

@@ -16,9 +16,8 @@ from schedules.marlin_mma.layout import split_offsets
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn, quantize_rtn_asymmetric
 
-from .op import (DEFAULT_LAYOUT, dtype_name, gather_columns, layout_family, packed_shapes, problem_of, w4a8_gemm,
-                 w4a16_gemm)
-from .precompile import precompile_gathers, precompile_layers
+from .op import DEFAULT_LAYOUT, dtype_name, layout_family, packed_shapes, problem_of, w4a8_gemm, w4a16_gemm
+from .precompile import precompile_layers
 
 if TYPE_CHECKING:
     from .checkpoint.layer import QuantizedLayer
@@ -135,8 +134,6 @@ class QuantLinear(nn.Module):
         module = cls.from_codes(layer.codes, layer.scales, layer.bias, layout, precompile, max_m, layer.zeros)
         if layer.perm is not None:
             module.perm = layer.perm.to(device=layer.codes.device)
-            if precompile:
-                precompile_gathers([(module.in_features, module.problem.dtype, module.perm.device)])
         return module
 
     @classmethod
@@ -170,7 +167,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
-            x = gather_columns(x, self.perm)
+            x = x.index_select(-1, self.perm)
         if self.act == "fp8":
             y = w4a8_gemm(x, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
                           self.layout)

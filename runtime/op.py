@@ -221,43 +221,6 @@ def _activation_kernel(kind: str, device: torch.device, k: int, dtype: str):
     return kernel
 
 
-@torch.library.custom_op("tilemarlin::gather_columns", mutates_args=())
-def gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
-    """x[..., perm]: act-order's activations in the order of the layer's sorted weight rows, by a
-    kernel that lets the GEMM after it launch at once (schedules/gather.py). perm: int64 [K] on x's
-    device, a permutation of range(K) (the checkpoint loaders check it; an index out of range reads 0)."""
-    _check_gather(x, perm)
-    k = x.shape[-1]
-    a = x.reshape(-1, k)
-    if not a.is_contiguous():
-        a = a.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel():
-        _gather_into(a, perm, out.view(-1, k))
-    return out
-
-
-def _gather_into(a: torch.Tensor, perm: torch.Tensor, out: torch.Tensor) -> None:
-    """out[M, K] = a[:, perm] by the gather kernel, on the current stream."""
-    if a.device.type != "cuda":
-        raise RuntimeError(f"tilemarlin::gather_columns runs on CUDA GPUs, but x is on {a.device}")
-    _activation_kernel("gather_columns", a.device, a.shape[1], dtype_name(a.dtype))(a, perm, out)
-
-
-@gather_columns.register_fake
-def _gather_columns_fake(x, perm):
-    _check_gather(x, perm)
-    return torch.empty_like(x)
-
-
-def _check_gather(x: torch.Tensor, perm: torch.Tensor) -> None:
-    dtype_name(x.dtype)
-    if perm.dtype != torch.int64 or perm.dim() != 1 or x.dim() == 0 or perm.shape[0] != x.shape[-1]:
-        raise ValueError(f"perm must be int64 [K] for x of shape {tuple(x.shape)}, got {perm.dtype} "
-                         f"{tuple(perm.shape)}")
-    if perm.device != x.device or not perm.is_contiguous():
-        raise ValueError(f"perm must be contiguous on x's device {x.device}, got {perm.device}")
-
 
 # --- choosing and loading kernels ----------------------------------------------------------------
 

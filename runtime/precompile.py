@@ -127,16 +127,3 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
         listed = "; ".join(f"{p.name} {s.name}: {error}" for (p, s), error in list(failed.items())[:5])
         raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); their buckets' first calls would "
                            f"fail too. Serve smaller M with max_m=..., or build later with precompile=False")
-
-
-def precompile_gathers(layers: Iterable[tuple[int, str, object]]) -> None:
-    """Build act-order's column gather (schedules/gather.py) for these (K, dtype, torch device)
-    triples, each once, as precompile_layers builds the GEMMs (nothing when TILEMARLIN_PRECOMPILE is off
-    or for devices other than CUDA GPUs)."""
-    from . import kernels
-    from .op import dispatch_for
-
-    if not enabled():
-        return
-    for k, dtype, device in {(k, dtype, device) for k, dtype, device in layers if _on_cuda(device)}:
-        kernels.compile_activation_kernel("gather_columns", k, dtype, dispatch_for(device).arch)

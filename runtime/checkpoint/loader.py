@@ -26,7 +26,7 @@ from torch import nn
 
 from ..linear import QuantLinear
 from ..op import DEFAULT_LAYOUT
-from ..precompile import precompile_gathers, precompile_layers
+from ..precompile import precompile_layers
 from .awq import AwqFormat
 from .compressed_tensors import CompressedTensorsFormat
 from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
@@ -139,8 +139,6 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
     if not replaced:
         raise CheckpointError(files.source, f"no quantized layer ({fmt.marker} tensors) in the checkpoint")
     precompile_layers([(layer.problem, layer.qweight.device) for layer in replaced], layout=layout)
-    precompile_gathers([(layer.in_features, layer.problem.dtype, layer.perm.device) for layer in replaced
-                        if layer.perm is not None])
     return len(replaced)
 
 
