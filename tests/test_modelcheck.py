@@ -114,3 +114,29 @@ def test_timings_after_the_producer_are_left_out(tmp_path):
     bad.write_text(json.dumps([{**r, "harness": "sideways"} for r in records]))
     with pytest.raises(ValueError, match="bad.json.*sideways"):
         load_timings([], [str(bad)])
+
+
+def test_the_fallback_check_leaves_each_problem_out_and_times_its_choice(tmp_path, capsys):
+    """Two problems of one shape in fp16 and bf16: left out in turn, each runs the other's winner (its
+    twin), whose recorded time over the fastest is the ratio; a choice nobody timed has none."""
+    from gen.dev.fallback_check import fallback_against_tune, summary
+
+    fast, slow = rank(O_PROJ, 16, H200, SPEC)[:2]
+    bf16 = Problem.make(n=4096, k=4096, dtype="bfloat16")
+    table = TunedTable(GpuKey("NVIDIA H200", "sm_90a", 132))
+
+    def timed(schedule, us):
+        return {"schedule": schedule.to_dict(), "name": schedule.name, "us": us, "error": None}
+
+    table.record(O_PROJ, 16, fast, 5.0, all_timings=[timed(fast, 5.0), timed(slow, 6.0)])
+    table.record(bf16, 16, slow, 4.0, all_timings=[timed(slow, 4.0)])
+    path = tmp_path / "table.json"
+    table.save(path)
+    results = {r.problem: r for r in fallback_against_tune(TunedTable.read(path), load_timings([str(path)], []),
+                                                           H200, SPEC)}
+    assert results[O_PROJ].choice == slow.name and results[O_PROJ].ratio == pytest.approx(6.0 / 5.0)
+    assert "bfloat16" in results[O_PROJ].how
+    assert results[bf16].choice == fast.name and results[bf16].ratio is None     # not timed for bf16
+    assert summary(list(results.values())) == "1 of 2 choices measured: median 1.200x the fastest, worst 1.20x, 0 within 10 %"
+    assert main(["modelcheck", "--fallback", str(path)]) == 0
+    assert "16: 1.20" in capsys.readouterr().out

@@ -12,6 +12,9 @@ tune or a sweep: a change to cost.py is better when these ratios fall.
 
     gen modelcheck --reach cache/tuned/nvidia-h200_sm_90a_132sm.json
 
+--fallback asks how good the untuned-shape fallback is: each problem of the table left out in turn,
+its buckets' fallback choices against the fastest the tune measured (gen/dev/fallback_check.py).
+
 --reach asks the other question, whether a cold tune would find a table's winners at all: for every
 entry, is its winner (up to the family's variant axes, which the first round does not spread over)
 among the first round's candidates (gen.tune.search.plan with --top), and where does the model rank it
@@ -168,6 +171,8 @@ def register(subparsers) -> None:
                    help="the selection a tune would measure (default 6; with --reach the tune's first round, 12)")
     p.add_argument("--reach", metavar="JSON", help="instead: which of this tuned table's winners a cold tune's "
                    "first round measures")
+    p.add_argument("--fallback", metavar="JSON", help="instead: the untuned-shape fallback's choice for each of "
+                   "this tuned table's problems, left out in turn, against the fastest its tune measured")
     p.set_defaults(func=run)
 
 
@@ -186,6 +191,8 @@ def run(args) -> int:
         gpu = GpuSpec.for_arch(arch)
         if args.reach:
             return print_reach(first_round_reach(args.reach, arch, gpu, top), top)
+        if args.fallback:
+            return print_fallback(args.fallback, arch, gpu)
         if not args.table and not args.sweep:
             raise ValueError("give recorded timings: --table T.json and/or --sweep S.json (or --reach T.json)")
         groups = load_timings(args.table, args.sweep)
@@ -221,4 +228,26 @@ def print_reach(reach: list[Reach], top: int) -> int:
         print(format_table(["KxN", "bucket", "winner", "rank in family"],
                            [[f"{r.problem.k}x{r.problem.n}", r.bucket, r.winner.name,
                              "outside the space" if r.family_rank is None else r.family_rank + 1] for r in missed]))
+    return 0
+
+
+def print_fallback(table_path: str, arch, gpu) -> int:
+    """The fallback's choice per bucket, each problem left out of the table (gen/dev/fallback_check.py)."""
+    from runtime.table import TableError, TunedTable
+
+    from gen.dev.fallback_check import fallback_against_tune, summary
+    from gen.tune.command import format_table
+
+    try:
+        table = TunedTable.read(table_path)
+    except (OSError, TableError) as exc:
+        raise ValueError(f"{table_path}: {exc}") from None
+    results = fallback_against_tune(table, load_timings([table_path], []), arch, gpu)
+    by_problem: dict = {}
+    for r in results:
+        by_problem.setdefault(r.problem.name, []).append(f"{r.bucket}: " + ("-" if r.ratio is None else
+                                                                            f"{r.ratio:.2f}"))
+    print("the fallback's choice over the fastest measured, per bucket (-: the tune did not time it)")
+    print(format_table(["problem", "buckets"], [[name, "  ".join(cells)] for name, cells in by_problem.items()]))
+    print(summary(results))
     return 0
