@@ -233,34 +233,31 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# The kernels beside the GEMMs, each built per (K, dtype) from its module's build(k, dtype).
-ACTIVATION_KERNELS = {"fp8_activations": "schedules.fp8_activations"}
-
-
-def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> CompiledKernel:
-    """One of ACTIVATION_KERNELS for K = k and `dtype` activations: W4A8's FP8 quantizer (call it with
-    x [M, K], fp8 out [M, K], token scales [M, 1] fp32). From this process's memory, else the store
-    (`kernels/<arch>/<kind>/`), else built and stored."""
-    key = (kind, k, dtype, arch.name)
+def compile_fp8_activations(k: int, dtype: str, arch: Arch) -> CompiledKernel:
+    """W4A8's activation kernel (schedules/fp8_activations.py) for K = k and `dtype` input: call it with
+    x [M, K], fp8 out [M, K], token scales [M, 1] fp32. From this process's memory, else the store
+    (`kernels/<arch>/fp8_activations/`), else built and stored."""
+    key = ("fp8_activations", k, dtype, arch.name)
     with _LOCK:
         kernel = _LOADED.get(key)
         if kernel is None:
             ident = {"code": _code_fingerprint(), "tilelang": tilelang_version(), "arch": arch.name,
-                     "kernel": f"{kind}_k{k}_{dtype}"}
+                     "kernel": f"fp8_activations_k{k}_{dtype}"}
             digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
-            folder = kernel_dir() / arch.name / kind / f"k{k}_{dtype}-{digest[:16]}"
+            folder = kernel_dir() / arch.name / "fp8_activations" / f"k{k}_{dtype}-{digest[:16]}"
             if not _is_current(folder):
-                _store_entry(folder, _build_activation_kernel(kind, k, dtype, arch), ident)
+                _store_entry(folder, _build_fp8_activations(k, dtype, arch), ident)
             kernel = _LOADED[key] = CompiledKernel(folder, _load_library(folder / "kernel.so"))
         return kernel
 
 
-def _build_activation_kernel(kind: str, k: int, dtype: str, arch: Arch):
+def _build_fp8_activations(k: int, dtype: str, arch: Arch):
     import tilelang
 
-    module = importlib.import_module(ACTIVATION_KERNELS[kind])
+    from schedules.fp8_activations import build
+
     os.environ["TILELANG_CACHE_DIR"] = str(writable_kernel_dir() / "tilelang")
-    return tilelang.compile(module.build(k, dtype), target=arch.target)
+    return tilelang.compile(build(k, dtype), target=arch.target)
 
 
 # Loaded in this order: TVM's runtime (its symbols and its CUDA module loader), then TileLang's library,

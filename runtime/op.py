@@ -157,7 +157,6 @@ def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: i
     """
     problem = _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
     _check_device(x, qweight, scales)
-    _check_fp8_tensor_cores(x.device)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel():
         _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
@@ -170,28 +169,19 @@ def _w4a8_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT):
     return x.new_empty((*x.shape[:-1], n))
 
 
-def _check_fp8_tensor_cores(device: torch.device) -> None:
-    from schedules.arch import current_arch
-
-    arch = current_arch(device)
-    if not arch.hopper:
-        raise RuntimeError(f"W4A8 runs on FP8 wgmma (Hopper, sm_90a); {torch.cuda.get_device_name(device)} is "
-                           f"{arch.name}: use w4a16_gemm (QuantLinear act='dtype') there")
-
-
 def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Problem, layout: str) -> None:
     """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream (FP8
     activations: after quantizing a with the activation kernel)."""
     if not a.is_contiguous() or a.data_ptr() % 16:   # the kernel loads rows with 16-byte copies
         a = a.clone(memory_format=torch.contiguous_format)
     m = a.shape[0]
-    launcher = _launcher(a.device, problem, layout, bucket_of(m))
+    if problem.fp8:    # (first: the quantizer's first lookup refuses GPUs without FP8 wgmma)
+        a = _quantized(a, problem)
+    launcher = _launcher(out.device, problem, layout, bucket_of(m))
     schedule = launcher.schedule
     fam, knobs = schedule.module, schedule.knobs
     fp32_elems, counters = fam.workspace_elems(problem, knobs, m)
-    partials, tile_counters = split_k_workspace(a.device, fp32_elems, counters) if fp32_elems or counters else (None, None)
-    if problem.fp8:
-        a = _quantized(a, problem)
+    partials, tile_counters = split_k_workspace(out.device, fp32_elems, counters) if fp32_elems or counters else (None, None)
     launcher.kernel(*fam.kernel_args(problem, knobs, a, qweight, scales, out, partials, tile_counters))
 
 
@@ -199,25 +189,30 @@ def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.T
     """(FP8 e4m3 [M, K] in the FP8 k order, token scales fp32 [M, 1]) of a, by the activation kernel."""
     values = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device)
     token_scales = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
-    _activation_kernel("fp8_activations", a.device, problem.k, problem.dtype)(a, values, token_scales)
+    _fp8_activations(a.device, problem.k, problem.dtype)(a, values, token_scales)
     return values, token_scales
 
 
-_ACTIVATION_KERNELS: dict[tuple, object] = {}
+_FP8_ACTIVATIONS: dict[tuple, object] = {}
 
 
-def _activation_kernel(kind: str, device: torch.device, k: int, dtype: str):
-    """runtime.kernels.compile_activation_kernel's kernel, looked up without a lock after its first call."""
-    key = (kind, device.index, k, dtype)
-    kernel = _ACTIVATION_KERNELS.get(key)
+def _fp8_activations(device: torch.device, k: int, dtype: str):
+    """runtime.kernels.compile_fp8_activations's kernel, looked up without a lock after its first call,
+    which refuses GPUs without FP8 wgmma (before sm_90a) with a RuntimeError."""
+    key = (device.index, k, dtype)
+    kernel = _FP8_ACTIVATIONS.get(key)
     if kernel is None:
         from schedules.arch import current_arch
 
-        from .kernels import compile_activation_kernel
+        from .kernels import compile_fp8_activations
 
-        kernel = compile_activation_kernel(kind, k, dtype, current_arch(device))
+        arch = current_arch(device)
+        if not arch.hopper:
+            raise RuntimeError(f"W4A8 runs on FP8 wgmma (Hopper, sm_90a); {torch.cuda.get_device_name(device)} "
+                               f"is {arch.name}: use w4a16_gemm (QuantLinear act='dtype') there")
+        kernel = compile_fp8_activations(k, dtype, arch)
         with _LOCK:
-            kernel = _ACTIVATION_KERNELS.setdefault(key, kernel)
+            kernel = _FP8_ACTIVATIONS.setdefault(key, kernel)
     return kernel
 
 

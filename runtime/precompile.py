@@ -122,7 +122,7 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     for arch, jobs in jobs_by_arch.items():
         failed.update((job, error) for job, error in build_missing(list(jobs), arch).items() if error)
         for k, dtype in {(p.k, p.dtype) for p, _ in jobs if p.fp8}:    # W4A8's activation kernels
-            kernels.compile_activation_kernel("fp8_activations", k, dtype, arch)
+            kernels.compile_fp8_activations(k, dtype, arch)
     if failed:
         listed = "; ".join(f"{p.name} {s.name}: {error}" for (p, s), error in list(failed.items())[:5])
         raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); their buckets' first calls would "

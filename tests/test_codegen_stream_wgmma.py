@@ -191,13 +191,17 @@ def test_check_names_the_problem(knobs, fragment):
 KERNELS = [(problem, Schedule("stream_wgmma", knobs), SM90) for problem, knobs in CASES.values()]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def compiled(request, tmp_path_factory):
-    problem, knobs = CASES[request.param]
+def compiled_case(problem, knobs, tmp_path_factory):
+    """(problem, knobs, CUDA source, PTX) of a stream_wgmma kernel built for sm_90a."""
     kernel = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90)
     ptx_path = tmp_path_factory.mktemp("ptx") / "kernel.ptx"
     kernel.export_ptx(str(ptx_path))
     return problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def compiled(request, tmp_path_factory):
+    return compiled_case(*CASES[request.param], tmp_path_factory)
 
 
 def test_wgmma_takes_the_weights_from_registers(compiled):

@@ -9,12 +9,11 @@ import re
 
 import pytest
 
-from runtime.kernels import compile_schedule
 from schedules import marlin_mma, stream_mma, stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
-from schedules.registry import Schedule
 from tests.test_codegen_stream import count, ptxas_output, ptxas_spills
+from tests.test_codegen_stream_wgmma import compiled_case
 
 Knobs = stream_wgmma.Knobs
 SM90 = get_arch("sm_90a")
@@ -51,11 +50,7 @@ def test_cases_are_valid_schedules(name):
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def compiled(request, tmp_path_factory):
-    problem, knobs = CASES[request.param]
-    kernel = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90)
-    ptx_path = tmp_path_factory.mktemp("ptx") / "kernel.ptx"
-    kernel.export_ptx(str(ptx_path))
-    return problem, knobs, kernel.get_kernel_source(), ptx_path.read_text()
+    return compiled_case(*CASES[request.param], tmp_path_factory)
 
 
 def test_fp8_wgmma_takes_the_decoded_weights_from_registers(compiled):
