@@ -273,7 +273,7 @@ def _checked_kernel(problem: Problem, schedule: Schedule, bucket: int, device: t
         selfcheck.check_once(kernel, problem, schedule, bucket, device)
         return schedule, kernel
     except selfcheck.KernelCheckError as exc:
-        others = tuple(s for s in _winners(arch.name) if s != schedule)
+        others = tuple(w for w in _winners(arch.name) if w.schedule != schedule)
         replacement, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), others)
         warnings.warn(f"{exc}; running {replacement.name} ({how}) instead", KernelCheckWarning, stacklevel=3)
         kernel = compile_schedule(problem, replacement, arch)

@@ -39,7 +39,7 @@ class Dispatch:
     arch: Arch
     gpu: object
     table: object
-    winners: tuple[Schedule, ...]
+    winners: tuple   # runtime.fallback.TunedWinner
 
     def choose(self, problem: Problem, bucket: int, layout: str) -> tuple[Schedule, str | None]:
         """(schedule, how it was chosen: None for the tuned table's entry, else the fallback's note).

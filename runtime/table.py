@@ -483,18 +483,21 @@ def table_path(gpu: GpuKey, root=None) -> Path:
     return Path(root if root is not None else tables_dir()) / f"{gpu.slug}.json"
 
 
-def winners_for_arch(arch: str) -> tuple[Schedule, ...]:
-    """The winning schedules of every trusted tuned table for `arch` in table_folders(), each once,
-    in file and entry order: what an untuned shape's fallback chooses from."""
-    found: dict[Schedule, None] = {}
+def winners_for_arch(arch: str) -> tuple:
+    """The winners (runtime.fallback.TunedWinner: problem, bucket, schedule) of every trusted tuned
+    table for `arch` in table_folders(), each (problem, bucket) once, the later folder's winner where
+    two tables hold it: what an untuned shape's fallback chooses from."""
+    from .fallback import TunedWinner
+
+    found: dict[tuple, TunedWinner] = {}
     for path in table_files():
         try:
             table = _read_trusted(path, None)
         except TableError:
             continue
         if table is not None and table.gpu.arch == arch:
-            found.update((entry.schedule, None) for _, entry in table.items())
-    return tuple(found)
+            found.update(((p, b), TunedWinner(p, b, entry.schedule)) for (p, b), entry in table.items())
+    return tuple(found.values())
 
 
 def load_tuned_table(gpu: GpuKey | None = None) -> TunedTable:

@@ -1,10 +1,11 @@
-"""The untuned-shape fallback: the tuned winners that fit, ranked by the cost model (no GPU)."""
+"""The untuned-shape fallback: twins' winners, else the nearest tuned winners that fit, the cost model
+choosing between them (no GPU)."""
 import dataclasses
 import random
 
 import pytest
 
-from runtime.fallback import fallback_schedule, transferred, twins
+from runtime.fallback import NEAREST, TunedWinner, distance, fallback_schedule, nearest_transfers, transferred, twins
 from runtime.table import TunedTable, shipped_tables_dir, winners_for_arch
 from schedules.arch import get_arch
 from schedules.cost import GpuSpec
@@ -27,8 +28,9 @@ def winners():
 @pytest.mark.parametrize("bucket", [1, 16, 64, 1024])
 def test_the_choice_is_a_valid_tuned_winner(winners, problem, bucket):
     schedule, how = fallback_schedule(problem, bucket, SM90, H200, winners)
-    assert schedule in winners and "tuned winners" in how
+    assert schedule in {w.schedule for w in winners} and "nearest layers and buckets" in how
     assert schedule.module.check(problem, schedule.knobs, SM90) is None
+    assert schedule in nearest_transfers(problem, bucket, SM90, winners)
 
 
 def test_the_choice_does_not_depend_on_the_order_of_the_winners(winners):
@@ -41,8 +43,27 @@ def test_the_choice_does_not_depend_on_the_order_of_the_winners(winners):
 def test_winners_that_cannot_run_the_problem_are_never_chosen(winners):
     odd = Problem(192, 320, 64)        # N = 192 and K = 320: few tiles divide them
     chosen = transferred(odd, 1, SM90, H200, winners)
-    fits = [s for s in winners if s.module.check(odd, s.knobs, SM90) is None]
+    fits = [w.schedule for w in winners if w.schedule.module.check(odd, w.schedule.knobs, SM90) is None]
     assert (chosen is None) == (not fits) and (chosen is None or chosen in fits)
+
+
+def test_the_nearest_tuned_layer_and_bucket_come_first():
+    """Same bucket before a bucket away, a near shape before a far one; another dtype or zero-point
+    setting costs half a step, other activations a step."""
+    from schedules import stream_mma
+    from schedules.registry import Schedule
+
+    problem = Problem(5120, 5120)
+    near, far, other = (Schedule("stream_mma", stream_mma.Knobs(1, w, 4, 8, ahead=2)) for w in (4, 8, 2))
+    winners = [TunedWinner(Problem(4096, 4096), 16, far), TunedWinner(Problem(4096, 4096), 32, other),
+               TunedWinner(Problem(5120, 4096), 16, near)]
+    assert distance(problem, 16, winners[2]) < distance(problem, 16, winners[0]) < distance(problem, 16, winners[1])
+    assert nearest_transfers(problem, 16, SM90, winners) == [near, far][:NEAREST]
+    assert transferred(problem, 16, SM90, H200, winners) in (near, far)
+    bf16 = Problem(5120, 5120, dtype="bfloat16")
+    assert distance(bf16, 16, winners[2]) == pytest.approx(distance(problem, 16, winners[2]) + 0.5)
+    assert distance(Problem(5120, 5120, act="fp8"), 16, winners[2]) == pytest.approx(
+        distance(problem, 16, winners[2]) + 1.0)
 
 
 def test_without_a_fitting_winner_the_whole_space_is_ranked(monkeypatch):

@@ -163,7 +163,7 @@ def test_retune_measures_the_incumbent_once():
 def test_a_tune_starts_from_the_twins_winners_and_the_best_estimated_transfers():
     import dataclasses
 
-    from runtime.fallback import ranked_transfers
+    from runtime.fallback import TunedWinner, nearest_transfers, ranked_transfers
     from runtime.table import TunedTable
     from schedules import stream_mma
     from schedules.registry import Schedule
@@ -174,7 +174,7 @@ def test_a_tune_starts_from_the_twins_winners_and_the_best_estimated_transfers()
     other_shape = Schedule("stream_mma", stream_mma.Knobs(1, 8, 4, 8, ahead=3))
     table = TunedTable()
     table.record(QKV, 1, twin_winner, 11.0)          # the fp16 twin, tuned at bucket 1 only
-    winners = [twin_winner, other_shape]
+    winners = [TunedWinner(QKV, 1, twin_winner), TunedWinner(dataclasses.replace(QKV, n=4096), 64, other_shape)]
     searches = s.plan([(bf16, 1), (bf16, 64)], H200, _spec(), top=1)
     before = {x.bucket: [r.schedule for r in x.results] for x in searches}
     added = s.add_transfers(searches, table, winners, H200, _spec(), per_bucket=1)
@@ -182,6 +182,7 @@ def test_a_tune_starts_from_the_twins_winners_and_the_best_estimated_transfers()
     best_estimated = {b: ranked_transfers(bf16, b, H200, _spec(), winners)[0] for b in (1, 64)}
     assert twin_winner in after[1]                                   # the twin's bucket-1 winner
     assert all(best_estimated[b] in after[b] for b in (1, 64))
+    assert all(s in after[b] for b in (1, 64) for s in nearest_transfers(bf16, b, H200, winners))   # the fallback's
     assert added == sum(len(after[b]) - len(before[b]) for b in (1, 64)) > 0
     assert s.add_transfers(searches, table, winners, H200, _spec(), per_bucket=1) == 0   # never twice
     # the problem's own winner in that table (the shipped one, for a tune into a cache of its own)

@@ -3,10 +3,13 @@ timings (no GPU).
 
 Each problem of the table is left out in turn, as if nobody had tuned it: the fallback
 (runtime/fallback.py) chooses for each of its buckets from the rest of the table (its twins' winners,
-else the cost model's pick among the other winners), and the choice's measured time at that bucket
+else the better-estimated winner of the nearest tuned layers and buckets), and the choice's measured
+time at that bucket
 (the tune measures the fallback's candidates beside its own: gen/tune/search.py's transfers) is
-compared with the fastest measured there. A choice the tune did not time has no ratio; the count of
-those says how much of the table the check covers.
+compared with the fastest measured there. With `whole_shape` the problem's shape leaves in every
+form (dtype, zero points, activations), as for a model nobody tuned: no twin is left to take. A
+choice the tune did not time has no ratio; the count of those says how much of the table the check
+covers.
 """
 from __future__ import annotations
 
@@ -26,18 +29,20 @@ class FallbackResult:
     ratio: float | None  # its measured time over the fastest measured; None: not measured
 
 
-def fallback_against_tune(table: TunedTable, timings: dict, arch, gpu) -> list[FallbackResult]:
+def fallback_against_tune(table: TunedTable, timings: dict, arch, gpu,
+                          whole_shape: bool = False) -> list[FallbackResult]:
     """For every (problem, bucket) of `table` with recorded `timings` ({(problem, bucket): {schedule:
-    us}}, gen.dev.modelcheck.load_timings), the fallback's choice with the problem left out."""
-    from runtime.fallback import fallback_schedule
+    us}}, gen.dev.modelcheck.load_timings), the fallback's choice with the problem (`whole_shape`: its
+    shape in every form) left out."""
+    from runtime.fallback import TunedWinner, fallback_schedule
 
     results = []
     for problem in sorted({p for (p, _), _ in table.items()}, key=lambda p: p.name):
         rest = TunedTable(table.gpu)
         for (p, bucket), entry in table.items():
-            if p != problem:
+            if p != problem and not (whole_shape and _shape(p) == _shape(problem)):
                 rest.record(p, bucket, entry.schedule, entry.us)
-        winners = tuple(dict.fromkeys(entry.schedule for _, entry in rest.items()))
+        winners = tuple(TunedWinner(p, bucket, entry.schedule) for (p, bucket), entry in rest.items())
         for (p, bucket), _ in table.items():
             timed = timings.get((p, bucket))
             if p != problem or not timed:
@@ -47,6 +52,10 @@ def fallback_against_tune(table: TunedTable, timings: dict, arch, gpu) -> list[F
             ratio = mine / min(timed.values()) if mine is not None else None
             results.append(FallbackResult(problem, bucket, schedule.name, how, ratio))
     return results
+
+
+def _shape(problem: Problem) -> tuple:
+    return problem.n, problem.k, problem.group, problem.bits
 
 
 def summary(results: list[FallbackResult], within: float = 1.10) -> str:

@@ -242,12 +242,15 @@ def print_fallback(table_path: str, arch, gpu) -> int:
         table = TunedTable.read(table_path)
     except (OSError, TableError) as exc:
         raise ValueError(f"{table_path}: {exc}") from None
-    results = fallback_against_tune(table, load_timings([table_path], []), arch, gpu)
-    by_problem: dict = {}
-    for r in results:
-        by_problem.setdefault(r.problem.name, []).append(f"{r.bucket}: " + ("-" if r.ratio is None else
-                                                                            f"{r.ratio:.2f}"))
-    print("the fallback's choice over the fastest measured, per bucket (-: the tune did not time it)")
-    print(format_table(["problem", "buckets"], [[name, "  ".join(cells)] for name, cells in by_problem.items()]))
-    print(summary(results))
+    timings = load_timings([table_path], [])
+    for whole_shape, left_out in ((False, "each problem"), (True, "each shape in every dtype and form")):
+        results = fallback_against_tune(table, timings, arch, gpu, whole_shape=whole_shape)
+        by_problem: dict = {}
+        for r in results:
+            by_problem.setdefault(r.problem.name, []).append(f"{r.bucket}: " + ("-" if r.ratio is None else
+                                                                                f"{r.ratio:.2f}"))
+        print(f"{left_out} left out: the fallback's choice over the fastest measured, per bucket (-: the tune "
+              "did not time it)")
+        print(format_table(["problem", "buckets"], [[name, "  ".join(cells)] for name, cells in by_problem.items()]))
+        print(summary(results))
     return 0
