@@ -27,6 +27,10 @@ MODELS: dict[str, dict] = {
     "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40, num_key_value_heads=8),
     "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_attention_heads=40, num_key_value_heads=8),
     "qwen2.5-72b": dict(hidden_size=8192, intermediate_size=29568, num_attention_heads=64, num_key_value_heads=8),
+    # Qwen's own INT4 checkpoints of the 72B (GPTQ-Int4, AWQ) pad the MLP with zeros to 29696 rows, so that
+    # 128-row groups split over 2, 4 or 8 ranks (29568 / 128 = 231 groups does not).
+    "qwen2.5-72b-int4": dict(hidden_size=8192, intermediate_size=29696, num_attention_heads=64,
+                             num_key_value_heads=8),
 }
 
 

@@ -233,6 +233,23 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _fp8_activations_identity(k: int, dtype: str, arch: Arch) -> dict:
+    return {"code": _code_fingerprint(), "tilelang": tilelang_version(), "arch": arch.name,
+            "kernel": f"fp8_activations_k{k}_{dtype}"}
+
+
+def fp8_activations_folder(k: int, dtype: str, arch: Arch) -> Path:
+    """The store's folder of W4A8's activation kernel for K = k and `dtype` input."""
+    ident = _fp8_activations_identity(k, dtype, arch)
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+    return kernel_dir() / arch.name / "fp8_activations" / f"k{k}_{dtype}-{digest[:16]}"
+
+
+def is_fp8_activations_stored(k: int, dtype: str, arch: Arch) -> bool:
+    """Whether the store holds that activation kernel, built by the CUDA toolkit found here."""
+    return _is_current(fp8_activations_folder(k, dtype, arch))
+
+
 def compile_fp8_activations(k: int, dtype: str, arch: Arch) -> CompiledKernel:
     """W4A8's activation kernel (schedules/fp8_activations.py) for K = k and `dtype` input: call it with
     x [M, K], fp8 out [M, K], token scales [M, 1] fp32. From this process's memory, else the store
@@ -241,12 +258,9 @@ def compile_fp8_activations(k: int, dtype: str, arch: Arch) -> CompiledKernel:
     with _LOCK:
         kernel = _LOADED.get(key)
         if kernel is None:
-            ident = {"code": _code_fingerprint(), "tilelang": tilelang_version(), "arch": arch.name,
-                     "kernel": f"fp8_activations_k{k}_{dtype}"}
-            digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
-            folder = kernel_dir() / arch.name / "fp8_activations" / f"k{k}_{dtype}-{digest[:16]}"
+            folder = fp8_activations_folder(k, dtype, arch)
             if not _is_current(folder):
-                _store_entry(folder, _build_fp8_activations(k, dtype, arch), ident)
+                _store_entry(folder, _build_fp8_activations(k, dtype, arch), _fp8_activations_identity(k, dtype, arch))
             kernel = _LOADED[key] = CompiledKernel(folder, _load_library(folder / "kernel.so"))
         return kernel
 

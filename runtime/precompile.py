@@ -56,6 +56,12 @@ class Dispatch:
         return schedule, how
 
 
+def fp8_activation_kernels(problems: Iterable[Problem]) -> list[tuple[int, str]]:
+    """(K, dtype) of each W4A8 activation kernel that `problems` need (one per K and input dtype of
+    their FP8 problems), sorted."""
+    return sorted({(p.k, p.dtype) for p in problems if p.fp8})
+
+
 def plan(problems: Iterable[Problem], buckets: Iterable[int], dispatch: Dispatch,
          layout: str) -> dict[tuple[Problem, Schedule], list[tuple[int, str | None]]]:
     """The kernels the op will load for `problems` at `buckets`: (problem, schedule) -> the buckets
@@ -121,7 +127,7 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     failed = {}
     for arch, jobs in jobs_by_arch.items():
         failed.update((job, error) for job, error in build_missing(list(jobs), arch).items() if error)
-        for k, dtype in {(p.k, p.dtype) for p, _ in jobs if p.fp8}:    # W4A8's activation kernels
+        for k, dtype in fp8_activation_kernels(problem for problem, _ in jobs):
             kernels.compile_fp8_activations(k, dtype, arch)
     if failed:
         listed = "; ".join(f"{p.name} {s.name}: {error}" for (p, s), error in list(failed.items())[:5])

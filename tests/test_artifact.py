@@ -235,3 +235,27 @@ def test_untuned_pairs_ship_the_fallbacks_kernels_and_no_entries(artifact, monke
         entries = json.loads(tar.extractfile(manifest["table"]).read())["entries"]
     assert len(manifest["kernels"]) == len(planned) + len(set(artifact[1].values()))
     assert {(e["problem"]["n"], e["problem"]["k"]) for e in entries} == {(4096, 4096)} and len(entries) == 13
+
+
+def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, capsys, tmp_path):
+    """--act fp8: refused while the per-token activation kernel is not in the store (the command to
+    build it named), packed beside the GEMMs once it is."""
+    from tests.test_precompile import fake_fp8_activations_entry
+
+    _, _, source = artifact
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(source))
+    fp8 = Problem(4096, 4096, act="fp8")
+    chosen = {TunedTable.read(COMMITTED).lookup(fp8, b) for b in BUCKETS}
+    for schedule in chosen:
+        fake_entry(fp8, schedule, toolkit=TOOLKIT)
+    out = tmp_path / "w4a8.tar.gz"
+    args = ["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8", "--out", str(out)]
+    assert gen_main(args) == 1
+    err = capsys.readouterr().err
+    assert "FP8 activations K = 4096 float16" in err and "gen precompile --shapes 4096x4096 --act fp8" in err
+    folder = fake_fp8_activations_entry(4096, "float16", toolkit=TOOLKIT)
+    assert gen_main(args) == 0
+    with tarfile.open(out) as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+    assert len(manifest["kernels"]) == len(chosen) + 1 and manifest["about"]["act"] == "fp8"
+    assert folder.relative_to(source).as_posix() in manifest["kernels"]

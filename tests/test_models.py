@@ -61,6 +61,16 @@ def test_tensor_parallel_splits():
     assert shapes(model_layers("llama-3-70b", tp=16))["qkv_proj"] == (8192, (4 + 2) * 128)
 
 
+def test_qwen_72b_int4_checkpoints_pad_the_mlp_to_split_whole_groups():
+    """Qwen's INT4 72B checkpoints hold 29696 MLP rows, 232 groups of 128: down_proj's K splits into
+    whole groups over 4 and 8 ranks, where the unpadded 29568 leaves 57.75 and 28.875 groups."""
+    for tp, k in ((4, 7424), (8, 3712)):
+        layers = shapes(model_layers("qwen2.5-72b-int4", tp=tp))
+        assert layers["down_proj"] == (k, 8192) and k % 128 == 0
+        assert layers["gate_up_proj"] == (8192, 2 * k)
+        assert shapes(model_layers("qwen2.5-72b", tp=tp))["down_proj"][0] % 128 != 0
+
+
 def test_tensor_parallel_not_divisible():
     with pytest.raises(ValueError, match="not divisible by --tp 3"):
         model_layers("llama-2-7b", tp=3)

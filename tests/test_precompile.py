@@ -290,3 +290,35 @@ def test_without_a_gpu_or_an_arch_the_command_says_what_to_name(cache, capsys):
     assert "no CUDA GPU is visible: name the target with --arch" in capsys.readouterr().err
     assert gen_main(["precompile", "--gpu", "nvidia-b200_sm_100a_148sm", "--shapes", "4096x4096"]) == 2
     assert "no tuned table 'nvidia-b200_sm_100a_148sm'" in capsys.readouterr().err
+
+
+def fake_fp8_activations_entry(k, dtype, arch=SM90, toolkit="cuda_test"):
+    """The store entry of W4A8's activation kernel as a build leaves it."""
+    folder = store.fp8_activations_folder(k, dtype, arch)
+    folder.mkdir(parents=True)
+    (folder / "kernel.so").write_bytes(b"\x7fELF not really")
+    (folder / "kernel.cu").write_text("// device source\n")
+    (folder / "meta.json").write_text(json.dumps({**store._fp8_activations_identity(k, dtype, arch), "cuda": toolkit}))
+    return folder
+
+
+def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monkeypatch):
+    """--act fp8: the FP8 problems' GEMMs (the committed table's fp8 entries) and one per-token
+    activation kernel per K and input dtype, listed by --dry-run and built after the GEMMs."""
+    problem = Problem(4096, 4096, act="fp8")
+    assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096,4096x12288", "--act", "fp8",
+                     "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "to build  FP8 activations, K = 4096, float16 input" in out and out.count("FP8 activations") == 1
+    assert f"{problem.name} (4096x4096)" in out
+    built = []
+    monkeypatch.setattr(store, "compile_many", lambda jobs, arch, workers=None, progress=None: {j: None for j in jobs})
+    monkeypatch.setattr(store, "compile_fp8_activations", lambda k, dtype, arch: built.append((k, dtype, arch.name)))
+    assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
+    assert built == [(4096, "float16", "sm_90a")] and "building 1 FP8 activation kernels" in capsys.readouterr().out
+    fake_fp8_activations_entry(4096, "float16")
+    built.clear()
+    assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
+    assert built == []                                                   # in the store: not built again
+    assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096"]) == 0
+    assert built == []                                                   # W4A16 layers need none

@@ -26,7 +26,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from runtime.artifact import ArtifactError, write_artifact
-    from runtime.kernels import is_stored, kernel_folder
+    from runtime.kernels import fp8_activations_folder, is_fp8_activations_stored, is_stored, kernel_folder
+    from runtime.precompile import fp8_activation_kernels
 
     try:
         deployment = deployment_from_args(args)
@@ -38,11 +39,13 @@ def run(args) -> int:
         return 2
     planned = deployment.plan()
     arch = deployment.dispatch.arch
-    missing = [job for job in planned if not is_stored(*job, arch)]
+    activations = fp8_activation_kernels(t.problem for t in deployment.targets)
+    missing = [f"{p.name} {s.name}" for p, s in planned if not is_stored(p, s, arch)]
+    missing += [f"FP8 activations K = {k} {dtype}" for k, dtype in activations
+                if not is_fp8_activations_stored(k, dtype, arch)]
     if missing:
-        print(f"gen export: {len(missing)} of the {len(planned)} kernels are not in the store (e.g. "
-              f"{missing[0][0].name} {missing[0][1].name}); build them first with: "
-              f"gen precompile {_same_layers(args)}", file=sys.stderr)
+        print(f"gen export: {len(missing)} of the {len(planned) + len(activations)} kernels are not in the store "
+              f"(e.g. {missing[0]}); build them first with: gen precompile {_same_layers(args)}", file=sys.stderr)
         return 1
     pairs = [(problem, bucket) for (problem, _), served in planned.items() for bucket, how in served if how is None]
     untuned = sum(len(served) for served in planned.values()) - len(pairs)
@@ -53,9 +56,11 @@ def run(args) -> int:
     table = deployment.dispatch.table.subset(pairs)
     table.gpu = deployment.gpu
     about = {"model": args.model, "tp": args.tp, "shapes": args.shapes, "group": args.group, "dtype": args.dtype,
-             "buckets": deployment.buckets}
+             "act": args.act, "buckets": deployment.buckets}
+    folders = [kernel_folder(p, s, arch) for p, s in planned]
+    folders += [fp8_activations_folder(k, dtype, arch) for k, dtype in activations]
     try:
-        manifest = write_artifact(args.out, table, [kernel_folder(p, s, arch) for p, s in planned], about)
+        manifest = write_artifact(args.out, table, folders, about)
     except (ArtifactError, OSError) as exc:
         print(f"gen export: {exc}", file=sys.stderr)
         return 1
@@ -69,7 +74,8 @@ def run(args) -> int:
 
 def _same_layers(args, with_target: bool = True) -> str:
     """The flags that name the same layers (and target), for a command the user is told to run."""
-    names = ("model", "tp", "shapes", "group", "dtype", "buckets") + (("arch", "gpu") if with_target else ())
-    defaults = {"tp": 1, "group": 128, "dtype": "float16"}
-    return " ".join(f"--{name} {getattr(args, name)}" for name in names
-                    if getattr(args, name) is not None and defaults.get(name) != getattr(args, name))
+    names = ("model", "tp", "shapes", "group", "dtype", "act", "buckets") + (("arch", "gpu") if with_target else ())
+    defaults = {"tp": 1, "group": 128, "dtype": "float16", "act": "dtype"}
+    flags = [f"--{name} {getattr(args, name)}" for name in names
+             if getattr(args, name) is not None and defaults.get(name) != getattr(args, name)]
+    return " ".join(flags + ["--zero-points"] * bool(args.zero_points))

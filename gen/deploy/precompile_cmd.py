@@ -4,10 +4,12 @@
     gen precompile --model llama-3-70b --tp 4 --buckets 1,2,4,8,16
     gen precompile --shapes 4096x4096 --arch sm_90a        # no GPU needed: nvcc builds for the arch
     gen precompile --model llama-2-7b --arch sm_90a --dry-run
+    gen precompile --model llama-2-7b --act fp8             # W4A8: its GEMMs and activation kernels
 
 The kernels are the op's own choices (runtime/precompile.py `plan`: the tuned table's winner of each
 (problem, bucket), else the fallback's pick), built into the compiled-kernel store in parallel worker
-processes; kernels already there are skipped. Serving then loads them without compiling, and
+processes, and for W4A8 layers the per-token FP8 activation kernel of each K; kernels already there
+are skipped. Serving then loads them without compiling, and
 `gen export` packs them for other machines.
 """
 from __future__ import annotations
@@ -30,8 +32,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from runtime.kernels import is_stored, kernel_dir
-    from runtime.precompile import build_missing
+    from runtime.kernels import is_fp8_activations_stored, is_stored, kernel_dir
+    from runtime.precompile import build_missing, fp8_activation_kernels
 
     try:
         deployment = deployment_from_args(args)
@@ -42,12 +44,18 @@ def run(args) -> int:
     arch = deployment.dispatch.arch
     labels = deployment.labels()
     stored = {job for job in planned if is_stored(*job, arch)}
+    activations = fp8_activation_kernels(t.problem for t in deployment.targets)
+    missing_activations = [(k, dtype) for k, dtype in activations if not is_fp8_activations_stored(k, dtype, arch)]
     print(summary_line(deployment, planned))
     if args.dry_run:
         for (problem, schedule), served in planned.items():
             status = "in store" if (problem, schedule) in stored else "to build"
             print(f"  {status}  {labels[problem]}  {schedule.name}  {served_text(served)}")
-        print(f"would build {len(planned) - len(stored)}, {len(stored)} already in the store ({kernel_dir()})")
+        for k, dtype in activations:
+            status = "to build" if (k, dtype) in missing_activations else "in store"
+            print(f"  {status}  FP8 activations, K = {k}, {dtype} input")
+        print(f"would build {len(planned) - len(stored) + len(missing_activations)}, "
+              f"{len(stored) + len(activations) - len(missing_activations)} already in the store ({kernel_dir()})")
         return 0
 
     started, done = time.monotonic(), [0]
@@ -61,11 +69,33 @@ def run(args) -> int:
 
     results = build_missing(list(planned), arch, args.workers, progress)
     failed = {job: error for job, error in results.items() if error}
-    built = len(planned) - len(stored) - len(failed)
-    print(f"{built} built, {len(stored)} already in the store, {len(failed)} failed ({kernel_dir()})")
+    if missing_activations:
+        print(f"building {len(missing_activations)} FP8 activation kernels", flush=True)
+        activation_failures = build_fp8_activations(missing_activations, arch)
+    else:
+        activation_failures = {}
+    built = len(planned) - len(stored) - len(failed) + len(missing_activations) - len(activation_failures)
+    print(f"{built} built, {len(stored) + len(activations) - len(missing_activations)} already in the store, "
+          f"{len(failed) + len(activation_failures)} failed ({kernel_dir()})")
     for (problem, schedule), error in failed.items():
         print(f"  failed: {labels[problem]} {schedule.name}: {error}", file=sys.stderr)
-    return 1 if failed else 0
+    for (k, dtype), error in activation_failures.items():
+        print(f"  failed: FP8 activations, K = {k}, {dtype} input: {error}", file=sys.stderr)
+    return 1 if failed or activation_failures else 0
+
+
+def build_fp8_activations(wanted: list[tuple[int, str]], arch) -> dict:
+    """Build W4A8's activation kernels (K, dtype) into the store, one after another (a few, one per
+    K); {(K, dtype): error} for those that failed."""
+    from runtime.kernels import compile_fp8_activations
+
+    failed = {}
+    for k, dtype in wanted:
+        try:
+            compile_fp8_activations(k, dtype, arch)
+        except Exception as exc:    # a compiler failure of any kind is reported, the rest still built
+            failed[(k, dtype)] = f"{type(exc).__name__}: {exc}"
+    return failed
 
 
 def summary_line(deployment, planned: dict) -> str:

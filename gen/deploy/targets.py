@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.table import BUCKETS
-from schedules.problem import SUPPORTED_DTYPES
+from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES
 
 from gen.models import UNFUSED_HELP
 
@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
     p.add_argument("--zero-points", action="store_true",
                    help="layers with zero points of their own (asymmetric checkpoints: GPTQ sym=false, AWQ)")
+    p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
+                   help="the layers' activations: dtype (W4A16) or fp8 (W4A8, with its per-token FP8 activation "
+                        "kernel for each K)")
     p.add_argument("--buckets", help=f"M buckets, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--arch", help="target arch, e.g. sm_90a (default: this GPU's); needs no GPU")
     p.add_argument("--gpu", metavar="SLUG", help="the tuned table to follow (see `gen cache list`; default: this "

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from schedules.problem import SUPPORTED_DTYPES
+from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES
 
 from gen.models import UNFUSED_HELP
 from gen.tune.options import positive_workers
@@ -36,6 +36,8 @@ def register(subparsers) -> None:
     p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
     p.add_argument("--zero-points", action="store_true", help="layers with zero points of their own")
+    p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
+                   help="the kernels' activations: dtype (W4A16) or fp8 (W4A8)")
     p.add_argument("--ms", default="1,16", help="M values (bucket edges), comma separated (default: %(default)s)")
     p.add_argument("--show", type=int, default=5, help="fastest candidates printed per layer and M (default: %(default)s)")
     p.add_argument("--json", metavar="FILE",

@@ -45,7 +45,7 @@ def targets_from_args(args) -> list[Target]:
     for name, layer in named:
         try:
             problem = problem_of(layer.n, layer.k, args.group, args.dtype, zero_points=args.zero_points,
-                                 act=getattr(args, "act", "dtype"))
+                                 act=args.act)
         except ValueError as exc:
             raise ValueError(f"layer {name} ({layer.shape}): {exc}") from None
         targets.setdefault(problem, Target(problem, [])).layers.append(name)
