@@ -10,10 +10,11 @@ twin at the same bucket (same dtype first, then same zero points), if it is vali
 family's check: divisibility, shared memory, registers; scale_on_acc, for one, takes no zero points).
 Otherwise it takes the winners of the NEAREST tuned (layer, bucket)s that can run the problem
 (`distance`: M buckets apart, then how far N and K are in ratio), and the cost model picks between
-those few. Nearness beats the cost model's ranking of every winner: with each shape left out of the
-shipped H200 table (as for a model nobody tuned), where both choices had been timed, the nearest two's
-better-estimated one ran within 10 % of the tune's fastest in 179 of 213 (layer, bucket)s, mean
-1.044x, the cost model's pick among all winners in 147, mean 1.091x (docs/performance.md).
+those few, unless the nearest is all but the same layer and bucket (SAME_SHAPE), whose winner runs
+as it is. Nearness beats the cost model's ranking of every winner: on layers no table held (bf16
+Llama-3-70B at tp 4 and 8, Qwen2.5-72B's INT4 checkpoints at tp 4 and 8, 156 (layer, bucket)s timed
+on the H200), this choice ran within 10 % of a tune's fastest in 121, the cost model's pick among all
+winners in 95 (docs/performance.md, "The fallback's choice against a tune").
 Only where no winner fits (a new arch, or an odd shape) does it rank the whole space, and it
 says so in the warning the caller raises.
 """
@@ -30,7 +31,8 @@ from schedules.registry import Schedule
 from schedules.stream_wgmma.knobs import form_for
 
 
-NEAREST = 2   # tuned (layer, bucket)s whose winners the cost model chooses between
+NEAREST = 2        # tuned (layer, bucket)s whose winners the cost model chooses between
+SAME_SHAPE = 0.1   # a tuned winner this near (same bucket, N and K within ~10 % together) runs as it is
 
 
 class TunedWinner(NamedTuple):
@@ -73,26 +75,36 @@ def ranked_transfers(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, wi
     return sorted(valid, key=lambda s: estimate_us(problem, s, bucket, gpu))
 
 
-def nearest_transfers(problem: Problem, bucket: int, arch: Arch, winners, count: int = NEAREST) -> list[Schedule]:
-    """The distinct schedules, in `problem`'s form, of the `count` nearest `winners` (TunedWinner, by
-    `distance`) that can run it, nearest first; ties in distance go to the names, so the order never
-    depends on the order of the tables."""
-    found: list[Schedule] = []
+def _nearest(problem: Problem, bucket: int, arch: Arch, winners, count: int) -> list[tuple[float, Schedule]]:
+    """(distance, schedule in `problem`'s form) of the `count` nearest `winners` with distinct schedules
+    that can run it, nearest first; ties in distance go to the names, so the order never depends on
+    the order of the tables."""
+    found: dict[Schedule, float] = {}
     for tuned in sorted(winners, key=lambda w: (distance(problem, bucket, w), w.schedule.name, w.problem.name,
                                                 w.bucket)):
         schedule = for_problem(problem, tuned.schedule)
         if schedule not in found and _can_run(problem, schedule, arch):
-            found.append(schedule)
+            found[schedule] = distance(problem, bucket, tuned)
             if len(found) == count:
                 break
-    return found
+    return [(d, s) for s, d in found.items()]
+
+
+def nearest_transfers(problem: Problem, bucket: int, arch: Arch, winners, count: int = NEAREST) -> list[Schedule]:
+    """The distinct schedules, in `problem`'s form, of the `count` nearest `winners` (TunedWinner, by
+    `distance`) that can run it, nearest first."""
+    return [schedule for _, schedule in _nearest(problem, bucket, arch, winners, count)]
 
 
 def transferred(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners) -> Schedule | None:
-    """The cost model's pick among the nearest `winners` (TunedWinner) that can run `problem` on
-    `arch`, or None."""
-    near = nearest_transfers(problem, bucket, arch, winners)
-    return min(near, key=lambda s: (estimate_us(problem, s, bucket, gpu), s.name)) if near else None
+    """The nearest `winners`' schedule (TunedWinner) that can run `problem` on `arch`: the nearest as it
+    is within SAME_SHAPE, else the cost model's pick of the NEAREST; None where none can."""
+    near = _nearest(problem, bucket, arch, winners, NEAREST)
+    if not near:
+        return None
+    if near[0][0] <= SAME_SHAPE:
+        return near[0][1]
+    return min((s for _, s in near), key=lambda s: (estimate_us(problem, s, bucket, gpu), s.name))
 
 
 def twins(problem: Problem) -> list[Problem]:

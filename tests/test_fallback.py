@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from runtime.fallback import NEAREST, TunedWinner, distance, fallback_schedule, nearest_transfers, transferred, twins
+from runtime.fallback import NEAREST, SAME_SHAPE, TunedWinner, distance, fallback_schedule, nearest_transfers, transferred, twins
 from runtime.table import TunedTable, shipped_tables_dir, winners_for_arch
 from schedules.arch import get_arch
 from schedules.cost import GpuSpec
@@ -60,6 +60,11 @@ def test_the_nearest_tuned_layer_and_bucket_come_first():
     assert distance(problem, 16, winners[2]) < distance(problem, 16, winners[0]) < distance(problem, 16, winners[1])
     assert nearest_transfers(problem, 16, SM90, winners) == [near, far][:NEAREST]
     assert transferred(problem, 16, SM90, H200, winners) in (near, far)
+    # all but the same layer and bucket: its winner as it is, whatever the cost model would prefer
+    twin_like = Problem(5120, 5376)
+    assert distance(twin_like, 16, winners[2]) > SAME_SHAPE
+    assert distance(Problem(5120, 4352), 16, winners[2]) <= SAME_SHAPE
+    assert transferred(Problem(5120, 4352), 16, SM90, H200, winners) == near
     bf16 = Problem(5120, 5120, dtype="bfloat16")
     assert distance(bf16, 16, winners[2]) == pytest.approx(distance(problem, 16, winners[2]) + 0.5)
     assert distance(Problem(5120, 5120, act="fp8"), 16, winners[2]) == pytest.approx(
