@@ -322,6 +322,13 @@ def _yield_to_the_gpu_driver() -> None:
         pass
 
 
+# Compile workers are spawned processes, which import the caller's main script before they run a job:
+# a script that converts a model at import time runs again in each worker, and the workers die.
+WORKER_HINT = ("(the compile workers are spawned processes that import the main script first: a script that "
+               "builds or converts a model at import time needs that code under `if __name__ == \"__main__\":`; "
+               "a worker killed for memory needs fewer workers)")
+
+
 def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int | None = None,
                  progress=None) -> dict[tuple[Problem, Schedule], str | None]:
     """Build `jobs` into the store in a process pool (each nvcc run takes seconds); returns
@@ -334,8 +341,10 @@ def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int 
         for fut in cf.as_completed(futures):
             try:
                 results[futures[fut]] = fut.result()
-            except Exception as exc:  # the worker itself died (e.g. killed by the OOM killer)
-                results[futures[fut]] = f"compile worker died: {exc}"
+            except cf.process.BrokenProcessPool as exc:   # a worker died: killed (OOM), or it failed to start
+                results[futures[fut]] = f"compile worker died: {exc} {WORKER_HINT}"
+            except Exception as exc:  # the job could not reach or leave its worker
+                results[futures[fut]] = f"compile job failed: {exc}"
             if progress is not None:
                 progress(futures[fut], results[futures[fut]])
     return results

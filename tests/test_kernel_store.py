@@ -158,3 +158,26 @@ def test_loading_a_stored_kernel_imports_no_compiler(stored):
     """, str(root))
     assert _compiler_modules(result["modules"]) == []
     assert result["folder"].startswith(str(root))
+
+
+def test_workers_that_cannot_start_name_the_main_guard(tmp_path):
+    """A script that builds kernels at import time, with no `if __name__ == "__main__":` guard: each
+    spawned compile worker imports it, tries to start workers of its own and dies; the error says why
+    and what to change, instead of only that a process died."""
+    from pathlib import Path
+
+    script = tmp_path / "serve.py"
+    script.write_text(textwrap.dedent("""
+        from runtime.kernels import compile_many
+        from schedules.arch import get_arch
+        from schedules.problem import Problem
+        from schedules.registry import Schedule
+        from schedules.marlin_mma import Knobs
+        errors = compile_many([(Problem(4096, 4096), Schedule("marlin_mma", Knobs()))], get_arch("sm_90a"), workers=1)
+        print("ERRORS", list(errors.values()))
+    """))
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root), "TILEMARLIN_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("ERRORS")][-1]
+    assert "compile worker died" in line and 'if __name__ == "__main__":' in line
