@@ -142,5 +142,6 @@ def fallback_schedule(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, w
         return schedule, f"the tuned winner of {twin.name} at this bucket"
     schedule = transferred(problem, bucket, arch, gpu, winners)
     if schedule is not None:
-        return schedule, f"the best-estimated of the tuned winners of the {NEAREST} nearest layers and buckets"
+        return schedule, (f"from the tuned winners of the nearest layers and buckets (the nearest where it is all but "
+                          f"this one, else the better-estimated of the {NEAREST} nearest)")
     return best_schedule(problem, bucket, arch, gpu), "the cost model's pick of the whole search space"
