@@ -51,12 +51,25 @@ def test_checkpoint_layer_in_a_cuda_graph(tmp_path):
 
 
 LLAMA_2_7B = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}
+ODD_M = (1, 3, 17, 100, 257, 1024)
+
+
+@pytest.fixture(scope="module")
+def llama_kernels():
+    """Every kernel the layer tests below run, built in one parallel compile instead of one build per
+    test: the zero-point problems grouped and channelwise, the symmetric grouped one (act-order)."""
+    from runtime.op import problem_of, precompile
+
+    problems = [problem_of(n, k, group, "float16", zero_points=zp) for k, n in LLAMA_2_7B.values()
+                for group, zp in ((128, True), (-1, True), (128, False))]
+    failed = {job: error for job, error in precompile(problems, ODD_M).items() if error}
+    assert not failed, failed
 
 
 @pytest.mark.parametrize("layer", list(LLAMA_2_7B))
 @pytest.mark.parametrize("group", [128, -1])
 @pytest.mark.parametrize("symmetric, act_order", [(False, False), (False, True), (True, True)])
-def test_checkpoint_layers_on_llama_shapes(layer, group, symmetric, act_order):
+def test_checkpoint_layers_on_llama_shapes(llama_kernels, layer, group, symmetric, act_order):
     """Zero points and act-order on Llama-2-7B's layers, as a checkpoint holds them, against the fp32
     product with the format's dense weights, at odd M."""
     if act_order and group == -1:
@@ -67,10 +80,10 @@ def test_checkpoint_layers_on_llama_shapes(layer, group, symmetric, act_order):
                        torch.Generator().manual_seed(seed_of(*case) % 2 ** 31))
     built = build_layer(drawn.codes.cuda(), drawn.scales.cuda(), drawn.zeros.cuda(), drawn.g_idx.cuda(), group, None,
                         torch.float16)
-    module = QuantLinear.from_layer(built, max_m=1024)
+    module = QuantLinear.from_layer(built, precompile=False)   # llama_kernels built its kernels
     assert module.zero_points == (not symmetric) and (module.perm is not None) == act_order
     weight = drawn.weight.cuda()
-    for m in (1, 3, 17, 100, 257, 1024):
+    for m in ODD_M:
         x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=generator(seed_of(*case, m)))
         with torch.no_grad():
             out = module(x)
