@@ -26,17 +26,20 @@ whole cache (tuned tables and kernels), e.g. for an installed, non-editable pack
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
+import contextlib
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import importlib.util
 import json
-import multiprocessing
 import os
+import queue
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -313,38 +316,90 @@ def _compile_job(problem: Problem, schedule_dict: dict, arch_name: str) -> str |
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:500]
 
 
-def _yield_to_the_gpu_driver() -> None:
-    """Compile workers run below normal priority: a tune measures one problem on the GPU while the
-    next one compiles, and the measuring process must get a core the moment it wants one."""
-    try:
-        os.nice(10)
-    except OSError:   # not permitted here: compile at normal priority
-        pass
-
-
-# Compile workers are spawned processes, which import the caller's main script before they run a job:
-# a script that converts a model at import time runs again in each worker, and the workers die.
-WORKER_HINT = ("(the compile workers are spawned processes that import the main script first: a script that "
-               "builds or converts a model at import time needs that code under `if __name__ == \"__main__\":`; "
-               "a worker killed for memory needs fewer workers)")
-
-
 def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int | None = None,
                  progress=None) -> dict[tuple[Problem, Schedule], str | None]:
-    """Build `jobs` into the store in a process pool (each nvcc run takes seconds); returns
-    job -> error or None. A caller's compile_schedule afterwards only loads."""
-    workers = workers or max(1, min(len(jobs), (os.cpu_count() or 2)))
+    """Build `jobs` into the store in worker processes (runtime/compile_worker.py; each nvcc run takes
+    seconds); returns job -> error or None, and calls progress(job, error) as each ends, one call at a
+    time. A caller's compile_schedule afterwards only loads."""
+    if not jobs:
+        return {}
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+    for job in jobs:
+        pending.put(job)
     results: dict = {}
-    ctx = multiprocessing.get_context("spawn")  # no CUDA context or TVM state inherited by forks
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_yield_to_the_gpu_driver) as pool:
-        futures = {pool.submit(_compile_job, p, s.to_dict(), arch.name): (p, s) for p, s in jobs}
-        for fut in cf.as_completed(futures):
-            try:
-                results[futures[fut]] = fut.result()
-            except cf.process.BrokenProcessPool as exc:   # a worker died: killed (OOM), or it failed to start
-                results[futures[fut]] = f"compile worker died: {exc} {WORKER_HINT}"
-            except Exception as exc:  # the job could not reach or leave its worker
-                results[futures[fut]] = f"compile job failed: {exc}"
+    done = threading.Lock()
+
+    def finish(job, error) -> None:
+        with done:
+            results[job] = error
             if progress is not None:
-                progress(futures[fut], results[futures[fut]])
+                progress(job, error)
+
+    threads = [threading.Thread(target=_serve_jobs, args=(pending, arch, finish), daemon=True)
+               for _ in range(workers or max(1, min(len(jobs), os.cpu_count() or 2)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     return results
+
+
+def _serve_jobs(pending: queue.SimpleQueue, arch: Arch, finish) -> None:
+    """One worker process's share: jobs off the queue until none is left. A worker that dies (killed
+    for memory, say) fails its job with its exit code and last words; the next job starts another."""
+    worker = None
+    try:
+        while True:
+            try:
+                problem, schedule = pending.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                worker = worker or _start_worker()
+            except OSError as exc:
+                finish((problem, schedule), f"cannot start a compile worker: {exc}")
+                continue
+            line = json.dumps({"problem": dataclasses.asdict(problem), "schedule": schedule.to_dict(),
+                               "arch": arch.name})
+            try:
+                worker.stdin.write(line + "\n")
+                worker.stdin.flush()
+                answer = worker.stdout.readline()
+            except OSError:     # its stdin closed under us: it died
+                answer = ""
+            if answer:
+                finish((problem, schedule), json.loads(answer)["error"])
+                continue
+            finish((problem, schedule), _obituary(worker))
+            worker = None
+    finally:
+        if worker is not None:
+            _close(worker)
+            worker.log.close()
+
+
+def _start_worker() -> subprocess.Popen:
+    # A plain child, not a multiprocessing one: those import the caller's main script first.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
+    log = tempfile.TemporaryFile()       # its stderr: read back only if it dies
+    worker = subprocess.Popen([sys.executable, "-m", "runtime.compile_worker"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+    worker.log = log
+    return worker
+
+
+def _close(worker: subprocess.Popen) -> int:
+    """Close the worker's stdin (it exits after its job) and wait for it; its exit code."""
+    with contextlib.suppress(OSError):    # a dead worker's pipe is broken
+        worker.stdin.close()
+    code = worker.wait()
+    worker.stdout.close()
+    return code
+
+
+def _obituary(worker: subprocess.Popen) -> str:
+    code = _close(worker)
+    worker.log.seek(0)
+    last = worker.log.read().decode(errors="replace").strip().splitlines()[-3:]
+    worker.log.close()
+    return f"compile worker died (exit code {code})" + (f": {' | '.join(last)}" if last else "")

@@ -160,24 +160,50 @@ def test_loading_a_stored_kernel_imports_no_compiler(stored):
     assert result["folder"].startswith(str(root))
 
 
-def test_workers_that_cannot_start_name_the_main_guard(tmp_path):
-    """A script that builds kernels at import time, with no `if __name__ == "__main__":` guard: each
-    spawned compile worker imports it, tries to start workers of its own and dies; the error says why
-    and what to change, instead of only that a process died."""
+def test_a_script_that_builds_at_import_time_needs_no_main_guard(tmp_path):
+    """The compile workers are plain child processes, not multiprocessing ones, which import the main
+    script first: a script that builds kernels at import time, with no `if __name__ == "__main__":`
+    guard, builds them once, in the workers, and is not run again there."""
     from pathlib import Path
 
     script = tmp_path / "serve.py"
     script.write_text(textwrap.dedent("""
-        from runtime.kernels import compile_many
+        from runtime.kernels import compile_many, is_stored
         from schedules.arch import get_arch
         from schedules.problem import Problem
         from schedules.registry import Schedule
         from schedules.marlin_mma import Knobs
-        errors = compile_many([(Problem(4096, 4096), Schedule("marlin_mma", Knobs()))], get_arch("sm_90a"), workers=1)
-        print("ERRORS", list(errors.values()))
+        print("SCRIPT RAN", flush=True)
+        job = (Problem(256, 1024), Schedule("marlin_mma", Knobs()))
+        errors = compile_many([job], get_arch("sm_90a"), workers=1)
+        print("ERRORS", list(errors.values()), is_stored(*job, get_arch("sm_90a")))
     """))
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": str(root), "TILEMARLIN_CACHE_DIR": str(tmp_path / "cache")}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("ERRORS")][-1]
-    assert "compile worker died" in line and 'if __name__ == "__main__":' in line
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert out.stdout.count("SCRIPT RAN") == 1, out.stdout + out.stderr[-2000:]
+    assert "ERRORS [None] True" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
+def test_a_worker_that_dies_fails_its_job_and_the_next_job_gets_another(monkeypatch, tmp_path):
+    """Each job is answered: a worker that dies (here one that exits at once, as one killed for memory
+    would) fails its job with its exit code and last words, and the next job starts a new worker; a
+    worker that cannot start at all fails its job with the reason."""
+    import runtime.kernels as kernels
+    from schedules.arch import get_arch
+    from schedules.marlin_mma import Knobs
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+
+    dying = tmp_path / "python"
+    dying.write_text("#!/bin/sh\necho 'Killed: out of memory' >&2\nexit 137\n")
+    dying.chmod(0o755)
+    monkeypatch.setattr(kernels.sys, "executable", str(dying))
+    jobs = [(Problem(256, 1024), Schedule("marlin_mma", Knobs())), (Problem(512, 1024), Schedule("marlin_mma", Knobs()))]
+    seen = []
+    errors = kernels.compile_many(jobs, get_arch("sm_90a"), workers=1, progress=lambda job, error: seen.append(job))
+    assert sorted(errors, key=str) == sorted(jobs, key=str) and sorted(seen, key=str) == sorted(jobs, key=str)
+    assert all(e == "compile worker died (exit code 137): Killed: out of memory" for e in errors.values())
+    monkeypatch.setattr(kernels.sys, "executable", str(tmp_path / "no-such-python"))
+    (error,) = kernels.compile_many(jobs[:1], get_arch("sm_90a")).values()
+    assert error.startswith("cannot start a compile worker: ") and "no-such-python" in error

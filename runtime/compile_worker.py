@@ -1,0 +1,43 @@
+"""A compile worker: `python -m runtime.compile_worker`, one per core, started by
+runtime.kernels.compile_many.
+
+It reads one job a line on stdin (JSON: problem, schedule and arch, each as the tuned table writes
+them) and answers each with a line on its protocol stream: {"error": null} once the kernel is in the
+store, else the error. Everything else the compile prints (TileLang's warnings, nvcc) goes to
+stderr. A plain child process rather than a multiprocessing worker: those import the caller's main
+script first, so a serving script that converts a model at import time would run again, model and
+all, in every worker.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _protocol_stream():
+    """stdout for the answers only: anything printed later, by Python or by C code, goes to stderr."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return answers
+
+
+def main() -> int:
+    answers = _protocol_stream()
+    try:
+        os.nice(10)   # a tune measures on the GPU while the next problem compiles: leave it a core
+    except OSError:
+        pass
+    from schedules.problem import Problem
+
+    from .kernels import _compile_job
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        error = _compile_job(Problem(**job["problem"]), job["schedule"], job["arch"])
+        answers.write(json.dumps({"error": error}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
