@@ -47,6 +47,7 @@ ARCHITECTURES: dict[str, dict] = {
     "qwen2.5-14b": dict(_QWEN_2_5, num_hidden_layers=48),
     "qwen2.5-32b": dict(_QWEN_2_5, num_hidden_layers=64),
     "qwen2.5-72b": dict(_QWEN_2_5, num_hidden_layers=80),
+    "qwen2.5-72b-int4": dict(_QWEN_2_5, num_hidden_layers=80),
 }
 # config.json fields that would make transformers build something other than a dense model
 _DROPPED_FIELDS = ("quantization_config", "auto_map", "torch_dtype", "dtype")
