@@ -36,7 +36,8 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class UntunedShapeWarning(UserWarning):
-    """A problem has no tuned kernel on this GPU; the best-estimated tuned winner that fits runs."""
+    """A problem has no tuned kernel on this GPU; the fallback's choice among the tuned winners runs
+    (runtime/fallback.py)."""
 
 
 class KernelCheckWarning(UserWarning):
