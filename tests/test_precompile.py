@@ -233,11 +233,15 @@ def cache(tmp_path, monkeypatch):
 
 def fake_entry(problem, schedule, arch=SM90, toolkit="cuda_test"):
     """A store entry as a build leaves it (the library's bytes are not a real library)."""
-    folder = store.kernel_folder(problem, schedule, arch)
+    return _fake_store_entry(store.kernel_folder(problem, schedule, arch), store.identity(problem, schedule, arch),
+                             toolkit)
+
+
+def _fake_store_entry(folder, identity: dict, toolkit: str):
     folder.mkdir(parents=True)
     (folder / "kernel.so").write_bytes(b"\x7fELF not really")
     (folder / "kernel.cu").write_text("// device source\n")
-    (folder / "meta.json").write_text(json.dumps({**store.identity(problem, schedule, arch), "cuda": toolkit}))
+    (folder / "meta.json").write_text(json.dumps({**identity, "cuda": toolkit}))
     return folder
 
 
@@ -294,12 +298,8 @@ def test_without_a_gpu_or_an_arch_the_command_says_what_to_name(cache, capsys):
 
 def fake_fp8_activations_entry(k, dtype, arch=SM90, toolkit="cuda_test"):
     """The store entry of W4A8's activation kernel as a build leaves it."""
-    folder = store.fp8_activations_folder(k, dtype, arch)
-    folder.mkdir(parents=True)
-    (folder / "kernel.so").write_bytes(b"\x7fELF not really")
-    (folder / "kernel.cu").write_text("// device source\n")
-    (folder / "meta.json").write_text(json.dumps({**store._fp8_activations_identity(k, dtype, arch), "cuda": toolkit}))
-    return folder
+    return _fake_store_entry(store.fp8_activations_folder(k, dtype, arch), store._fp8_activations_identity(k, dtype, arch),
+                             toolkit)
 
 
 def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monkeypatch):
