@@ -2,9 +2,9 @@
 runtime.kernels.compile_many.
 
 It reads one job a line on stdin (JSON: problem, schedule and arch, each as the tuned table writes
-them) and answers each with a line on its protocol stream: {"error": null} once the kernel is in the
-store, else the error. Everything else the compile prints (TileLang's warnings, nvcc) goes to
-stderr. A plain child process rather than a multiprocessing worker: those import the caller's main
+them) and answers each with a line on stdout, marked (kernels.REPLY) so that whatever else reaches
+stdout first (an import's print) is skipped: {"error": null} once the kernel is in the store, else
+the error. Everything printed after start-up (TileLang's warnings, nvcc) goes to stderr. A plain child process rather than a multiprocessing worker: those import the caller's main
 script first, so a serving script that converts a model at import time would run again, model and
 all, in every worker.
 """
@@ -30,12 +30,12 @@ def main() -> int:
         pass
     from schedules.problem import Problem
 
-    from .kernels import _compile_job
+    from .kernels import REPLY, _compile_job
 
     for line in sys.stdin:
         job = json.loads(line)
         error = _compile_job(Problem(**job["problem"]), job["schedule"], job["arch"])
-        answers.write(json.dumps({"error": error}) + "\n")
+        answers.write(REPLY + json.dumps({"error": error}) + "\n")
     return 0
 
 

@@ -325,7 +325,8 @@ def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int 
                  progress=None) -> dict[tuple[Problem, Schedule], str | None]:
     """Build `jobs` into the store in worker processes (runtime/compile_worker.py; each nvcc run takes
     seconds); returns job -> error or None, and calls progress(job, error) as each ends, one call at a
-    time. A caller's compile_schedule afterwards only loads."""
+    time. A caller's compile_schedule afterwards only loads. An exception of `progress` (or Ctrl-C)
+    stops the workers after their current jobs and is raised here."""
     if not jobs:
         return {}
     pending: queue.SimpleQueue = queue.SimpleQueue()
@@ -333,28 +334,43 @@ def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int 
         pending.put(job)
     results: dict = {}
     done = threading.Lock()
+    stop = threading.Event()
+    raised: list[BaseException] = []
 
     def finish(job, error) -> None:
         with done:
             results[job] = error
-            if progress is not None:
-                progress(job, error)
+            try:
+                if progress is not None:
+                    progress(job, error)
+            except BaseException as exc:    # the caller's: stop, and raise it in the caller's thread
+                raised.append(exc)
+                stop.set()
 
-    threads = [threading.Thread(target=_serve_jobs, args=(pending, arch, finish), daemon=True)
+    threads = [threading.Thread(target=_serve_jobs, args=(pending, arch, finish, stop), daemon=True)
                for _ in range(workers or max(1, min(len(jobs), os.cpu_count() or 2)))]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    finally:
+        stop.set()      # Ctrl-C: no worker takes another job, each exits after its current one
+    if raised:
+        raise raised[0]
     return results
 
 
-def _serve_jobs(pending: queue.SimpleQueue, arch: Arch, finish) -> None:
-    """One worker process's share: jobs off the queue until none is left. A worker that dies (killed
-    for memory, say) fails its job with its exit code and last words; the next job starts another."""
+REPLY = "tilemarlin-compile-worker:"   # marks the answers among anything else a worker may print
+
+
+def _serve_jobs(pending: queue.SimpleQueue, arch: Arch, finish, stop: threading.Event) -> None:
+    """One worker process's share: jobs off the queue until none is left (or `stop`). A worker that
+    dies (killed for memory, say) fails its job with its exit code and last words; the next job
+    starts another."""
     worker = None
     try:
-        while True:
+        while not stop.is_set():
             try:
                 problem, schedule = pending.get_nowait()
             except queue.Empty:
@@ -364,16 +380,10 @@ def _serve_jobs(pending: queue.SimpleQueue, arch: Arch, finish) -> None:
             except OSError as exc:
                 finish((problem, schedule), f"cannot start a compile worker: {exc}")
                 continue
-            line = json.dumps({"problem": dataclasses.asdict(problem), "schedule": schedule.to_dict(),
-                               "arch": arch.name})
-            try:
-                worker.stdin.write(line + "\n")
-                worker.stdin.flush()
-                answer = worker.stdout.readline()
-            except OSError:     # its stdin closed under us: it died
-                answer = ""
-            if answer:
-                finish((problem, schedule), json.loads(answer)["error"])
+            answer = _ask(worker, {"problem": dataclasses.asdict(problem), "schedule": schedule.to_dict(),
+                                   "arch": arch.name})
+            if answer is not None:
+                finish((problem, schedule), answer["error"])
                 continue
             finish((problem, schedule), _obituary(worker))
             worker = None
@@ -383,12 +393,29 @@ def _serve_jobs(pending: queue.SimpleQueue, arch: Arch, finish) -> None:
             worker.log.close()
 
 
+def _ask(worker: subprocess.Popen, job: dict) -> dict | None:
+    """Send one job; the worker's answer ({"error": message or None}), or None when it died first."""
+    try:
+        worker.stdin.write(json.dumps(job) + "\n")
+        worker.stdin.flush()
+        for line in worker.stdout:          # lines without the mark are someone else's output
+            if line.startswith(REPLY):
+                return json.loads(line[len(REPLY):])
+    except OSError:                         # its stdin closed under us: it died
+        pass
+    return None
+
+
 def _start_worker() -> subprocess.Popen:
     # A plain child, not a multiprocessing one: those import the caller's main script first.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
     log = tempfile.TemporaryFile()       # its stderr: read back only if it dies
-    worker = subprocess.Popen([sys.executable, "-m", "runtime.compile_worker"], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+    try:
+        worker = subprocess.Popen([sys.executable, "-m", "runtime.compile_worker"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+    except BaseException:
+        log.close()
+        raise
     worker.log = log
     return worker
 

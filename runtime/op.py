@@ -263,7 +263,7 @@ def _checked_kernel(problem: Problem, schedule: Schedule, bucket: int, device: t
     from schedules.cost import GpuSpec
 
     from . import selfcheck
-    from .fallback import fallback_schedule
+    from .fallback import fallback_schedule, for_problem
     from .kernels import compile_schedule
 
     arch = current_arch(device)
@@ -274,7 +274,8 @@ def _checked_kernel(problem: Problem, schedule: Schedule, bucket: int, device: t
         selfcheck.check_once(kernel, problem, schedule, bucket, device)
         return schedule, kernel
     except selfcheck.KernelCheckError as exc:
-        others = tuple(w for w in _winners(arch.name) if w.schedule != schedule)
+        # (compared in the problem's form: a winner of another form may become the kernel that failed)
+        others = tuple(w for w in _winners(arch.name) if for_problem(problem, w.schedule) != schedule)
         replacement, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), others)
         warnings.warn(f"{exc}; running {replacement.name} ({how}) instead", KernelCheckWarning, stacklevel=3)
         kernel = compile_schedule(problem, replacement, arch)

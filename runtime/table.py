@@ -485,8 +485,8 @@ def table_path(gpu: GpuKey, root=None) -> Path:
 
 def winners_for_arch(arch: str) -> tuple:
     """The winners (runtime.fallback.TunedWinner: problem, bucket, schedule) of every trusted tuned
-    table for `arch` in table_folders(), each (problem, bucket) once, the later folder's winner where
-    two tables hold it: what an untuned shape's fallback chooses from."""
+    table for `arch` in table_folders() (each table's, so another GPU of the arch adds its winners
+    and replaces none): what an untuned shape's fallback chooses from."""
     from .fallback import TunedWinner
 
     found: dict[tuple, TunedWinner] = {}
@@ -496,7 +496,7 @@ def winners_for_arch(arch: str) -> tuple:
         except TableError:
             continue
         if table is not None and table.gpu.arch == arch:
-            found.update(((p, b), TunedWinner(p, b, entry.schedule)) for (p, b), entry in table.items())
+            found.update(((path, p, b), TunedWinner(p, b, entry.schedule)) for (p, b), entry in table.items())
     return tuple(found.values())
 
 

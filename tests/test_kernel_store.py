@@ -207,3 +207,29 @@ def test_a_worker_that_dies_fails_its_job_and_the_next_job_gets_another(monkeypa
     monkeypatch.setattr(kernels.sys, "executable", str(tmp_path / "no-such-python"))
     (error,) = kernels.compile_many(jobs[:1], get_arch("sm_90a")).values()
     assert error.startswith("cannot start a compile worker: ") and "no-such-python" in error
+
+
+def test_stray_output_of_a_worker_is_skipped_and_a_progress_error_reaches_the_caller(monkeypatch, tmp_path):
+    """Answers are marked lines: a worker whose start-up prints to stdout (a sitecustomize, an import)
+    still answers. An exception of the caller's progress callback stops the build and is raised by
+    compile_many, not lost in a worker thread."""
+    import runtime.kernels as kernels
+    from schedules.arch import get_arch
+    from schedules.marlin_mma import Knobs
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+
+    chatty = tmp_path / "python"
+    chatty.write_text(f"#!/bin/sh\necho 'hello from site'\nexec {sys.executable} \"$@\"\n")
+    chatty.chmod(0o755)
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels.sys, "executable", str(chatty))
+    job = (Problem(256, 1024), Schedule("marlin_mma", Knobs()))
+    assert kernels.compile_many([job], get_arch("sm_90a"), workers=1) == {job: None}
+
+    def refuse(job, error):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(kernels.sys, "executable", str(tmp_path / "no-such-python"))
+    with pytest.raises(KeyboardInterrupt):
+        kernels.compile_many([job, (Problem(512, 1024), job[1])], get_arch("sm_90a"), workers=1, progress=refuse)
