@@ -179,11 +179,16 @@ def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Proble
     if problem.fp8:    # (first: the quantizer's first lookup refuses GPUs without FP8 wgmma)
         a = _quantized(a, problem)
     launcher = _launcher(out.device, problem, layout, bucket_of(m))
-    schedule = launcher.schedule
+    launch_schedule(launcher.kernel, launcher.schedule, problem, a, qweight, scales, out)
+
+
+def launch_schedule(kernel, schedule: Schedule, problem: Problem, a, qweight, scales, out: torch.Tensor) -> None:
+    """Run `kernel`, compiled from `schedule` for `problem`, on kernel-ready activations a (contiguous;
+    FP8 problems: the (values, token scales) pair), with the split-K workspace of out's stream."""
     fam, knobs = schedule.module, schedule.knobs
-    fp32_elems, counters = fam.workspace_elems(problem, knobs, m)
+    fp32_elems, counters = fam.workspace_elems(problem, knobs, out.shape[0])
     partials, tile_counters = split_k_workspace(out.device, fp32_elems, counters) if fp32_elems or counters else (None, None)
-    launcher.kernel(*fam.kernel_args(problem, knobs, a, qweight, scales, out, partials, tile_counters))
+    kernel(*fam.kernel_args(problem, knobs, a, qweight, scales, out, partials, tile_counters))
 
 
 def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from schedules.problem import Problem
 from schedules.quant import kernel_activations, mismatch, problem_reference, torch_dtype
 from schedules.registry import Schedule
 
-from .workspace import split_k_workspace
+from .op import launch_schedule
 
 SEED = 20261202
 LARGEST_CHECKED_M = 4096       # the open last bucket is checked at its lower edge's neighbour
@@ -60,11 +60,7 @@ def run_check(kernel, problem: Problem, schedule: Schedule, m: int, device: torc
     scales = (torch.rand((problem.num_groups, problem.n), generator=gen, device=device) * 0.02 + 0.001).to(dtype)
     a = torch.randn((m, problem.k), generator=gen, device=device).to(dtype)
     zeros = torch.randint(0, 16, scales.shape, generator=gen, device=device) if problem.zero_points else None
-    fam, knobs = schedule.module, schedule.knobs
-    qweight, packed_scales = fam.pack(codes, scales, zeros)
+    qweight, packed_scales = schedule.module.pack(codes, scales, zeros)
     out = torch.full((m, problem.n), float("nan"), dtype=dtype, device=device)
-    fp32_elems, counters = fam.workspace_elems(problem, knobs, m)
-    partials, tile_counters = split_k_workspace(device, fp32_elems, counters) if fp32_elems or counters else (None, None)
-    kernel(*fam.kernel_args(problem, knobs, kernel_activations(problem, a), qweight, packed_scales, out, partials,
-                            tile_counters))
+    launch_schedule(kernel, schedule, problem, kernel_activations(problem, a), qweight, packed_scales, out)
     return mismatch(out, problem_reference(problem, a, codes, scales, zeros), problem.dtype)

@@ -346,15 +346,17 @@ def test_prefill_sizes_replay_fewer_times():
 
 @pytest.mark.gpu
 def test_a_small_bench_on_the_gpu(tmp_path):
-    """One layer, two batch sizes, end to end: every kernel checked against the reference, then timed."""
-    args = parse(["--shapes", "4096x4096", "--ms", "1,16", "--kernels", "tilemarlin,fp16,torch_int4",
+    """One layer, two batch sizes, end to end: every kernel checked against the reference, then timed
+    (tilemarlin_untuned: the fallback's kernels for the tuned o_proj shape as if it had no entry)."""
+    kernels = ("tilemarlin", "fp16", "torch_int4", "tilemarlin_untuned")
+    args = parse(["--shapes", "4096x4096", "--ms", "1,16", "--kernels", ",".join(kernels),
                   "--out", str(tmp_path), "--markdown"])
     assert args.func(args) == 0
     (path,) = tmp_path.glob("*-shapes-4096x4096.json")
     data = report.load(path)
     assert data["meta"]["complete"] and data["meta"]["ceilings"]["hbm_read_gbps"] > 100
     rows = {(r["kernel"], r["m"]): r for r in data["rows"]}
-    assert set(rows) == {(k, m) for k in ("tilemarlin", "fp16", "torch_int4") for m in (1, 16)}
+    assert set(rows) == {(k, m) for k in kernels for m in (1, 16)}
     for row in rows.values():
         assert row["us"] is not None, row
         assert row["rel_err"] <= bench.REL_ERR_LIMIT and row["gbps"] > 0
@@ -576,3 +578,29 @@ def test_the_kernels_of_every_layer_are_built_before_timing(kernels, expected, m
     (problems, ms), = asked
     assert ms == [1, 64]
     assert {(p.k, p.n, p.zero_points) for p in problems} == {(l.k, l.n, zp) for l in layers for zp in expected}
+
+
+def test_tilemarlin_untuned_chooses_as_if_the_shape_had_no_entry(monkeypatch):
+    """tilemarlin_untuned (timed only when named) serves a tuned shape with the fallback's kernels: the
+    op's choices on this GPU with the shape left out in every form, so Llama-2-7B's tuned o_proj is
+    chosen for from the other shapes' winners, and its table entry is not taken."""
+    from runtime import op
+    from runtime.fallback import TunedWinner
+    from runtime.precompile import Dispatch
+    from runtime.table import TunedTable, shipped_tables_dir
+    from schedules.arch import get_arch
+    from schedules.cost import GpuSpec
+    from schedules.problem import Problem
+
+    table = TunedTable.read(shipped_tables_dir() / "nvidia-h200_sm_90a_132sm.json")
+    winners = tuple(TunedWinner(p, b, entry.schedule) for (p, b), entry in table.items())
+    sm90 = get_arch("sm_90a")
+    monkeypatch.setattr(op, "dispatch_for", lambda device=None: Dispatch(sm90, GpuSpec.for_arch(sm90), table, winners))
+    assert bench.parse_kernels("tilemarlin,tilemarlin_untuned,fp16") == ["tilemarlin", "tilemarlin_untuned", "fp16"]
+    assert "tilemarlin_untuned" not in bench.KERNELS
+    o_proj = Problem.make(n=4096, k=4096, group=128, dtype="float16")
+    dispatch = contenders.untuned_dispatch(o_proj)
+    for bucket in (1, 64, 4096):
+        schedule, how = dispatch.choose(o_proj, bucket, op.DEFAULT_LAYOUT)
+        assert how is not None and "nearest" in how
+        assert op.dispatch_for().choose(o_proj, bucket, op.DEFAULT_LAYOUT)[1] is None    # the op's own: tuned

@@ -120,3 +120,27 @@ def test_a_twin_winner_runs_in_the_form_the_problem_takes(shipped, winners):
     # where the twin's winner fits, it is taken
     schedule, how = fallback_schedule(zero_points, 1, SM90, H200, winners, fp16_only)
     assert schedule == shipped.lookup(Problem(4096, 4096), 1) and "tuned winner of" in how
+
+
+def test_a_shape_left_out_leaves_in_every_form_and_nothing_else_goes(shipped, winners):
+    """gen bench's tilemarlin_untuned and `gen modelcheck --fallback` serve a tuned shape as if nobody
+    had tuned it: Llama-2-7B's o_proj (4096x4096, tuned in fp16, bf16, with zero points and W4A8) leaves
+    the table and the winners in all its forms; every other entry stays, and the fallback then
+    chooses from the other shapes' winners (no twin is left to take)."""
+    from gen.dev.fallback_check import left_out
+
+    o_proj = Problem(4096, 4096)
+    rest, kept = left_out(shipped, winners, o_proj, whole_shape=True)
+    same_shape = [p for (p, _), _ in shipped.items() if (p.n, p.k, p.group) == (4096, 4096, 128)]
+    assert {p.dtype for p in same_shape} == {"float16", "bfloat16"} and any(p.zero_points for p in same_shape)
+    assert len(rest.items()) == len(shipped.items()) - 13 * len(set(same_shape))
+    assert all((p.n, p.k) != (4096, 4096) for (p, _), _ in rest.items())
+    assert all((w.problem.n, w.problem.k) != (4096, 4096) for w in kept)
+    assert len(kept) == len(winners) - sum((w.problem.n, w.problem.k, w.problem.group) == (4096, 4096, 128)
+                                           for w in winners)
+    _, how = fallback_schedule(o_proj, 16, SM90, H200, kept, rest)
+    assert "nearest" in how
+
+    only_fp16, _ = left_out(shipped, winners, o_proj, whole_shape=False)
+    assert len(only_fp16.items()) == len(shipped.items()) - 13
+    assert only_fp16.lookup(Problem(4096, 4096, dtype="bfloat16"), 16) is not None

@@ -36,8 +36,10 @@ KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
 # Timed only when named, beside the symmetric kernels in the same run: tilemarlin on the same codes
 # and scales with zero points drawn over 0..15 (asymmetric checkpoints' layers), and with act-order
 # (the activations' columns gathered by a permutation before each GEMM).
-# W4A8 (Hopper): tilemarlin's, FP8 W8A8 torch._scaled_mm and humming's W4A8.
-OPTIONAL_KERNELS = ("tilemarlin_zp", "tilemarlin_act", "tilemarlin_w4a8", "fp8_w8a8", "humming_w4a8")
+# W4A8 (Hopper): tilemarlin's, FP8 W8A8 torch._scaled_mm and humming's W4A8. And tilemarlin_untuned: the
+# kernels the fallback would run were the layers' shapes in no tuned table (beside a tune of them).
+OPTIONAL_KERNELS = ("tilemarlin_zp", "tilemarlin_act", "tilemarlin_w4a8", "fp8_w8a8", "humming_w4a8",
+                    "tilemarlin_untuned")
 # fp16 results land near 1e-3 and bf16 ones (torch_int4) near 5e-3 of the reference; a wrong layout,
 # scale or reduction lands near 1.
 REL_ERR_LIMIT = 2e-2
@@ -401,11 +403,30 @@ def _precompile_tilemarlin(layers: list, args) -> None:
                 for layer in layers for form in sorted(wanted)]
     try:
         failed = {job: error for job, error in precompile(problems, args.ms).items() if error}
+        if "tilemarlin_untuned" in args.kernels:
+            failed.update(_precompile_untuned(layers, args))
     except Exception as exc:   # the first calls compile instead, and record any failure per point
         print(f"precompiling failed ({_error_text(exc)}); kernels compile at first call", file=sys.stderr)
         return
     for (problem, schedule), error in failed.items():
         print(f"  {problem.name} {schedule.name}: {error}", file=sys.stderr)
+
+
+def _precompile_untuned(layers: list, args) -> dict:
+    """Build the kernels tilemarlin_untuned will run (the fallback's, each layer's shape left out) in
+    one parallel compile; returns the failed jobs with their errors."""
+    from gen.bench.contenders import untuned_dispatch
+    from runtime.op import DEFAULT_LAYOUT
+    from runtime.precompile import build_missing, plan
+    from schedules.problem import Problem
+
+    jobs, arch = {}, None
+    for layer in layers:
+        problem = Problem.make(n=layer.n, k=layer.k, group=args.group, dtype=bench_dtype(args))
+        dispatch = untuned_dispatch(problem)
+        jobs.update(dict.fromkeys(plan([problem], args.ms, dispatch, DEFAULT_LAYOUT)))
+        arch = dispatch.arch
+    return {job: error for job, error in build_missing(list(jobs), arch).items() if error} if jobs else {}
 
 
 def _smi_device() -> str:
@@ -453,7 +474,7 @@ def _measure_and_report(args, model: str, layers: list) -> int:
     dtype = data["meta"]["dtype"]
     stem = f"{report.slug(data['meta']['gpu'])}-{report.slug(model)}" + ("" if dtype == "float16" else f"-{dtype}")
     json_path = report.output_paths(args.out, stem)["json"]
-    if {"tilemarlin", "tilemarlin_zp", "tilemarlin_act", "tilemarlin_w4a8"} & set(args.kernels):
+    if {"tilemarlin", "tilemarlin_zp", "tilemarlin_act", "tilemarlin_w4a8", "tilemarlin_untuned"} & set(args.kernels):
         _precompile_tilemarlin(layers, args)
     windows: dict[int, list] = {}
     nvml = _energy_counter(data["meta"]) if args.sustain else None

@@ -1,5 +1,6 @@
-"""The kernels `gen bench` compares: tilemarlin (symmetric, with zero points, with act-order, W4A8),
-FP16 torch.matmul, torch's INT4 kernel, FP8 W8A8 torch._scaled_mm, and humming (W4A16 and W4A8).
+"""The kernels `gen bench` compares: tilemarlin (symmetric, with zero points, with act-order, W4A8, and
+as it serves an untuned shape), FP16 torch.matmul, torch's INT4 kernel, FP8 W8A8 torch._scaled_mm, and
+humming (W4A16 and W4A8).
 
 Each contender turns one layer's weights into its own format, in as many copies as L2 needs to miss
 (gen.timing.weight_copies), and returns a function from activations x [M, K] (fp16, or bf16 in a
@@ -60,6 +61,51 @@ def tilemarlin_contender(w: LayerWeights) -> Contender:
     copies = weight_copies(marlin_mma.pack(w.codes, w.scales))
     return Contender(lambda x: [functools.partial(w4a16_gemm, x, qw, qs, w.n, w.k, w.group) for qw, qs in copies],
                      exact=True)
+
+
+def untuned_dispatch(problem: Problem):
+    """The op's choices on this GPU (runtime.precompile.Dispatch) as if nobody had tuned `problem`'s
+    shape: its entries, in every dtype and form, left out of the tuned table and of the winners the
+    fallback transfers from (gen.dev.fallback_check.left_out)."""
+    import dataclasses
+
+    from gen.dev.fallback_check import left_out
+    from runtime.op import dispatch_for
+
+    dispatch = dispatch_for()
+    table, winners = left_out(dispatch.table, dispatch.winners, problem, whole_shape=True)
+    return dataclasses.replace(dispatch, table=table, winners=winners)
+
+
+def tilemarlin_untuned_contender(w: LayerWeights) -> Contender:
+    """tilemarlin as it serves a layer whose shape no table holds: at each M, the kernel the fallback
+    (runtime/fallback.py) chooses with this shape left out (untuned_dispatch), on the same packed
+    weights as tilemarlin. Beside tilemarlin on shapes tuned just before, it measures what the
+    fallback costs against a tune of the shape."""
+    try:
+        from runtime.op import DEFAULT_LAYOUT, dtype_name, launch_schedule
+    except ImportError as exc:
+        raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
+    from runtime.kernels import compile_schedule
+    from runtime.table import bucket_of
+    from schedules import marlin_mma
+
+    problem = Problem.make(n=w.n, k=w.k, group=w.group, dtype=dtype_name(w.scales.dtype))
+    dispatch = untuned_dispatch(problem)
+    copies = weight_copies(marlin_mma.pack(w.codes, w.scales))
+
+    def calls(x):
+        schedule, _ = dispatch.choose(problem, bucket_of(x.shape[0]), DEFAULT_LAYOUT)
+        kernel = compile_schedule(problem, schedule, dispatch.arch)
+        out = x.new_empty((x.shape[0], w.n))
+
+        def run(qweight, scales):
+            launch_schedule(kernel, schedule, problem, x, qweight, scales, out)
+            return out
+
+        return [functools.partial(run, qw, qs) for qw, qs in copies]
+
+    return Contender(calls, exact=True)
 
 
 def tilemarlin_zero_points_contender(w: LayerWeights) -> Contender:
@@ -198,6 +244,7 @@ def _humming(w: LayerWeights, input_config: dict | None) -> Contender:
 
 CONTENDERS = {"tilemarlin": tilemarlin_contender, "fp16": fp16_contender,
               "torch_int4": torch_int4_contender, "humming": humming_contender,
+              "tilemarlin_untuned": tilemarlin_untuned_contender,
               "tilemarlin_zp": tilemarlin_zero_points_contender, "tilemarlin_act": tilemarlin_act_order_contender,
               "tilemarlin_w4a8": tilemarlin_w4a8_contender, "fp8_w8a8": fp8_w8a8_contender,
               "humming_w4a8": humming_w4a8_contender}

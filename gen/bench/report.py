@@ -303,7 +303,8 @@ class PlotsUnavailable(RuntimeError):
 
 
 _COLORS = {OURS: "C0", BASELINE: "C7", "torch_int4": "C1", "humming": "C2", "tilemarlin_zp": "C9", "tilemarlin_act": "C4",
-           "tilemarlin_w4a8": "C6", "fp8_w8a8": "C5", "humming_w4a8": "C8"}
+           "tilemarlin_w4a8": "C6", "fp8_w8a8": "C5", "humming_w4a8": "C8",
+           "tilemarlin_untuned": "C3"}
 
 
 def _color(kernel: str) -> str:

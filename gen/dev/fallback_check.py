@@ -37,12 +37,9 @@ def fallback_against_tune(table: TunedTable, timings: dict, arch, gpu,
     from runtime.fallback import TunedWinner, fallback_schedule
 
     results = []
+    everything = tuple(TunedWinner(p, bucket, entry.schedule) for (p, bucket), entry in table.items())
     for problem in sorted({p for (p, _), _ in table.items()}, key=lambda p: p.name):
-        rest = TunedTable(table.gpu)
-        for (p, bucket), entry in table.items():
-            if p != problem and not (whole_shape and _shape(p) == _shape(problem)):
-                rest.record(p, bucket, entry.schedule, entry.us)
-        winners = tuple(TunedWinner(p, bucket, entry.schedule) for (p, bucket), entry in rest.items())
+        rest, winners = left_out(table, everything, problem, whole_shape)
         for (p, bucket), _ in table.items():
             timed = timings.get((p, bucket))
             if p != problem or not timed:
@@ -52,6 +49,19 @@ def fallback_against_tune(table: TunedTable, timings: dict, arch, gpu,
             ratio = mine / min(timed.values()) if mine is not None else None
             results.append(FallbackResult(problem, bucket, schedule.name, how, ratio))
     return results
+
+
+def left_out(table: TunedTable, winners: tuple, problem: Problem, whole_shape: bool) -> tuple[TunedTable, tuple]:
+    """(table, winners) as if nobody had tuned `problem` (`whole_shape`: its shape in any dtype or
+    form): the entries and the winners (TunedWinner) of everything else."""
+    def kept(other: Problem) -> bool:
+        return other != problem and not (whole_shape and _shape(other) == _shape(problem))
+
+    rest = TunedTable(table.gpu)
+    for (p, bucket), entry in table.items():
+        if kept(p):
+            rest.record(p, bucket, entry.schedule, entry.us)
+    return rest, tuple(w for w in winners if kept(w.problem))
 
 
 def _shape(problem: Problem) -> tuple:
