@@ -1,6 +1,6 @@
 """The torch-facing op: y = x @ dequant(W) for INT4 weights packed in a schedule family's layout.
 
-`tilemarlin::w4a16_gemm` is a torch.library custom op. Its fake implementation gives torch.compile the
+`tilemarlin::w4a16_gemm` is an op of torch's dispatcher. Its fake implementation gives torch.compile the
 output's shape, so `torch.compile(fullgraph=True)` traces through it; its real implementation is
 CUDA-graph safe: it does no host synchronization and no Python branching on device values, allocates
 only the output (and a split-K workspace the first time a size is seen on a stream), and launches
@@ -113,10 +113,59 @@ def _check_device(x, qweight, scales) -> None:
 
 # --- the op --------------------------------------------------------------------------------------
 
-@torch.library.custom_op("tilemarlin::w4a16_gemm", mutates_args=())
+_LIBRARY = torch.library.Library("tilemarlin", "DEF")
+
+
+def _define(name: str, impl, fake):
+    """Register tilemarlin::<name> with torch's dispatcher, its schema read from `impl`'s annotations:
+    `impl` for every device (it refuses all but CUDA GPUs with a clear error), `fake` for tracing.
+    Plain torch.library registration rather than torch.library.custom_op, whose wrapper imports
+    torch._dynamo at an op's first call (1.5 s on a first request, 6.5 s where Python compiles torch's
+    sources afresh) and checks aliasing at every call (28 us a call against 10 us, on a CPU)."""
+    _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=()))
+    _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tilemarlin::{name}", lib=_LIBRARY)(fake)
+    return getattr(torch.ops.tilemarlin, name).default
+
+
+def _w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
+                layout: str = DEFAULT_LAYOUT, zero_points: bool = False) -> torch.Tensor:
+    problem = _check_args(x, qweight, scales, n, k, group, layout, zero_points)
+    _check_device(x, qweight, scales)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel():
+        _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
+    return out
+
+
+def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT, zero_points=False):
+    _check_args(x, qweight, scales, n, k, group, layout, zero_points)
+    return x.new_empty((*x.shape[:-1], n))
+
+
+def _w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
+               layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
+    problem = _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
+    _check_device(x, qweight, scales)
+    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    if out.numel():
+        _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
+    return out
+
+
+def _w4a8_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT):
+    _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
+    return x.new_empty((*x.shape[:-1], n))
+
+
+_W4A16_OP = _define("w4a16_gemm", _w4a16_gemm, _w4a16_gemm_fake)
+_W4A8_OP = _define("w4a8_gemm", _w4a8_gemm, _w4a8_gemm_fake)
+
+
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
                layout: str = DEFAULT_LAYOUT, zero_points: bool = False) -> torch.Tensor:
-    """y[..., N] = x[..., K] @ dequant(W)[K, N] with INT4 weights packed in `layout`.
+    """y[..., N] = x[..., K] @ dequant(W)[K, N] with INT4 weights packed in `layout`
+    (torch.ops.tilemarlin.w4a16_gemm).
 
     Parameters
     ----------
@@ -132,42 +181,20 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: 
     -------
     A new tensor [..., N] in x's dtype.
     """
-    problem = _check_args(x, qweight, scales, n, k, group, layout, zero_points)
-    _check_device(x, qweight, scales)
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    if out.numel():
-        _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
-    return out
+    return _W4A16_OP(x, qweight, scales, n, k, group, layout, zero_points)
 
 
-@w4a16_gemm.register_fake
-def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT, zero_points=False):
-    _check_args(x, qweight, scales, n, k, group, layout, zero_points)
-    return x.new_empty((*x.shape[:-1], n))
-
-
-@torch.library.custom_op("tilemarlin::w4a8_gemm", mutates_args=())
 def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
               layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
-    """W4A8: y[..., N] = fp8(x)[..., K] @ dequant(W)[K, N] on FP8 tensor cores (Hopper, sm_90a).
+    """W4A8: y[..., N] = fp8(x)[..., K] @ dequant(W)[K, N] on FP8 tensor cores (Hopper, sm_90a)
+    (torch.ops.tilemarlin.w4a8_gemm).
 
     x is quantized per token (row) to FP8 e4m3 by a kernel of its own (schedules/fp8_activations.py:
     scale = the row's largest magnitude / 448), then multiplied by the same packed INT4 weights and
     scales that w4a16_gemm takes (symmetric weights; no zero points). Arguments and result as
     w4a16_gemm's. Raises RuntimeError on a GPU without FP8 wgmma.
     """
-    problem = _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
-    _check_device(x, qweight, scales)
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    if out.numel():
-        _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
-    return out
-
-
-@w4a8_gemm.register_fake
-def _w4a8_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT):
-    _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
-    return x.new_empty((*x.shape[:-1], n))
+    return _W4A8_OP(x, qweight, scales, n, k, group, layout)
 
 
 def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Problem, layout: str) -> None:

@@ -3,8 +3,11 @@
 Where a test needs the op to compute on the CPU, it swaps the CUDA launch for the fp32 reference
 (`reference_launch`), so that everything around the kernel is checked: shapes, transposes, bias.
 """
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,8 @@ from schedules import marlin_mma
 from schedules.problem import Problem
 from schedules.quant import dequantize, quantize_rtn, reference_matmul
 from schedules.registry import Schedule
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def reference_launch(a, qweight, scales, out, problem, layout):
@@ -297,6 +302,20 @@ def test_fake_tensors_give_the_output_shape():
         assert y.shape == (2, 9, 128) and y.dtype == torch.float16 and y.device.type == "cuda"
         with pytest.raises(ValueError, match="K=256"):
             w4a16_gemm(torch.empty(9, 128, dtype=torch.float16, device="cuda"), qweight, scales, 128, 256, 128)
+
+
+def test_an_ops_first_call_does_not_import_torch_dynamo():
+    """The ops are plain dispatcher registrations: torch.library.custom_op's wrapper would import
+    torch._dynamo (and with it sympy and FSDP) at the first request, seconds on a serving path."""
+    code = ("import sys, torch\n"
+            "from runtime.op import w4a16_gemm\n"
+            "x, scales = torch.randn(3, 256, dtype=torch.float16), torch.rand(2, 128, dtype=torch.float16)\n"
+            "try:\n    w4a16_gemm(x, torch.zeros(16, 256, dtype=torch.int32), scales, 128, 256, 128)\n"
+            "except RuntimeError as exc:\n    assert 'runs on CUDA GPUs' in str(exc)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"]
 
 
 def test_dynamo_traces_a_quant_linear_into_one_graph():
