@@ -38,6 +38,27 @@ UNFUSED_HELP = ("the --model layers as transformers' modules run them: q, k, v, 
                 "GEMMs a decoder layer) instead of the qkv and gate_up projections serving engines fuse")
 
 
+def add_layer_arguments(p, shapes_help: str = "extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096") -> None:
+    """The flags that name the layers and their form, the same in every command that takes them:
+    --model, --tp, --unfused, --shapes, --group, --dtype, --zero-points, --act."""
+    from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES
+
+    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json; "
+                   "several, comma separated, share one run (a layer shape they share is one problem)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks the --model layers are split over (--shapes are taken as given)")
+    p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
+    p.add_argument("--shapes", help=shapes_help)
+    p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
+    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
+    p.add_argument("--zero-points", action="store_true",
+                   help="layers with zero points of their own (asymmetric checkpoints: GPTQ sym=false, AWQ)")
+    p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
+                   help="the layers' activations: dtype (W4A16) or fp8 (W4A8: FP8 e4m3 per token on FP8 wgmma, "
+                        "sm_90a, with its activation kernel for each K, whose time is the same for every "
+                        "candidate and not part of tuned times)")
+
+
 @dataclass(frozen=True)
 class Layer:
     """One linear layer: C[M, n] = A[M, k] @ W[k, n]."""

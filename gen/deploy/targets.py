@@ -12,25 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.table import BUCKETS
-from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES
 
-from gen.models import UNFUSED_HELP
+from gen.models import add_layer_arguments
 
 
 def add_arguments(p) -> None:
     """The flags that name the layers, the buckets and the target GPU."""
-    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json; "
-                   "several, comma separated, share one run (a layer shape they share is one problem)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over")
-    p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
-    p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
-    p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
-    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
-    p.add_argument("--zero-points", action="store_true",
-                   help="layers with zero points of their own (asymmetric checkpoints: GPTQ sym=false, AWQ)")
-    p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
-                   help="the layers' activations: dtype (W4A16) or fp8 (W4A8, with its per-token FP8 activation "
-                        "kernel for each K)")
+    add_layer_arguments(p)
     p.add_argument("--buckets", help=f"M buckets, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--arch", help="target arch, e.g. sm_90a (default: this GPU's); needs no GPU")
     p.add_argument("--gpu", metavar="SLUG", help="the tuned table to follow (see `gen cache list`; default: this "

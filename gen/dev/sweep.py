@@ -17,9 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES
-
-from gen.models import UNFUSED_HELP
+from gen.models import add_layer_arguments
 from gen.tune.options import positive_workers
 
 
@@ -28,16 +26,7 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--family", required=True, help="schedule family, e.g. stream_mma")
     p.add_argument("--knobs", default="", help='the grid: "name=v1,v2 name=v3 ..." (unnamed knobs keep their defaults)')
-    p.add_argument("--model", help="a registered model or a path to a Hugging Face config.json "
-                   "(several: comma separated)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over")
-    p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
-    p.add_argument("--shapes", help="KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
-    p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
-    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
-    p.add_argument("--zero-points", action="store_true", help="layers with zero points of their own")
-    p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
-                   help="the kernels' activations: dtype (W4A16) or fp8 (W4A8)")
+    add_layer_arguments(p, shapes_help="KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
     p.add_argument("--ms", default="1,16", help="M values (bucket edges), comma separated (default: %(default)s)")
     p.add_argument("--show", type=int, default=5, help="fastest candidates printed per layer and M (default: %(default)s)")
     p.add_argument("--json", metavar="FILE",

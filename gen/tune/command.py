@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from runtime.table import BETWEEN, BUCKETS, REPLAY
-from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES, Problem
+from schedules.problem import Problem
 
-from gen.models import UNFUSED_HELP
+from gen.models import add_layer_arguments
 from gen.tune.measuring import MeasureError
 from gen.tune.options import (Target, load_seeds, parse_axes, parse_buckets, parse_families, parse_variants,
                               positive_workers, searched_axes, targets_from_args)
@@ -37,19 +37,7 @@ DEFAULT_TIME_BUDGET_S = 520.0
 def register(subparsers) -> None:
     p = subparsers.add_parser("tune", help="tune kernels for a model's linear layers on this GPU",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json; "
-                   "several, comma separated, share one run (a layer shape they share is one problem)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the --model layers are split over (--shapes are taken as given)")
-    p.add_argument("--unfused", action="store_true", help=UNFUSED_HELP)
-    p.add_argument("--shapes", help="extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096")
-    p.add_argument("--group", type=int, default=128, help="rows per quantization group; -1 = channelwise")
-    p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
-    p.add_argument("--zero-points", action="store_true",
-                   help="layers with zero points of their own (asymmetric checkpoints: GPTQ sym=false, AWQ)")
-    p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
-                   help="the kernels' activations: dtype (W4A16) or fp8 (W4A8: FP8 e4m3 per token on FP8 "
-                        "wgmma, sm_90a; the activation kernel's time is the same for every candidate and "
-                        "is not part of the tuned times)")
+    add_layer_arguments(p)
     p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
     p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure")
     p.add_argument("--refine", type=int, default=DEFAULT_REFINE,
