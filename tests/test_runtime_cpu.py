@@ -304,6 +304,29 @@ def test_fake_tensors_give_the_output_shape():
             w4a16_gemm(torch.empty(9, 128, dtype=torch.float16, device="cuda"), qweight, scales, 128, 256, 128)
 
 
+def test_w4a8_fake_tensors_give_the_output_shape_and_trace_into_one_node():
+    """tilemarlin::w4a8_gemm's fake implementation: the output's shape and dtype, its checks, and a
+    graph that dynamo traces through it (W4A8 runs on the GPU only; this is the tracing side)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from runtime import w4a8_gemm
+
+    with FakeTensorMode():
+        x = torch.empty(2, 9, 256, dtype=torch.bfloat16, device="cuda")
+        qweight = torch.empty(16, 256, dtype=torch.int32, device="cuda")
+        scales = torch.empty(2, 128, dtype=torch.bfloat16, device="cuda")
+        y = w4a8_gemm(x, qweight, scales, 128, 256, 128)
+        assert y.shape == (2, 9, 128) and y.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="K=256"):
+            w4a8_gemm(torch.empty(9, 128, dtype=torch.bfloat16, device="cuda"), qweight, scales, 128, 256, 128)
+
+    qweight, scales = marlin_mma.pack(torch.randint(0, 16, (256, 128), dtype=torch.uint8), torch.rand(2, 128).half())
+    graph, _ = torch._dynamo.export(lambda x: w4a8_gemm(x, qweight, scales, 128, 256, 128) * 2)(
+        torch.randn(4, 256, dtype=torch.float16))
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert "tilemarlin.w4a8_gemm.default" in targets
+
+
 def test_an_ops_first_call_does_not_import_torch_dynamo():
     """The ops are plain dispatcher registrations: torch.library.custom_op's wrapper would import
     torch._dynamo (and with it sympy and FSDP) at the first request, seconds on a serving path."""
