@@ -141,25 +141,31 @@ def layers_from_config(config: dict, tp: int = 1, fused: bool = True) -> list[La
     ]
 
 
+def read_config(name_or_config_path: str) -> tuple[dict, bool]:
+    """(config fields, whether registered): a registered model's (see MODELS) or a config.json's
+    given by path, a multimodal config's language-model fields (its text_config)."""
+    config = MODELS.get(str(name_or_config_path).lower())
+    if config is not None:
+        return config, True
+    path = Path(name_or_config_path)
+    if not path.is_file():
+        raise ValueError(f"unknown model {name_or_config_path!r}: neither a registered model "
+                         f"({', '.join(MODELS)}) nor a config.json file")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read model config {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"model config {path} is not a JSON object")
+    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    return config, False
+
+
 def model_layers(name_or_config_path: str, tp: int = 1, fused: bool = True) -> list[Layer]:
     """Linear layers of a registered model (see MODELS) or of a config.json given by path (`fused`:
     see layers_from_config)."""
-    config = MODELS.get(str(name_or_config_path).lower())
-    if config is None:
-        path = Path(name_or_config_path)
-        if not path.is_file():
-            raise ValueError(f"unknown model {name_or_config_path!r}: neither a registered model "
-                             f"({', '.join(MODELS)}) nor a config.json file")
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read model config {path}: {exc}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"model config {path} is not a JSON object")
-        # Multimodal configs keep the language model's fields under text_config.
-        if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
-            config = config["text_config"]
-    return layers_from_config(config, tp, fused)
+    return layers_from_config(read_config(name_or_config_path)[0], tp, fused)
 
 
 def parse_shapes(text: str) -> list[Layer]:

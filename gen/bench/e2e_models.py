@@ -19,9 +19,6 @@ epsilon) keep transformers' defaults.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from torch import nn
 
@@ -64,21 +61,11 @@ def config_fields(name_or_path: str) -> dict:
     config.json given by path, with `model_type`."""
     from gen import models
 
-    name = str(name_or_path).lower()
-    if name in models.MODELS:
-        return {**models.MODELS[name], **ARCHITECTURES[name]}
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise ValueError(f"unknown model {name_or_path!r}: neither a registered model "
-                         f"({', '.join(models.MODELS)}) nor a config.json file")
-    try:
-        fields = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read model config {path}: {exc}") from None
-    if isinstance(fields, dict) and "hidden_size" not in fields and isinstance(fields.get("text_config"), dict):
-        fields = fields["text_config"]   # multimodal configs keep the language model's fields here
-    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
-        raise ValueError(f"model config {path} has no model_type, which says which architecture to build")
+    fields, registered = models.read_config(name_or_path)
+    if registered:
+        return {**fields, **ARCHITECTURES[str(name_or_path).lower()]}
+    if not isinstance(fields.get("model_type"), str):
+        raise ValueError(f"model config {name_or_path} has no model_type, which says which architecture to build")
     models.layers_from_config(fields)   # a malformed shape field is named here, before any GPU work
     return {key: value for key, value in fields.items() if key not in _DROPPED_FIELDS}
 
