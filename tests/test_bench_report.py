@@ -98,6 +98,9 @@ def test_markdown_summary_table(sample):
         {**sample, "meta": {**sample["meta"], "rounds": 3}})
     assert "producer" not in text and "the producer's own time, timed alone in each round, is subtracted" in \
         report.markdown({**sample, "meta": {**sample["meta"], "between": True}})
+    assert "FP16 activations" in text and "over FP16 `torch.matmul`" in text
+    bf16 = report.markdown({**sample, "meta": {**sample["meta"], "dtype": "bfloat16"}})
+    assert "BF16 activations" in bf16 and "over BF16 `torch.matmul`" in bf16 and "FP16 activations" not in bf16
 
 
 def test_speedup_per_round_spans_the_rounds_of_a_rounds_run(sample):
