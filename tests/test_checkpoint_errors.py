@@ -114,6 +114,13 @@ def test_scales_of_the_wrong_shape(copy_of):
             "in_features=512")
 
 
+@pytest.mark.parametrize("fmt, field", [("gptq", "scales"), ("awq", "scales"), ("compressed-tensors", "weight_scale")])
+def test_scales_that_are_not_floating_point(copy_of, fmt, field):
+    folder = copy_of(fmt)
+    edit_tensors(folder, lambda t: t.update({f"{LAYER}.{field}": t[f"{LAYER}.{field}"].to(torch.int16)}))
+    refused(folder, "model.safetensors", f"{LAYER}.{field}", "expected floating-point values", "torch.int16")
+
+
 def test_weight_shape_that_disagrees_with_the_config(copy_of):
     folder = copy_of("compressed-tensors")
     edit_tensors(folder, lambda t: t.update({f"{LAYER}.weight_shape": torch.tensor([256, 1024])}))

@@ -43,9 +43,7 @@ class AwqFormat:
         shapes = f"for in_features={k}, out_features={n}, group_size={self.group_size}"
         qweight = t.require("qweight", torch.int32, (k, n // NIBBLES), shapes)
         qzeros = t.require("qzeros", torch.int32, (k // group, n // NIBBLES), shapes)
-        scales = t.require("scales", shape=(k // group, n), why=shapes)
-        if not scales.is_floating_point():
-            raise t.error("scales", f"expected floating-point scales, found {scales.dtype}")
+        scales = t.require("scales", shape=(k // group, n), why=shapes, floating=True)
         codes = unpack_columns(qweight, AWQ_ORDER)
         zeros = unpack_columns(qzeros, AWQ_ORDER)
         return build_layer(codes, scales, zeros, None, self.group_size, bias, dtype)

@@ -118,9 +118,7 @@ class CompressedTensorsFormat:
             raise t.error("weight_shape", f"{stored_shape.tolist()}, but the model's layer is [{n}, {k}] "
                                           f"(out_features, in_features from config.json)")
         packed = t.require("weight_packed", torch.int32, (n, k // NIBBLES), shapes)
-        scales = t.require("weight_scale", shape=(n, groups), why=shapes)
-        if not scales.is_floating_point():
-            raise t.error("weight_scale", f"expected floating-point scales, found {scales.dtype}")
+        scales = t.require("weight_scale", shape=(n, groups), why=shapes, floating=True)
         zeros = None if scheme.symmetric else self._zero_points(t, n, groups, shapes)
         g_idx = t.optional("weight_g_idx")
         if g_idx is not None and bool((g_idx < 0).any()):   # "-1" marks a g_idx never filled in

@@ -94,14 +94,17 @@ class LayerTensors:
         return self.files.get(f"{self.prefix}.{field}").to(self.device) if self.has(field) else None
 
     def require(self, field: str, dtype: torch.dtype | None = None, shape: tuple[int, ...] | None = None,
-                why: str = "") -> torch.Tensor:
-        """The tensor `field`; a CheckpointError when it is missing or not of `dtype` and `shape`.
-        `why` (e.g. "for K=4096, N=11008 from config.json") goes into the shape error."""
+                why: str = "", floating: bool = False) -> torch.Tensor:
+        """The tensor `field`; a CheckpointError when it is missing, not of `dtype` (`floating`: of a
+        floating-point dtype) or not of `shape`. `why` (e.g. "for K=4096, N=11008 from config.json")
+        goes into the shape error."""
         if not self.has(field):
             raise self.error(field, "missing from the checkpoint")
         tensor = self.files.get(f"{self.prefix}.{field}")
         if dtype is not None and tensor.dtype != dtype:
             raise self.error(field, f"expected {dtype}, found {tensor.dtype}")
+        if floating and not tensor.is_floating_point():
+            raise self.error(field, f"expected floating-point values, found {tensor.dtype}")
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise self.error(field, f"expected shape {tuple(shape)}{' ' + why if why else ''}, "
                                     f"found {tuple(tensor.shape)}")

@@ -92,8 +92,6 @@ class GptqFormat:
         shapes = f"for in_features={k}, out_features={n}, group_size={self.group_size}"
         qweight = t.require("qweight", torch.int32, (k // NIBBLES, n), shapes)
         qzeros = t.require("qzeros", torch.int32, (k // group, -(-n // NIBBLES)), shapes)
-        scales = t.require("scales", shape=(k // group, n), why=shapes)
-        if not scales.is_floating_point():
-            raise t.error("scales", f"expected floating-point scales, found {scales.dtype}")
+        scales = t.require("scales", shape=(k // group, n), why=shapes, floating=True)
         return gptq_layer(qweight, qzeros, scales, t.optional("g_idx"), BITS, self.group_size,
                           self.checkpoint_format, bias, dtype)
