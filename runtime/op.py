@@ -100,9 +100,9 @@ def _check_args(x, qweight, scales, n, k, group, layout, zero_points, act="dtype
     return problem
 
 
-def _check_device(x, qweight, scales) -> None:
+def _check_device(x, qweight, scales, op: str = "w4a16_gemm") -> None:
     if x.device.type != "cuda":
-        raise RuntimeError(f"tilemarlin::w4a16_gemm runs on CUDA GPUs, but x is on {x.device}; "
+        raise RuntimeError(f"tilemarlin::{op} runs on CUDA GPUs, but x is on {x.device}; "
                            f"move the input and the layer to a GPU (e.g. model.cuda())")
     for name, t in (("packed weight", qweight), ("scales", scales)):
         if t.device != x.device:
@@ -174,7 +174,7 @@ def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT, zer
 def _w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
                layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
     problem = _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
-    _check_device(x, qweight, scales)
+    _check_device(x, qweight, scales, "w4a8_gemm")
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel():
         _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)

@@ -349,18 +349,21 @@ def test_dynamo_traces_a_quant_linear_into_one_graph():
     assert "tilemarlin.w4a16_gemm.default" in targets
 
 
-def test_a_backward_through_the_op_is_refused_not_silently_zero(cpu_op):
+@pytest.mark.parametrize("name", ["w4a16_gemm", "w4a8_gemm"])
+def test_a_backward_through_the_op_is_refused_not_silently_zero(cpu_op, name):
     """The ops have no gradient (frozen INT4 weights): where x requires one, the output carries a
-    backward that raises, naming the op; under no_grad nothing is recorded."""
+    backward that raises, naming the op, also beside another path to x; under no_grad nothing is
+    recorded."""
+    gemm = getattr(op, name)
     x, qweight, scales, n, k, group = _op_args()
     x.requires_grad_(True)
-    y = w4a16_gemm(x, qweight, scales, n, k, group)
+    y = gemm(x, qweight, scales, n, k, group)
     assert y.requires_grad
-    with pytest.raises(RuntimeError, match="tilemarlin::w4a16_gemm has no gradient.*torch.no_grad"):
-        y.float().sum().backward()
+    with pytest.raises(RuntimeError, match=f"tilemarlin::{name} has no gradient.*torch.no_grad"):
+        (y.float().sum() + x.float().sum()).backward()
     with torch.no_grad():
-        assert not w4a16_gemm(x, qweight, scales, n, k, group).requires_grad
-    assert not w4a16_gemm(x.detach(), qweight, scales, n, k, group).requires_grad
+        assert not gemm(x, qweight, scales, n, k, group).requires_grad
+    assert not gemm(x.detach(), qweight, scales, n, k, group).requires_grad
 
 
 def test_op_passes_torch_library_checks(cpu_op):

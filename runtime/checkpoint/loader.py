@@ -147,7 +147,8 @@ def _bias(t: LayerTensors, module: nn.Linear) -> torch.Tensor | None:
         if t.has("bias"):
             raise t.error("bias", f"the checkpoint has a bias that the layer built from {CONFIG_FILE} lacks")
         return None
-    return t.require("bias", shape=(module.out_features,), why=f"for out_features={module.out_features}")
+    return t.require("bias", shape=(module.out_features,), why=f"for out_features={module.out_features}",
+                     floating=True)
 
 
 def load_dense_parameters(model: nn.Module, files: TensorFiles, dtype, device) -> None:
