@@ -146,7 +146,7 @@ def read_config(name_or_config_path: str) -> tuple[dict, bool]:
     given by path, a multimodal config's language-model fields (its text_config)."""
     config = MODELS.get(str(name_or_config_path).lower())
     if config is not None:
-        return config, True
+        return dict(config), True
     path = Path(name_or_config_path)
     if not path.is_file():
         raise ValueError(f"unknown model {name_or_config_path!r}: neither a registered model "
