@@ -100,7 +100,7 @@ def _check_args(x, qweight, scales, n, k, group, layout, zero_points, act="dtype
     return problem
 
 
-def _check_device(x, qweight, scales, op: str = "w4a16_gemm") -> None:
+def _check_device(x, qweight, scales, op: str) -> None:
     if x.device.type != "cuda":
         raise RuntimeError(f"tilemarlin::{op} runs on CUDA GPUs, but x is on {x.device}; "
                            f"move the input and the layer to a GPU (e.g. model.cuda())")
@@ -154,14 +154,19 @@ class _NoGradient(torch.autograd.Function):
                            f"weights; run the model under torch.no_grad() or torch.inference_mode()")
 
 
-def _w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
-                layout: str = DEFAULT_LAYOUT, zero_points: bool = False) -> torch.Tensor:
-    problem = _check_args(x, qweight, scales, n, k, group, layout, zero_points)
-    _check_device(x, qweight, scales)
+def _gemm(x, qweight, scales, n, k, group, layout, zero_points, act, name) -> torch.Tensor:
+    """Both ops' implementation: checks, the output, the launch of its M bucket's kernel."""
+    problem = _check_args(x, qweight, scales, n, k, group, layout, zero_points, act)
+    _check_device(x, qweight, scales, name)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel():
         _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
     return out
+
+
+def _w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
+                layout: str = DEFAULT_LAYOUT, zero_points: bool = False) -> torch.Tensor:
+    return _gemm(x, qweight, scales, n, k, group, layout, zero_points, "dtype", "w4a16_gemm")
 
 
 def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT, zero_points=False):
@@ -171,12 +176,7 @@ def _w4a16_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT, zer
 
 def _w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
                layout: str = DEFAULT_LAYOUT) -> torch.Tensor:
-    problem = _check_args(x, qweight, scales, n, k, group, layout, False, "fp8")
-    _check_device(x, qweight, scales, "w4a8_gemm")
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
-    if out.numel():
-        _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
-    return out
+    return _gemm(x, qweight, scales, n, k, group, layout, False, "fp8", "w4a8_gemm")
 
 
 def _w4a8_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT):
