@@ -113,7 +113,10 @@ def _check_device(x, qweight, scales, op: str) -> None:
 
 # --- the op --------------------------------------------------------------------------------------
 
-_LIBRARY = torch.library.Library("tilemarlin", "DEF")
+# The namespace can be defined once per process. A reload of this module (importlib.reload, IPython's
+# autoreload) runs it again in the same globals: it keeps the first registration, whose
+# implementations look up this module's current functions through those globals.
+_LIBRARY = globals().get("_LIBRARY") or torch.library.Library("tilemarlin", "DEF")
 
 
 def _define(name: str, impl, fake):
@@ -124,6 +127,8 @@ def _define(name: str, impl, fake):
     torch.library.custom_op, whose wrapper imports torch._dynamo at an op's first call: 1.5 s on a
     first request, 6.5 s where Python compiles torch's sources afresh."""
     qualified = f"tilemarlin::{name}"
+    if hasattr(torch.ops.tilemarlin, name):     # a reload: registered already
+        return getattr(torch.ops.tilemarlin, name).default
     _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=()))
     _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(qualified, lib=_LIBRARY)(fake)

@@ -341,6 +341,22 @@ def test_an_ops_first_call_does_not_import_torch_dynamo():
     assert out.stdout.split() == ["False"]
 
 
+def test_a_reloaded_op_module_keeps_its_ops_and_runs_its_new_code():
+    """importlib.reload (IPython's autoreload) runs runtime/op.py again: the op namespace, defined
+    once per process, is kept, and the ops call the reloaded module's functions."""
+    code = ("import importlib, torch\n"
+            "import runtime.op as op\n"
+            "op = importlib.reload(op)\n"
+            "def refuse(*args):\n    raise RuntimeError('reloaded code ran')\n"
+            "op._check_device = refuse\n"
+            "x, scales = torch.randn(3, 256, dtype=torch.float16), torch.rand(2, 128, dtype=torch.float16)\n"
+            "try:\n    op.w4a16_gemm(x, torch.zeros(16, 256, dtype=torch.int32), scales, 128, 256, 128)\n"
+            "except RuntimeError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "reloaded code ran"
+
+
 def test_dynamo_traces_a_quant_linear_into_one_graph():
     layer = QuantLinear.from_linear(_linear(), group_size=64)
     model = nn.Sequential(nn.LayerNorm(256).half(), layer, nn.SiLU())
