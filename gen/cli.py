@@ -11,6 +11,21 @@ SUBCOMMANDS = ("gen.tune.command", "gen.tune.cache_cmd", "gen.bench.command", "g
                "gen.dev.modelcheck", "gen.dev.timeline")
 
 
+def positive_int(expected: str):
+    """An argparse type: a whole number of at least 1; anything else is refused with `expected` and
+    the text given."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gen", description="tilemarlin: tuned W4A16 GEMM kernels on TileLang")
     subparsers = parser.add_subparsers(dest="command", required=True)

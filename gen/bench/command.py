@@ -30,6 +30,7 @@ from pathlib import Path
 from gen.bench import report
 from gen.bench.clocks import ClockLog, summarize
 from gen.bench.contenders import CONTENDERS, KernelUnavailable, LayerWeights, layer_weights
+from gen.cli import positive_int
 
 DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
@@ -62,16 +63,6 @@ def parse_ms(text: str) -> list[int]:
                 f"{part!r} is not a positive integer; expected a list such as 1,2,4,16,512")
         values.append(int(part))
     return sorted(set(values))
-
-
-def parse_rounds(text: str) -> int:
-    try:
-        rounds = int(text)
-    except ValueError:
-        rounds = 0
-    if rounds < 1:
-        raise argparse.ArgumentTypeError(f"--rounds must be a positive whole number, got {text!r}")
-    return rounds
 
 
 def parse_seconds(text: str) -> float:
@@ -132,7 +123,7 @@ def register(subparsers) -> None:
     parser.add_argument("--kernels", type=parse_kernels, default=list(KERNELS), metavar="NAME,...",
                         help="kernels to time; must include fp16 (default: %s; also known: %s)"
                         % (",".join(KERNELS), ",".join(OPTIONAL_KERNELS)))
-    parser.add_argument("--rounds", type=parse_rounds, default=DEFAULT_ROUNDS,
+    parser.add_argument("--rounds", type=positive_int("--rounds must be a positive whole number"), default=DEFAULT_ROUNDS,
                         help="times each point is timed, the kernels taking turns; the median counts "
                              "(default: %(default)s)")
     parser.add_argument("--between", action="store_true",

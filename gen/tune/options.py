@@ -10,6 +10,7 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from gen.cli import positive_int
 from runtime.table import BUCKETS, FORMAT as TABLE_FORMAT, TableError, TunedTable
 from schedules.problem import Problem
 
@@ -116,17 +117,7 @@ def searched_axes(overrides: dict[str, dict[str, tuple]]):
         use_axes(saved)
 
 
-def positive_workers(text: str) -> int:
-    """--workers: a positive number of processes (argparse type)."""
-    import argparse
-
-    try:
-        workers = int(text)
-    except ValueError:
-        workers = 0
-    if workers < 1:
-        raise argparse.ArgumentTypeError(f"takes a positive number of processes, got {text!r}")
-    return workers
+positive_workers = positive_int("takes a positive number of processes")   # --workers
 
 
 def parse_buckets(text: str | None, flag: str = "--buckets") -> list[int]:
