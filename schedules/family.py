@@ -7,6 +7,7 @@ a family's module for names it may lack.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Callable, Iterable, Protocol, runtime_checkable
@@ -75,3 +76,12 @@ class Family(Protocol):
     unpack: Callable                                           # the inverse
     workspace_elems: Callable[[Problem, object, int], tuple]   # split-K workspace for M rows
     kernel_args: Callable[..., tuple]                          # checked arguments, in build()'s order
+
+
+def lazy_build(package: str) -> Callable[[Problem, object], object]:
+    """A family's `build`: its package's kernel.build, imported at the first build. TileLang is
+    imported then, when a kernel is built, and never when a stored kernel is loaded and served."""
+    def build(problem: Problem, knobs):
+        return importlib.import_module(".kernel", package).build(problem, knobs)
+
+    return build

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..arch import Arch
+from ..family import lazy_build
 from ..knob_space import valid_points
 from ..problem import Problem
 from ..quant import torch_dtype, zero_point_offsets
@@ -19,12 +20,7 @@ PASS_CONFIGS = {
 }
 
 
-def build(problem: Problem, knobs: Knobs):
-    """The kernel's TileLang prim_func. TileLang is imported here, when a kernel is built, and never
-    when a stored kernel is loaded and served."""
-    from .kernel import build as build_prim_func
-
-    return build_prim_func(problem, knobs)
+build = lazy_build(__name__)
 
 NAME = "marlin_mma"
 LAYOUT = "marlin_mma.v1"

@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 from ..arch import Arch
+from ..family import lazy_build
 from ..knob_space import positional, valid_points
 from ..problem import Problem
-from .. import marlin_mma
+# marlin_mma's weight layout, and its kernel signature and split-K epilogue (schedules/epilogue.py):
+# the same packed weights, arguments, checks and workspace.
+from ..marlin_mma import LAYOUT, kernel_args, layout, pack, unpack, workspace_elems
 from .knobs import RULES, Knobs, check
 from .traits import KNOB_FACTORS, TRAITS
 
@@ -21,20 +24,9 @@ PASS_CONFIGS = {
 }
 
 
-def build(problem: Problem, knobs: Knobs):
-    """The kernel's TileLang prim_func. TileLang is imported here, when a kernel is built, and never
-    when a stored kernel is loaded and served."""
-    from .kernel import build as build_prim_func
-
-    return build_prim_func(problem, knobs)
+build = lazy_build(__name__)
 
 NAME = "stream_wgmma"
-LAYOUT = marlin_mma.LAYOUT
-layout = marlin_mma.layout
-pack, unpack = marlin_mma.pack, marlin_mma.unpack
-# The same kernel signature and split-K epilogue (schedules/epilogue.py), so the same arguments, checks
-# and workspace.
-workspace_elems, kernel_args = marlin_mma.workspace_elems, marlin_mma.kernel_args
 
 AXES = {
     "block_m": (8, 16, 32, 64, 128, 176, 256),     # 8 and 16: small M, a TMA-fed weight stream
