@@ -7,7 +7,7 @@ hold the winners of every tuned (layer, bucket). The nearest are the same shape'
 differs from a tuned one only in the activations' dtype or in its zero points runs the same loads,
 tiles and splits, and only its decode differs. So the fallback first takes the tuned winner of such a
 twin at the same bucket (same dtype first, then same zero points), if it is valid for the problem (the
-family's check: divisibility, shared memory, registers; scale_on_acc, for one, takes no zero points).
+family's check: divisibility, shared memory, registers; scale_on_acc, for one, takes no channelwise scales).
 Otherwise it takes the winners of the NEAREST tuned (layer, bucket)s that can run the problem
 (`distance`: M buckets apart, then how far N and K are in ratio), and the cost model picks between
 those few, unless the nearest is all but the same layer and bucket (SAME_SHAPE), whose winner runs
@@ -55,7 +55,7 @@ def distance(problem: Problem, bucket: int, tuned: TunedWinner) -> float:
 
 def for_problem(problem: Problem, schedule: Schedule) -> Schedule:
     """A winner in the form `problem` takes (stream_wgmma.knobs.form_for: FP8 activations' 128-deep
-    k-tiles and scales on the sums; no scale_on_acc with zero points), others as they are (the
+    k-tiles and scales on the sums; no scale_on_acc with channelwise scales), others as they are (the
     family's check then decides)."""
     if schedule.family == "stream_wgmma":
         return Schedule(schedule.family, form_for(problem, schedule.knobs))

@@ -40,6 +40,18 @@ def offset_decode_name(dtype: str, bits: int = 4) -> str:
     return f"tm_dequant_scaled_offset_a_{_DEQUANT[dtype]['name']}"
 
 
+def zero_decode(dtype: str, bits: int = 4) -> tuple[str, tuple[tuple[float, int], ...]]:
+    """(extern name, subtrahends) of the unscaled decode with the rows' own zero points, code - z, in
+    A order (the scales go on the sums). The kernel passes each group's subtrahends, base + sign * z
+    for each (base, sign) here, per row as a pair of equal halves: rows z0 and z1 of the first, then
+    of the second."""
+    _check(dtype, bits)
+    d = _DEQUANT[dtype]
+    # fp16 takes the nibbles at bit 4 in place (as 16 * code) and scales them by 1/16 in an fma
+    subtrahends = ((d["magic_value"], 1),) + (((-d["magic_value"] // 16, -1),) if dtype == "float16" else ())
+    return f"tm_dequant_zero_a_{d['name']}", subtrahends
+
+
 def mma_operand_dtype(dtype: str) -> str:
     """The PTX operand type name (mma.sync / wgmma) of an activation dtype."""
     _check(dtype, 4)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from schedules.quant import dequantize
-from templates import dequant_function_names, offset_decode_name, raw_decode, render_dequant
+from templates import dequant_function_names, offset_decode_name, raw_decode, render_dequant, zero_decode
 from tests.reference import seed_of
 
 DTYPES = ("float16", "bfloat16")
@@ -234,11 +234,12 @@ class Device:
 
 
 def run(dtype, name, words, scales=None, source=None, offsets=None):
-    """Run entry point `name` on 32-bit `words` (and one scale pair, and one offset pair, per word);
-    the four 32-bit outputs."""
+    """Run entry point `name` on 32-bit `words` (and one scale pair, and one offset pair, per word; a
+    list for a pointer to several words); the four 32-bit outputs."""
     device = Device(render_dequant(dtype) if source is None else source, dtype)
     frag = Pointer([None] * 4)
-    args = (Pointer([words]),) + tuple(Pointer([v]) for v in (scales, offsets) if v is not None) + (frag,)
+    args = (Pointer([words]),) + tuple(Pointer(v if isinstance(v, list) else [v]) for v in (scales, offsets)
+                                       if v is not None) + (frag,)
     device.call(name, *args)
     return frag.cells
 
@@ -290,6 +291,17 @@ def sample_offsets(dtype, count):
     return offsets, offsets.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
 
 
+def sample_zero_points(dtype, count):
+    """Zero-point pairs (one per n8 tile), integers 0..15, and the zero decode's subtrahend words made
+    from them as the kernel makes them (templates.zero_decode: per (base, sign), each row's
+    base + sign * z in both halves)."""
+    gen = torch.Generator().manual_seed(seed_of("dequant zero points", dtype))
+    zeros = torch.randint(0, 16, (count, 2), generator=gen)
+    words = [join(value, value, dtype) for base, sign in zero_decode(dtype)[1]
+             for value in (base + sign * zeros[:, 0].double().numpy(), base + sign * zeros[:, 1].double().numpy())]
+    return zeros, words
+
+
 def expected_bits(values: torch.Tensor, dtype) -> np.ndarray:
     """fp32 values [words, 4 pairs, 2] rounded to dtype, as [4, words] 32-bit words (low = element 0)."""
     bits = values.to(TORCH[dtype]).view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
@@ -329,6 +341,9 @@ def decode_mismatches(dtype, source=None) -> list[str]:
         scaled_a: (scale_bits[:, 0] | (scale_bits[:, 1] << 16), decoded_values(codes, scales, A_ORDER)),
         raw_name: (None, raw_codes + raw_magic[None, :, None]),
     }
+    # zero points with the scales on the sums: code - z, exact
+    zeros, subtrahends = sample_zero_points(dtype, len(words))
+    cases[zero_decode(dtype)[0]] = (subtrahends, raw_codes - zeros.float()[:, tile].unsqueeze(-1))
     cases[offset_decode_name(dtype)] = (scale_bits[:, 0] | (scale_bits[:, 1] << 16), with_offsets,
                                         offset_bits[:, 0] | (offset_bits[:, 1] << 16))
     found = []
@@ -374,6 +389,10 @@ MUTATIONS = {   # (rendered text, replacement, dtype): one constant or order of 
     "bf16 magic": ("const unsigned MAGIC = 0x43004300u", "const unsigned MAGIC = 0x43804380u", "bfloat16"),
     "bf16 zero point": ("0x43084308u", "0x43094308u", "bfloat16"),
     "bf16 shift": ("q >> 12, 0x000f000fu, MAGIC)), SUB", "q >> 16, 0x000f000fu, MAGIC)), SUB", "bfloat16"),
+    "fp16 zero rows swapped": ("0x000f000fu, MAGIC)), c[1]);", "0x000f000fu, MAGIC)), c[0]);", "float16"),
+    "fp16 zero bit-4 subtrahend": ("MUL_HI, c[2]);", "MUL_HI, c[0]);", "float16"),
+    "bf16 zero rows swapped": ("q >> 4, 0x000f000fu, MAGIC)), c[0]);", "q >> 4, 0x000f000fu, MAGIC)), c[1]);",
+                               "bfloat16"),
     "bf16 raw order": ("out[1] = tilemarlin::lop3_and_or(q >> 8,", "out[1] = tilemarlin::lop3_and_or(q >> 4,",
                        "bfloat16"),
 }
@@ -392,7 +411,7 @@ def test_a_changed_constant_or_order_is_caught(mutation):
 def test_constants_are_the_values_their_comments_claim(dtype):
     """Each `as_<vec>(0x....u);  // 1024 + 8`: both halves of the constant equal the comment's value."""
     claims = re.findall(r"as_\w+\((0x[0-9a-fA-F]+)u\);\s*//\s*([-+*/() \d.]+?)\s*\n", render_dequant(dtype))
-    assert len(claims) == (3 if dtype == "float16" else 1)
+    assert len(claims) == (4 if dtype == "float16" else 1)
     for bits, claim in claims:
         lo, hi = halves(np.array([int(bits, 16)], dtype=np.uint32), dtype)
         assert lo[0] == hi[0] == eval(claim, {"__builtins__": {}}), (bits, claim)
@@ -402,7 +421,7 @@ def test_constants_are_the_values_their_comments_claim(dtype):
 def test_template_renders_per_dtype(dtype, vec):
     src = render_dequant(dtype)
     for name in (*dequant_function_names(dtype), *dequant_function_names(dtype, operand="a"), raw_decode(dtype)[0],
-                 offset_decode_name(dtype)):
+                 offset_decode_name(dtype), zero_decode(dtype)[0]):
         assert f"void {name}(" in src
     assert "lop3.b32" in src and vec in src
     assert "{{" not in src and "{%" not in src

@@ -7,6 +7,7 @@ import pytest
 
 from runtime.fallback import NEAREST, SAME_SHAPE, TunedWinner, distance, fallback_schedule, nearest_transfers, transferred, twins
 from runtime.table import TunedTable, shipped_tables_dir, winners_for_arch
+from schedules import stream_wgmma
 from schedules.arch import get_arch
 from schedules.cost import GpuSpec
 from schedules.problem import Problem
@@ -99,11 +100,10 @@ def test_a_bf16_shape_runs_its_fp16_twins_tuned_winner(shipped, winners, bucket)
     assert schedule == shipped.lookup(fp16, bucket) and fp16.name in how
 
 
-def test_a_twin_winner_runs_in_the_form_the_problem_takes(shipped, winners):
-    """o_proj's M = 64 winner puts the scales on the sums (scale_on_acc), which takes no zero points:
-    the zero-point problem runs it with the scales in the decode instead, its tiles, splits and
-    pipeline unchanged. The table is the shipped one's fp16 entries, so that the fp16 winner is the
-    only twin."""
+def test_a_twin_winner_runs_as_it_is_where_it_fits(shipped, winners):
+    """o_proj's M = 64 and M = 1 winners serve its zero-point twin as they are: tiles, splits and
+    pipeline, and the scales on the sums (scale_on_acc takes zero points as code - z). The table is
+    the shipped one's fp16 entries, so that the fp16 winner is the only twin."""
     from runtime.table import TunedTable
 
     fp16_only = TunedTable()
@@ -111,15 +111,27 @@ def test_a_twin_winner_runs_in_the_form_the_problem_takes(shipped, winners):
         if problem.dtype == "float16":
             fp16_only.record(problem, bucket, entry.schedule, entry.us)
     zero_points = Problem(4096, 4096, zero_points=True)
-    twin_winner = shipped.lookup(Problem(4096, 4096), 64)
-    assert twin_winner.module.check(zero_points, twin_winner.knobs, SM90) is not None
-    schedule, how = fallback_schedule(zero_points, 64, SM90, H200, winners, fp16_only)
-    assert schedule.knobs == dataclasses.replace(twin_winner.knobs, scale_on_acc=False, fold_lag=False)
-    assert "tuned winner of n4096_k4096_g128_float16_w4" in how
-    assert schedule.module.check(zero_points, schedule.knobs, SM90) is None
-    # where the twin's winner fits, it is taken
-    schedule, how = fallback_schedule(zero_points, 1, SM90, H200, winners, fp16_only)
-    assert schedule == shipped.lookup(Problem(4096, 4096), 1) and "tuned winner of" in how
+    assert shipped.lookup(Problem(4096, 4096), 64).knobs.scale_on_acc
+    for bucket in (64, 1):
+        schedule, how = fallback_schedule(zero_points, bucket, SM90, H200, winners, fp16_only)
+        assert schedule == shipped.lookup(Problem(4096, 4096), bucket)
+        assert "tuned winner of n4096_k4096_g128_float16_w4" in how
+        assert schedule.module.check(zero_points, schedule.knobs, SM90) is None
+
+
+def test_a_twin_winner_runs_in_the_form_the_problem_takes():
+    """FP8 activations take 128-deep k-tiles, no ring and the scales on the sums; channelwise scales
+    take no scale_on_acc: a winner transfers in that form, its tiles, splits and pipeline unchanged."""
+    from runtime.fallback import for_problem
+    from schedules.registry import Schedule
+
+    winner = Schedule("stream_wgmma", stream_wgmma.Knobs(64, 1, 1, 64, 6, split_k=2, scale_on_acc=True, fold_lag=True))
+    channelwise = for_problem(Problem.make(4096, 4096, -1), winner)
+    assert channelwise.knobs == dataclasses.replace(winner.knobs, scale_on_acc=False, fold_lag=False)
+    fp8 = for_problem(Problem(4096, 4096, act="fp8"), Schedule("stream_wgmma", dataclasses.replace(
+        winner.knobs, scale_on_acc=False, fold_lag=False)))
+    assert fp8.knobs == dataclasses.replace(winner.knobs, block_k=128, fold_lag=False)
+    assert for_problem(Problem(4096, 4096, zero_points=True), winner) == winner
 
 
 def test_a_shape_left_out_leaves_in_every_form_and_nothing_else_goes(shipped, winners):

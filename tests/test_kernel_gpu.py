@@ -216,20 +216,28 @@ BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_s
                   "swg_m128_g2", "swg_m256_g1_wg2", "swg_m256_setmaxnreg_staged", "swg_m32_g2_split4_sacc")
 
 
-# Zero points (w = s * (q - z), the offsets in the decode): the forms that take them, each on down_proj
-# at group 128 and on every other layer, grouped and channelwise in turn.
+# Zero points (w = s * (q - z): the offsets in the decode, or with the scales on the sums z off the
+# codes): the forms that take them, each on down_proj at group 128 and on every other layer, grouped
+# and channelwise in turn.
 ZERO_POINT_SCHEDULES = ("stream_m16_split4", "swg_m128_release_producer", "stream_m8", "stream_m16_aw_split4",
                         "stream_m8_fold", "stream_m16_fold_split4", "stream_m8_fold_lag_registers",
                         "stream_m8_early_cluster8", "stream_m16_xl_fold",
                         "stream_m8_cluster8", "stream_m32_xl", "swg_m128_g2", "swg_m64_split4", "swg_m8_s8_split4",
                         "swg_m32_cluster_split2", "swg_m16_producer_cluster_early", "swg_m256_setmaxnreg_staged",
-                        "swg_m16_k64_producer_split3_uneven", "swg_m64_producer_pdl_early_staged")
+                        "swg_m16_k64_producer_split3_uneven", "swg_m64_producer_pdl_early_staged",
+                        "swg_m16_k128_producer_cluster_split2_sacc_lag", "swg_m32_g2_split4_sacc")
 
 
 def _zero_point_cases():
+    """As _cases: each form on down_proj at group 128 and on one more (layer, group) pair (scales on the
+    sums, code - z, take no channelwise scales)."""
     others = [(layer, group) for layer in LAYERS for group in (128, -1) if (layer, group) != ("down", 128)]
-    return [case for index, name in enumerate(ZERO_POINT_SCHEDULES)
-            for case in (("down", 128, name), (*others[index % len(others)], name))]
+    cases = []
+    for index, name in enumerate(ZERO_POINT_SCHEDULES):
+        grouped_only = getattr(SCHEDULES[name].knobs, "scale_on_acc", False)
+        options = [pair for pair in others if not (grouped_only and pair[1] == -1)]
+        cases += [("down", 128, name), (*options[index % len(options)], name)]
+    return cases
 
 
 def _cases():

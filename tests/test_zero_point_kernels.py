@@ -15,7 +15,7 @@ from schedules.marlin_mma.layout import packed_shapes, split_offsets, stack_offs
 from schedules.problem import Problem
 from schedules.quant import dequantize, quantize_rtn, quantize_rtn_asymmetric, reference_matmul, zero_point_offsets
 from schedules.registry import Schedule
-from templates import offset_decode_name, render_dequant
+from templates import offset_decode_name, render_dequant, zero_decode
 
 SM90, SM80 = get_arch("sm_90a"), get_arch("sm_80")
 SCALING_MULTIPLY = re.compile(r"\bmul(\.rn)?\.f16x2\b")     # the symmetric decode's HMUL2 by the scales
@@ -130,7 +130,8 @@ def test_the_families_that_decode_zero_points_and_the_forms_that_do_not():
     assert "zero point 8 only" in marlin_mma.check(GROUPED, marlin_mma.Knobs(16, 256, 128, 1, 4, 1, 4, 1), SM90)
     sacc = stream_wgmma.Knobs(32, 2, 1, 64, 4, split_k=4, scale_on_acc=True)
     assert stream_wgmma.check(Problem(1024, 4096, 128), sacc, SM90) is None
-    assert "scale_on_acc" in stream_wgmma.check(GROUPED, sacc, SM90)
+    assert stream_wgmma.check(GROUPED, sacc, SM90) is None           # code - z, scales on the sums
+    assert "channelwise" in stream_wgmma.check(CHANNELWISE, sacc, SM90)
     for problem, schedule, arch in KERNELS:
         assert schedule.module.check(problem, schedule.knobs, arch) is None
 
@@ -161,7 +162,7 @@ def test_every_arch_has_zero_point_kernels_to_search(problem):
     assert any(kb.fold_zero_point for kb in mma) and any(not kb.fold_zero_point for kb in mma)
     assert marlin_mma.space(problem, SM90) == []
     wgmma = stream_wgmma.space(Problem(4096, 4096, 128, zero_points=True), SM90)
-    assert wgmma and not any(kb.scale_on_acc for kb in wgmma)
+    assert any(kb.scale_on_acc for kb in wgmma) and any(not kb.scale_on_acc for kb in wgmma)
 
 
 def test_a_table_keys_zero_point_entries_apart_and_reads_them_back(tmp_path):
@@ -198,6 +199,26 @@ def test_zero_point_kernels_decode_with_an_fma_per_pair(problem, schedule, arch)
     if not problem.channelwise:
         twin = compile_schedule(Problem(problem.n, problem.k, problem.group), schedule, arch)
         assert SCALING_MULTIPLY.search(twin.ptx()) and (twin.folder / "kernel.cu").read_text().count(name + "(") == 1
+
+
+def test_scales_on_the_sums_take_the_zero_points_off_the_codes(tmp_path):
+    """scale_on_acc with zero points: the words decode to code - z (the zero decode, subtrahends made
+    once per k-tile from the scales and offsets), so the k-loop has the decode of its symmetric twin
+    (same knobs) and no offsets' fma per pair, and ptxas keeps about the twin's registers."""
+    from tests.test_codegen_stream import ptxas_output
+
+    knobs = stream_wgmma.Knobs(16, 1, 1, 128, 6, split_k=2, release_barriers=True, producer_warp=True, pdl=True,
+                               early_start=2, stage_unroll=True, scale_on_acc=True, fold_lag=True, rotate=True)
+    problem = Problem(12288, 4096, 128, zero_points=True)
+    zp = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90)
+    twin = compile_schedule(Problem(12288, 4096, 128), Schedule("stream_wgmma", knobs), SM90)
+    source = (zp.folder / "kernel.cu").read_text()
+    assert source.count(zero_decode("float16")[0] + "(") >= 2 and offset_decode_name("float16") + "((" not in source
+    decode = [kernel.ptx().count("fma.rn.f16x2") + kernel.ptx().count("sub.f16x2") for kernel in (twin, zp)]
+    assert decode[0] == decode[1] > 0, decode
+    registers = [int(re.search(r"Used (\d+) registers", ptxas_output(k.ptx(), "sm_90a", tmp_path)).group(1))
+                 for k in (twin, zp)]
+    assert registers[1] <= registers[0] + 8, registers
 
 
 def test_the_fold_adds_the_activation_sums_times_the_offsets():

@@ -59,7 +59,7 @@ def buffers(plan, A, B, S, C, ws, counters, TS):
     W_s = T.alloc_shared((stages, plan.word_rows, 2 * bn), "int32")
     S_s = T.alloc_shared((stages, plan.scale_rows, bn), dtype)
     w = T.alloc_local((plan.per_w,), "int32")
-    sc = T.alloc_local((plan.per_s * (2 if plan.sacc or plan.zp else 1),), dtype)
+    sc = T.alloc_local((plan.sc_len,), dtype)
     a = T.alloc_local((plan.kb.ring * plan.g * 8 if plan.kb.ring else 2 * plan.a_len,), dtype)
     acc = T.alloc_local((plan.acc_all,), "float32")
     desc = T.alloc_wgmma_desc()
