@@ -69,8 +69,8 @@ class QuantLinear(nn.Module):
         on their device.
 
         Raises ValueError, before any kernel is built, for shapes or a group size the kernels cannot
-        run, for a scale that is not finite and positive and for a zero point outside 0..15 (naming
-        the first one).
+        run, for a scale that is not finite and positive and for a zero point that is not a whole
+        number in 0..15 (naming the first one).
         """
         k, n = codes.shape
         if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
@@ -249,14 +249,15 @@ def _check_scales(scales: torch.Tensor) -> None:
 
 
 def _check_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> None:
-    """A ValueError for zero points of another shape than the scales, or naming the first outside 0..15."""
+    """A ValueError for zero points of another shape than the scales, or naming the first that is not a
+    whole number in 0..15 (the kernels that put the scales on the sums take z off the codes exactly)."""
     if zeros.shape != scales.shape:
         raise ValueError(f"zero points {tuple(zeros.shape)} must have the scales' shape {tuple(scales.shape)}")
-    bad = _first_false((zeros >= 0) & (zeros <= 15))
+    bad = _first_false((zeros >= 0) & (zeros <= 15) & (zeros == zeros.round()))
     if bad is not None:
         group, column = bad
         raise ValueError(f"zero point {zeros[group, column].item()} at group {group}, column {column}: "
-                         "4-bit zero points lie in 0..15")
+                         "4-bit zero points are whole numbers in 0..15")
 
 
 def _name_filter(filter) -> Callable[[str, nn.Module], bool]:

@@ -24,7 +24,8 @@ def test_rules_prune_prefixes_and_keep_what_check_keeps():
 
 
 @pytest.mark.parametrize("problem", [Problem.make(n=12288, k=4096), Problem.make(n=4096, k=11008, group=-1),
-                                     Problem.make(n=4096, k=11008, group=-1, zero_points=True)],
+                                     Problem.make(n=4096, k=11008, group=-1, zero_points=True),
+                                     Problem.make(n=4096, k=11008, zero_points=True)],
                          ids=lambda p: p.name)
 def test_stream_wgmma_rules_refuse_nothing_that_check_accepts(problem):
     """Every rule's axis at more than one value, the rest narrowed so the exhaustive product stays

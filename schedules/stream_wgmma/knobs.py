@@ -186,7 +186,9 @@ class Knobs:
         steps = self.k_steps if problem is None else self.mma_steps(problem)
         a = steps * self.groups * 4 * 2
         raw = self.k_steps * self.groups + self.groups
-        return acc + a + raw + 40
+        # zero points with scale_on_acc: the decode's subtrahends, 2 or 4 registers per group (fp16)
+        zero = 4 * self.groups if problem is not None and problem.zero_points and self.scale_on_acc else 0
+        return acc + a + raw + zero + 40
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
