@@ -2,8 +2,8 @@
 
 Conventions: nn.Linear.weight is [N, K] (out x in); tilemarlin's weight is W[K, N], so converting a
 layer quantizes weight.T. A QuantLinear holds its weights already packed for the kernel (buffers
-`qweight` and `scales`, saved in the state dict; with zero points `scales` holds each group's offset
-row s * (8 - z) after its scale row), so loading one costs no repacking.
+`qweight` and `scales`, saved in the state dict; with zero points `scales` holds each group's zero
+points z after its scale row, as whole numbers), so loading one costs no repacking.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 from torch import nn
 
-from schedules.marlin_mma.layout import split_offsets
+from schedules.marlin_mma.layout import split_zero_points
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn, quantize_rtn_asymmetric
 
@@ -156,14 +156,26 @@ class QuantLinear(nn.Module):
         return cls.from_layer(layer, precompile=precompile, max_m=max_m)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes uint8 [K, N], scales [K / group, N]): the inverse of from_codes (see offsets() for
-        the zero points' part)."""
-        scales = split_offsets(self.scales)[0] if self.zero_points else self.scales
+        """(codes uint8 [K, N], scales [K / group, N]): the inverse of from_codes (see zeros() for the
+        zero points)."""
+        scales = split_zero_points(self.scales)[0] if self.zero_points else self.scales
         return layout_family(self.layout).unpack(self.qweight, scales)
 
-    def offsets(self) -> torch.Tensor | None:
-        """The zero points' offsets s * (8 - z) [K / group, N] the kernels add, or None (symmetric)."""
-        return split_offsets(self.scales)[1] if self.zero_points else None
+    def zeros(self) -> torch.Tensor | None:
+        """The zero points z [K / group, N] (in the scales' dtype), or None (symmetric: 8)."""
+        return split_zero_points(self.scales)[1] if self.zero_points else None
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """As nn.Module's, then with zero points a check that the loaded zero-point rows of `scales`
+        hold what the kernels decode, whole numbers in 0..15 (not, say, pre-scaled offsets)."""
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.zero_points and prefix + "scales" in state_dict:
+            scales, zeros = split_zero_points(self.scales)
+            try:
+                _check_zeros(zeros, scales)
+            except ValueError as exc:
+                raise ValueError(f"{prefix}scales: its zero-point rows (every second row) must hold the zero "
+                                 f"points themselves; {exc}") from None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:

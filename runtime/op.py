@@ -94,7 +94,7 @@ def _check_args(x, qweight, scales, n, k, group, layout, zero_points, act="dtype
         raise ValueError(f"packed weight must be int32 {weight_shape} for N={n}, K={k} in {layout}, "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")
     if tuple(scales.shape) != scales_shape:
-        what = " with their zero points' offsets" if zero_points else ""
+        what = " with their zero points" if zero_points else ""
         raise ValueError(f"scales{what} must be {scales_shape} for K={k}, group={problem.group}, N={n}, "
                          f"got {tuple(scales.shape)}")
     return problem
@@ -202,11 +202,11 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: 
     ----------
     x : float16 or bfloat16 CUDA tensor [..., K]; any strides (a non-contiguous x is copied).
     qweight, scales : the packed weight and scales (``schedules.marlin_mma.pack``), on x's device,
-        scales in x's dtype; with zero_points each group's scale row is followed by its offset row
-    s * (8 - z) (``marlin_mma.pack(codes, scales, zeros)``).
+        scales in x's dtype; with zero_points each group's scale row is followed by its zero points z,
+        whole numbers in x's dtype (``marlin_mma.pack(codes, scales, zeros)``).
     n, k, group : output features, input features, rows per scale (-1: one group spanning K).
     layout : the packing of qweight and scales.
-    zero_points : whether scales carries zero points' offsets (w = s * (q - z) instead of s * (q - 8)).
+    zero_points : whether scales carries zero points (w = s * (q - z) instead of s * (q - 8)).
 
     Returns
     -------

@@ -375,7 +375,7 @@ def store_tile_split_wait(block_m: int, block_n: int, split_k: int, n: int, chan
 
 def w4a16_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str, workspace: bool, slots: int = 1):
     """The kernel's signature, shared by the mma.sync families: A [m, K], packed B [K/16, 2N] int32,
-    scales [scale_rows, N] (Problem.scale_rows: K/group, with zero points an offset row after each),
+    scales [scale_rows, N] (Problem.scale_rows: K/group, with zero points a zero-point row after each),
     C [m, N], and with `workspace` (split-K through global memory) the fp32 workspace [slots * m, N]
     (split_wait: a slot of m rows per split but the last) and int32 tile counters [tiles]. `body` is a T.macro(A, B, S, C, ws, counters) and m, tiles the T.dynamic
     variables it was built with."""

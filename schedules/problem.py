@@ -16,7 +16,7 @@ class Problem:
 
     ``group == K`` is channelwise quantization (one scale per output column). With `zero_points`
     each group and column has its own zero point z, w = s * (q - z), instead of 8; the kernels take
-    it as a pre-scaled offset beside the scale (schedules/marlin_mma/layout.py). With ``act="fp8"``
+    it beside the scale (schedules/marlin_mma/layout.py). With ``act="fp8"``
     the kernel multiplies FP8 e4m3 activations (a scale per token, in layout.fp8_k_order) by the
     same packed weights on FP8 tensor cores, and `dtype` is the type of the layer's input, scales and
     output. M is not part of the problem: every compiled kernel serves any M.
@@ -74,10 +74,10 @@ class Problem:
 
     @property
     def scale_rows(self) -> int:
-        """Rows of the kernels' scales tensor: a scale row per group, and with zero points an offset
+        """Rows of the kernels' scales tensor: a scale row per group, and with zero points a zero-point
         row after each."""
         return self.num_groups * (2 if self.zero_points else 1)
 
     def weight_bytes(self) -> int:
-        """Bytes of packed weights plus scales (and offsets) that one call must read."""
+        """Bytes of packed weights plus scales (and zero points) that one call must read."""
         return self.k * self.n * self.bits // 8 + self.scale_rows * self.n * 2

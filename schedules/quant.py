@@ -87,14 +87,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int = 4, zeros: 
     return (w * scales.float().unsqueeze(1)).reshape(k, n)
 
 
-def zero_point_offsets(scales: torch.Tensor, zeros: torch.Tensor, bits: int = 4) -> torch.Tensor:
-    """o = s * (8 - z), [K / group, N], computed in fp32 and returned in the scales' dtype: what a
-    kernel adds to (q - 8) * s to decode w = s * (q - z) (schedules/marlin_mma/layout.py)."""
-    if scales.shape != zeros.shape:
-        raise ValueError(f"scales {tuple(scales.shape)} and zero points {tuple(zeros.shape)} differ in shape")
-    return (scales.float() * (zero_point(bits) - zeros.float())).to(scales.dtype)
-
-
 def reference_matmul(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int = 4,
                      zeros: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 reference: A @ dequantize(W), computed in fp32 on A's device."""

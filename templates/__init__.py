@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 
@@ -33,23 +34,24 @@ def dequant_function_names(dtype: str, bits: int = 4, operand: str = "b") -> tup
     return f"tm_dequant_{order}{name}", f"tm_dequant_scaled_{order}{name}"
 
 
-def offset_decode_name(dtype: str, bits: int = 4) -> str:
-    """Extern name of the decode that adds pre-scaled zero-point offsets, w = (q - 8) * s + o, with the
-    values in the register order of the MMA's A fragments (the swapped-operand families)."""
-    _check(dtype, bits)
-    return f"tm_dequant_scaled_offset_a_{_DEQUANT[dtype]['name']}"
+class ZeroDecode(NamedTuple):
+    """Extern names of the zero-point decode (w = s * (code - z)) in A order, and how many halves of
+    subtrahends it takes per row pair of a sub-tile (pairs of equal halves: 4 per row in fp16, 2 in
+    bf16)."""
+
+    subtrahends: str   # (z0, z1) -> the sub-tile's subtrahends, once per group
+    unscaled: str      # (word, subtrahends) -> code - z (the scales go on the sums)
+    scaled: str        # (word, scales, subtrahends) -> (code - z) * s
+    halves: int
 
 
-def zero_decode(dtype: str, bits: int = 4) -> tuple[str, tuple[tuple[float, int], ...]]:
-    """(extern name, subtrahends) of the unscaled decode with the rows' own zero points, code - z, in
-    A order (the scales go on the sums). The kernel passes each group's subtrahends, base + sign * z
-    for each (base, sign) here, per row as a pair of equal halves: rows z0 and z1 of the first, then
-    of the second."""
+def zero_decode(dtype: str, bits: int = 4) -> ZeroDecode:
+    """The decode of weights with zero points of their own beside the scales (templates/dequant.cuh.j2)."""
     _check(dtype, bits)
-    d = _DEQUANT[dtype]
-    # fp16 takes the nibbles at bit 4 in place (as 16 * code) and scales them by 1/16 in an fma
-    subtrahends = ((d["magic_value"], 1),) + (((-d["magic_value"] // 16, -1),) if dtype == "float16" else ())
-    return f"tm_dequant_zero_a_{d['name']}", subtrahends
+    name = _DEQUANT[dtype]["name"]
+    # fp16 takes the nibbles at bit 4 in place (as 16 * code) and subtracts 64 + z after scaling by 1/16
+    return ZeroDecode(f"tm_zero_subtrahends_{name}", f"tm_dequant_zero_a_{name}", f"tm_dequant_scaled_zero_a_{name}",
+                      8 if dtype == "float16" else 4)
 
 
 def mma_operand_dtype(dtype: str) -> str:

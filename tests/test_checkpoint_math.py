@@ -2,9 +2,9 @@
 the CPU.
 
 Where QuantLinear's forward must compute, the op's CUDA launch is replaced by the fp32 reference of
-what the kernel computes from the packed tensors (`cpu_op`: the codes less 8 times the scales, plus
-the zero points' offsets), so that everything around the kernel is what runs: the gather by perm,
-the packing of the offsets, the op's shapes, the bias.
+what the kernel computes from the packed tensors (`cpu_op`: the codes less their zero points, 8 or
+the zero-point rows', times the scales), so that everything around the kernel is what runs: the
+gather by perm, the packing of the zero points, the op's shapes, the bias.
 """
 import pytest
 import torch
@@ -14,19 +14,16 @@ from runtime import QuantLinear
 from runtime.checkpoint.layer import build_layer
 from runtime.checkpoint.loader import load_quantized
 from schedules import marlin_mma
-from schedules.marlin_mma.layout import split_offsets
-from schedules.quant import dequantize, zero_point_offsets
+from schedules.marlin_mma.layout import split_zero_points
+from schedules.quant import dequantize
 from tests.checkpoint_writers import dense_model, draw_layer, write_checkpoint
 from tests.reference import assert_matches_reference
 
 
 def reference_launch(a, qweight, scales, out, problem, layout):
-    scales, offsets = split_offsets(scales) if problem.zero_points else (scales, None)
+    scales, zeros = split_zero_points(scales) if problem.zero_points else (scales, None)
     codes, scales = marlin_mma.unpack(qweight, scales)
-    w = dequantize(codes, scales)
-    if offsets is not None:
-        w = (w.unflatten(0, (problem.num_groups, problem.group)) + offsets.float().unsqueeze(1)).flatten(0, 1)
-    out.copy_((a.float() @ w).to(out.dtype))
+    out.copy_((a.float() @ dequantize(codes, scales, zeros=zeros)).to(out.dtype))
 
 
 @pytest.fixture
@@ -35,25 +32,17 @@ def cpu_op(monkeypatch):
     monkeypatch.setattr(op, "_launch", reference_launch)
 
 
-def test_offsets_are_computed_in_fp32_and_stored_in_the_scales_dtype():
-    scales = torch.tensor([[0.1, 3.0]], dtype=torch.bfloat16)
-    zeros = torch.tensor([[1, 15]])
-    offsets = zero_point_offsets(scales, zeros)
-    assert offsets.dtype == torch.bfloat16
-    assert torch.equal(offsets, (scales.float() * torch.tensor([[7.0, -7.0]])).to(torch.bfloat16))
-
-
-def test_a_layer_with_zero_points_keeps_their_offsets_after_its_scale_rows():
+def test_a_layer_with_zero_points_keeps_them_after_its_scale_rows():
     gen = torch.Generator().manual_seed(9)
     drawn = draw_layer(256, 64, 128, False, False, torch.float16, gen)
     layer = build_layer(drawn.codes, drawn.scales, drawn.zeros, drawn.g_idx, 128, None, torch.float16)
     module = QuantLinear.from_layer(layer)
     assert module.zero_points and module.problem.zero_points and tuple(module.scales.shape) == (4, 64)
     assert torch.equal(module.unpack()[1], layer.scales)
-    assert torch.equal(module.offsets(), zero_point_offsets(layer.scales, layer.zeros))
+    assert module.zeros().dtype == torch.float16 and torch.equal(module.zeros().long(), layer.zeros.long())
     symmetric = QuantLinear.from_layer(build_layer(drawn.codes, drawn.scales, None, drawn.g_idx, 128, None,
                                                    torch.float16))
-    assert not symmetric.zero_points and symmetric.offsets() is None
+    assert not symmetric.zero_points and symmetric.zeros() is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

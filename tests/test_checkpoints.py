@@ -114,7 +114,7 @@ def test_load_quantized_on_cpu(tmp_path, fmt, symmetric, act_order, shards):
     for name, module in quantized.items():
         assert module.qweight.device.type == "cpu" and module.scales.dtype == torch.bfloat16
         assert (module.perm is not None) == act_order
-        assert module.zero_points == (not symmetric) and (module.offsets() is not None) == (not symmetric)
+        assert module.zero_points == (not symmetric) and (module.zeros() is not None) == (not symmetric)
     assert isinstance(model.lm_head, nn.Linear)
     assert torch.equal(model.lm_head.weight, stored["lm_head.weight"])
     assert torch.equal(model.model.embed_tokens.weight, stored["model.embed_tokens.weight"])
@@ -136,7 +136,7 @@ def test_tied_embeddings_load_once(tmp_path):
     assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
 
 
-def test_state_dict_round_trip_keeps_perm_and_offsets(tmp_path):
+def test_state_dict_round_trip_keeps_perm_and_zero_points(tmp_path):
     from runtime import QuantLinear
 
     folder = tmp_path / "ckpt"
@@ -146,3 +146,18 @@ def test_state_dict_round_trip_keeps_perm_and_offsets(tmp_path):
     fresh.load_state_dict(layer.state_dict())
     for name, tensor in layer.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+def test_a_state_dict_whose_zero_point_rows_are_not_zero_points_is_refused(tmp_path):
+    """Every second row of a zero-point layer's `scales` must hold the zero points themselves (whole
+    numbers 0..15): anything else, pre-scaled offsets say, would decode to wrong weights silently."""
+    from runtime import QuantLinear
+
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, "gptq", symmetric=False, act_order=False)
+    state = load_quantized(folder, device="cpu").model.layers[0].mlp.down_proj.state_dict()
+    state["scales"] = state["scales"].clone()
+    state["scales"][3, 7] = 0.375
+    fresh = QuantLinear(512, 256, group_size=128, zero_points=True)
+    with pytest.raises(ValueError, match=r"scales: its zero-point rows .* zero point 0.375 at group 1, column 7"):
+        fresh.load_state_dict(state)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from schedules.quant import dequantize
-from templates import dequant_function_names, offset_decode_name, raw_decode, render_dequant, zero_decode
+from templates import dequant_function_names, raw_decode, render_dequant, zero_decode
 from tests.reference import seed_of
 
 DTYPES = ("float16", "bfloat16")
@@ -233,12 +233,12 @@ class Device:
         return self.call(name, *args), tokens
 
 
-def run(dtype, name, words, scales=None, source=None, offsets=None):
-    """Run entry point `name` on 32-bit `words` (and one scale pair, and one offset pair, per word; a
-    list for a pointer to several words); the four 32-bit outputs."""
+def run(dtype, name, words, scales=None, source=None, subtrahends=None):
+    """Run entry point `name` on 32-bit `words` (and one scale pair, and the zero decode's subtrahends,
+    per word; a list for a pointer to several words); the four 32-bit outputs."""
     device = Device(render_dequant(dtype) if source is None else source, dtype)
     frag = Pointer([None] * 4)
-    args = (Pointer([words]),) + tuple(Pointer(v if isinstance(v, list) else [v]) for v in (scales, offsets)
+    args = (Pointer([words]),) + tuple(Pointer(v if isinstance(v, list) else [v]) for v in (scales, subtrahends)
                                        if v is not None) + (frag,)
     device.call(name, *args)
     return frag.cells
@@ -284,22 +284,23 @@ def sample_scales(dtype, count):
     return scales, scales.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
 
 
-def sample_offsets(dtype, count):
-    """Zero-point offset pairs s * (8 - z), of either sign, as dtype bits."""
-    gen = torch.Generator().manual_seed(seed_of("dequant offsets", dtype))
-    offsets = ((torch.rand(count, 2, generator=gen) * 2 - 1) * 0.8).to(TORCH[dtype])
-    return offsets, offsets.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
-
-
 def sample_zero_points(dtype, count):
-    """Zero-point pairs (one per n8 tile), integers 0..15, and the zero decode's subtrahend words made
-    from them as the kernel makes them (templates.zero_decode: per (base, sign), each row's
-    base + sign * z in both halves)."""
+    """Zero-point pairs (one per n8 tile), integers 0..15 (every one among the first 16 pairs), and
+    the pairs as the kernel holds them: one 32-bit word of two dtype values."""
     gen = torch.Generator().manual_seed(seed_of("dequant zero points", dtype))
     zeros = torch.randint(0, 16, (count, 2), generator=gen)
-    words = [join(value, value, dtype) for base, sign in zero_decode(dtype)[1]
-             for value in (base + sign * zeros[:, 0].double().numpy(), base + sign * zeros[:, 1].double().numpy())]
-    return zeros, words
+    zeros[:16] = torch.arange(16).unsqueeze(1)
+    bits = zeros.to(TORCH[dtype]).view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+    return zeros, bits[:, 0] | (bits[:, 1] << 16)
+
+
+def zero_subtrahends(dtype, zero_words, source=None) -> list:
+    """The zero decode's subtrahend words for each zero-point pair, made by the template's own
+    subtrahend entry point (as the kernels make them, once per group)."""
+    device = Device(render_dequant(dtype) if source is None else source, dtype)
+    out = Pointer([None] * (zero_decode(dtype).halves // 2))
+    device.call(zero_decode(dtype).subtrahends, Pointer([zero_words]), out)
+    return out.cells
 
 
 def expected_bits(values: torch.Tensor, dtype) -> np.ndarray:
@@ -327,10 +328,7 @@ def decode_mismatches(dtype, source=None) -> list[str]:
     plain_b, scaled_b = dequant_function_names(dtype, operand="b")
     plain_a, scaled_a = dequant_function_names(dtype, operand="a")
     raw_name, magic_lo, magic_hi = raw_decode(dtype)
-    # with zero points: (code - 8) * s + o, one fma, so rounded once (float64 holds the sum exactly)
-    offsets, offset_bits = sample_offsets(dtype, len(words))
     tile = torch.tensor([b_pair_position(p)[1] // 8 for p in A_ORDER])
-    with_offsets = decoded_values(codes, scales, A_ORDER).double() + offsets.double()[:, tile].unsqueeze(-1)
     # raw decode: every value is its pair's magic + code, exactly (the kernel takes the magic off)
     raw_magic = torch.tensor([magic_lo if p in (0, 2) else magic_hi for p in A_ORDER], dtype=torch.float32)
     raw_codes = torch.tensor(codes[:, [[p, p + 4] for p in A_ORDER]].astype(np.float32))
@@ -341,15 +339,22 @@ def decode_mismatches(dtype, source=None) -> list[str]:
         scaled_a: (scale_bits[:, 0] | (scale_bits[:, 1] << 16), decoded_values(codes, scales, A_ORDER)),
         raw_name: (None, raw_codes + raw_magic[None, :, None]),
     }
-    # zero points with the scales on the sums: code - z, exact
-    zeros, subtrahends = sample_zero_points(dtype, len(words))
-    cases[zero_decode(dtype)[0]] = (subtrahends, raw_codes - zeros.float()[:, tile].unsqueeze(-1))
-    cases[offset_decode_name(dtype)] = (scale_bits[:, 0] | (scale_bits[:, 1] << 16), with_offsets,
-                                        offset_bits[:, 0] | (offset_bits[:, 1] << 16))
+    # zero points: code - z exactly (the scales on the sums), or (code - z) * s rounded once
+    zeros, zero_words = sample_zero_points(dtype, len(words))
+    try:
+        subtrahends = zero_subtrahends(dtype, zero_words, source)
+    except AssertionError as exc:   # a changed source can leave what is emulated exactly
+        if source is None:
+            raise
+        return [f"{zero_decode(dtype).subtrahends}: {exc}"]
+    less_zeros = raw_codes.double() - zeros.double()[:, tile].unsqueeze(-1)
+    cases[zero_decode(dtype).unscaled] = (None, less_zeros, subtrahends)
+    cases[zero_decode(dtype).scaled] = (scale_bits[:, 0] | (scale_bits[:, 1] << 16),
+                                        less_zeros * scales.double()[:, tile].unsqueeze(-1), subtrahends)
     found = []
-    for name, (scale_words, values, *offset_words) in cases.items():
+    for name, (scale_words, values, *subtrahend_words) in cases.items():
         try:
-            got = run(dtype, name, words, scale_words, source, *offset_words)
+            got = run(dtype, name, words, scale_words, source, *subtrahend_words)
         except AssertionError as exc:   # a changed source can leave what is emulated exactly (subnormals)
             if source is None:
                 raise
@@ -384,8 +389,13 @@ MUTATIONS = {   # (rendered text, replacement, dtype): one constant or order of 
     "fp16 raw high magic": ("MAGIC_HI = 0x54005400u", "MAGIC_HI = 0x64006400u", "float16"),
     "fp16 scales swapped": ("out[1] = __hmul2(out[1], s0)", "out[1] = __hmul2(out[1], s1)", "float16"),
     "fp16 A order": ("out[1] = p[2];\n  out[2] = p[1];", "out[1] = p[1];\n  out[2] = p[2];", "float16"),
-    "fp16 offsets swapped": ("out[1] = __hfma2(p[2], s1, o1)", "out[1] = __hfma2(p[2], s1, o0)", "float16"),
-    "bf16 offset order": ("out[2] = __hfma2(p[1], s0, o0)", "out[2] = __hfma2(p[3], s0, o0)", "bfloat16"),
+    "fp16 zero scales swapped": ("out[2] = __hmul2(out[2], s0);", "out[2] = __hmul2(out[2], s1);", "float16"),
+    "bf16 zero scales swapped": ("out[3] = __hmul2(out[3], s1);", "out[3] = __hmul2(out[3], s0);", "bfloat16"),
+    "fp16 zero magic": ("m = __hadd2(z, tilemarlin::as_half2(0x64006400u))",
+                        "m = __hadd2(z, tilemarlin::as_half2(0x64006401u))", "float16"),
+    "fp16 zero -64": ("0xd400d400u", "0xd400d380u", "float16"),
+    "fp16 zero rows of -64": ("c[3] = __high2half2(h)", "c[3] = __low2half2(h)", "float16"),
+    "bf16 zero rows": ("c[1] = __high2bfloat162(m)", "c[1] = __low2bfloat162(m)", "bfloat16"),
     "bf16 magic": ("const unsigned MAGIC = 0x43004300u", "const unsigned MAGIC = 0x43804380u", "bfloat16"),
     "bf16 zero point": ("0x43084308u", "0x43094308u", "bfloat16"),
     "bf16 shift": ("q >> 12, 0x000f000fu, MAGIC)), SUB", "q >> 16, 0x000f000fu, MAGIC)), SUB", "bfloat16"),
@@ -421,7 +431,7 @@ def test_constants_are_the_values_their_comments_claim(dtype):
 def test_template_renders_per_dtype(dtype, vec):
     src = render_dequant(dtype)
     for name in (*dequant_function_names(dtype), *dequant_function_names(dtype, operand="a"), raw_decode(dtype)[0],
-                 offset_decode_name(dtype), zero_decode(dtype)[0]):
+                 *zero_decode(dtype)[:3]):
         assert f"void {name}(" in src
     assert "lop3.b32" in src and vec in src
     assert "{{" not in src and "{%" not in src

@@ -18,12 +18,10 @@ def from_gptq(tensors, **options) -> QuantLinear:
 
 def dense_weight(module: QuantLinear) -> torch.Tensor:
     """fp32 W[K, N] in the input features' order from what the module holds: its unpacked codes and
-    scales, its zero-point offsets added, its act-order permutation undone."""
+    scales, less its zero points (8 where it has none), its act-order permutation undone."""
     codes, scales = module.unpack()
-    w = (codes.float() - 8).unflatten(0, (-1, module.group_size)) * scales.float().unsqueeze(1)
-    if module.offsets() is not None:
-        w = w + module.offsets().float().unsqueeze(1)
-    w = w.flatten(0, 1)
+    zeros = 8.0 if module.zeros() is None else module.zeros().float().unsqueeze(1)
+    w = ((codes.float().unflatten(0, (-1, module.group_size)) - zeros) * scales.float().unsqueeze(1)).flatten(0, 1)
     return w if module.perm is None else torch.empty_like(w).index_copy_(0, module.perm, w)
 
 
@@ -39,7 +37,7 @@ def test_word_layout_by_hand():
     module = QuantLinear.from_gptq(qweight, qzeros, scales, None, group_size=-1)
     codes, _ = module.unpack()
     assert codes[:8, 0].tolist() == list(range(8)) and codes[:8, 1].tolist() == list(range(8, 16))
-    assert module.offsets()[0, :9].tolist() == [7, 6, 5, 4, 3, 2, 1, 0, 0]   # 8 - z
+    assert module.zeros()[0, :9].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 8]
     assert module.perm is None
 
 
@@ -54,15 +52,15 @@ def test_symmetric_layer_holds_the_same_codes_and_scales(checkpoint_format, grou
     assert (module.in_features, module.out_features, module.group_size) == (K, N, K if group == -1 else group)
     got_codes, got_scales = module.unpack()
     assert torch.equal(got_codes, codes) and torch.equal(got_scales, scales) and torch.equal(module.bias, bias)
-    assert module.perm is None and module.offsets() is None and not module.zero_points
+    assert module.perm is None and module.zeros() is None and not module.zero_points
 
 
 @pytest.mark.parametrize("checkpoint_format", FORMATS)
 @pytest.mark.parametrize("symmetric, act_order", [(False, False), (True, True), (False, True)])
 def test_asymmetric_and_act_order_layers_give_the_definitions_weights(checkpoint_format, symmetric, act_order):
-    """perm sorts the input rows by group (row i holds input feature perm[i]); the offsets are
-    C = s * (8 - z) in the scales' dtype; together with the codes and scales they give
-    w[k, n] = s[g_idx[k], n] * (q[k, n] - z[g_idx[k], n])."""
+    """perm sorts the input rows by group (row i holds input feature perm[i]); the zero points are
+    kept exactly, in the scales' dtype; with the codes and scales they give
+    w[k, n] = s[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]) exactly."""
     drawn = draw_layer(K, N, GROUP, symmetric, act_order, torch.float16, torch.Generator().manual_seed(3))
     module = from_gptq(gptq_tensors(drawn, checkpoint_format), group_size=GROUP, checkpoint_format=checkpoint_format)
     codes, scales = module.unpack()
@@ -75,14 +73,10 @@ def test_asymmetric_and_act_order_layers_give_the_definitions_weights(checkpoint
         assert module.perm is None
     assert torch.equal(codes.long(), drawn.codes[perm]) and torch.equal(scales, drawn.scales)
     if symmetric:
-        assert module.offsets() is None
-        assert torch.equal(dense_weight(module), drawn.weight)
+        assert module.zeros() is None
     else:
-        offsets = (drawn.scales.float() * (8 - drawn.zeros).float()).to(torch.float16)
-        assert torch.equal(module.offsets(), offsets)
-        # s * (q - 8) + C differs from s * (q - z) only by C's rounding: half a float16 ulp of |C|
-        rounding = float(offsets.abs().max()) * 2 ** -11
-        torch.testing.assert_close(dense_weight(module), drawn.weight, rtol=0, atol=rounding)
+        assert torch.equal(module.zeros().long(), drawn.zeros.long())
+    assert torch.equal(dense_weight(module), drawn.weight)
 
 
 def test_missing_g_idx_means_contiguous_groups():

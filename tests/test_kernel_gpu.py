@@ -216,8 +216,8 @@ BF16_SCHEDULES = ("split3_scale_on_acc", "stream_m16_split4", "stream_m16_fold_s
                   "swg_m128_g2", "swg_m256_g1_wg2", "swg_m256_setmaxnreg_staged", "swg_m32_g2_split4_sacc")
 
 
-# Zero points (w = s * (q - z): the offsets in the decode, or with the scales on the sums z off the
-# codes): the forms that take them, each on down_proj at group 128 and on every other layer, grouped
+# Zero points (w = s * (q - z): z off the codes in place of 8, then scaled in the decode, on the sums
+# (scale_on_acc) or in the fold (fold_zero_point)): the forms that take them, each on down_proj at group 128 and on every other layer, grouped
 # and channelwise in turn.
 ZERO_POINT_SCHEDULES = ("stream_m16_split4", "swg_m128_release_producer", "stream_m8", "stream_m16_aw_split4",
                         "stream_m8_fold", "stream_m16_fold_split4", "stream_m8_fold_lag_registers",
@@ -296,7 +296,7 @@ def run_and_check(problem, schedule, arch, ms=MS):
     seed = seed_of(problem.name, schedule.name)   # W from seed, A of each M from seed + M
     w = torch.randn(problem.k, problem.n, device="cuda", dtype=dtype, generator=generator(seed))
     codes, scales = quantize_rtn(w, -1 if problem.channelwise else problem.group, dtype=problem.dtype)
-    # zero points drawn over the whole code range: every offset s * (8 - z) from 8 s down to -7 s
+    # zero points drawn over the whole code range 0..15
     zeros = torch.randint(0, 16, scales.shape, device="cuda", generator=generator(seed + 1)) \
         if problem.zero_points else None
     weight, packed_scales = fam.pack(codes, scales, zeros)
@@ -322,7 +322,10 @@ def test_zero_point_kernel_matches_reference(layer, group, name, arch):
     run_and_check(problem_of(layer, group, zero_points=True), SCHEDULES[name], arch)
 
 
-@pytest.mark.parametrize("name", ZERO_POINT_SCHEDULES[:2])
+BF16_ZERO_POINT_SCHEDULES = ZERO_POINT_SCHEDULES[:2] + ("stream_m8_fold", "swg_m32_g2_split4_sacc")
+
+
+@pytest.mark.parametrize("name", BF16_ZERO_POINT_SCHEDULES)
 def test_bf16_zero_point_kernel_matches_reference(name, arch):
     run_and_check(problem_of("o", 128, "bfloat16", True), SCHEDULES[name], arch, ms=(1, 17, 257))
 

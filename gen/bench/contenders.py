@@ -110,7 +110,7 @@ def tilemarlin_untuned_contender(w: LayerWeights) -> Contender:
 
 def tilemarlin_zero_points_contender(w: LayerWeights) -> Contender:
     """tilemarlin with zero points of its own per group and column (0..15, drawn from torch's generator
-    as it stands): the same codes and scales, the kernels that add the zero points' offsets. Not the
+    as it stands): the same codes and scales, the kernels that take the zero points off the codes. Not the
     reference's symmetric weights, so not checked here (tests/test_kernel_gpu.py checks them)."""
     try:
         from runtime.op import w4a16_gemm

@@ -31,7 +31,7 @@ def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
         return 2 * k * n
     if kernel == "torch_int4":   # tinygemm stores a bf16 (scale, zero) pair per group and column
         return k * n // 2 + 4 * groups * n
-    if kernel == "tilemarlin_zp":   # an offset beside each scale
+    if kernel == "tilemarlin_zp":   # a zero point beside each scale
         return k * n // 2 + 4 * groups * n
     if kernel == "tilemarlin_act":   # and the permutation, int64 per input feature
         return k * n // 2 + 2 * groups * n + 8 * k

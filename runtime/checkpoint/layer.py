@@ -13,7 +13,7 @@ feature of row i, and since x @ W = x[..., perm] @ W[perm], the layer gathers it
 by `perm` before the GEMM. The trivial map g_idx[k] = k // group needs no permutation: perm is None.
 
 Zero points. w = s * (q - z). None means symmetric, z = 8 everywhere; other zero points the kernels
-decode from pre-scaled offsets beside the scales (schedules/marlin_mma/layout.py).
+take beside the scales (schedules/marlin_mma/layout.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from ..arch import Arch
 from ..family import lazy_build
 from ..knob_space import valid_points
 from ..problem import Problem
-from ..quant import torch_dtype, zero_point_offsets
+from ..quant import torch_dtype
 from . import layout
 from .knobs import Knobs, check
 from .traits import KNOB_FACTORS, TRAITS
@@ -53,12 +53,12 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
 def pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None
          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [K, N], scales [G, N], zero points [G, N] or None for 8) -> (packed weight [K/16, 2N]
-    int32, scales [G, N] contiguous; with zero points the scales and their offsets stacked, [2G, N])."""
+    int32, scales [G, N] contiguous; with zero points the scales and the zero points stacked, [2G, N])."""
     if scales.dim() != 2 or scales.shape[1] != codes.shape[1] or codes.shape[0] % scales.shape[0]:
         raise ValueError(f"scales of shape {tuple(scales.shape)} do not fit codes of shape {tuple(codes.shape)}")
     if zeros is None:
         return layout.pack_weight(codes), scales.contiguous()
-    return layout.pack_weight(codes), layout.stack_offsets(scales, zero_point_offsets(scales, zeros))
+    return layout.pack_weight(codes), layout.stack_zero_points(scales, zeros)
 
 
 def unpack(weight: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,10 +30,11 @@ and row g + 8's 2, 3, 6, 7 into the other, that is k = 2t, 2t + 8, 2t + 1, 2t + 
 The activations are stored in that k order instead (fp8_k_order): position 4t + j of each 16 columns
 holds column FP8_K_ORDER[4t + j], so both operands meet at the same k and the words are not repacked.
 
-Zero points other than 8 (w = s * (q - z)) travel as pre-scaled offsets o = s * (8 - z), so that the
-decode's one multiply per pair becomes one fma, w = (q - 8) * s + o, at the same instruction count:
-the scales tensor is then [2 * K / group, N], row 2g the scales of group g and row 2g + 1 its offsets
-(stack_offsets), so that one copy of two adjacent rows brings a k-tile both.
+Zero points other than 8 (w = s * (q - z)) travel beside the scales as they are, whole numbers in
+the scales' dtype (exact): the scales tensor is then [2 * K / group, N], row 2g the scales of group g
+and row 2g + 1 its zero points (stack_zero_points), so that one copy of two adjacent rows brings a
+k-tile both. The decode subtracts magic + z where the symmetric one subtracts magic + 8 (exact), so a
+word costs what a symmetric one does (templates/dequant.cuh.j2).
 """
 from __future__ import annotations
 
@@ -76,22 +77,27 @@ def check_packable(k: int, n: int) -> None:
 
 
 def packed_shapes(k: int, n: int, scale_rows: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Shapes of (packed weight, scales) for W[K, N] with `scale_rows` rows of scales (and offsets:
-    Problem.scale_rows)."""
+    """Shapes of (packed weight, scales) for W[K, N] with `scale_rows` rows of scales (and zero
+    points: Problem.scale_rows)."""
     return (k // TILE_K, 2 * n), (scale_rows, n)
 
 
-def stack_offsets(scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Scales [G, N] and offsets [G, N] -> [2G, N]: each group's scale row, then its offset row."""
-    if scales.shape != offsets.shape or scales.dim() != 2:
-        raise ValueError(f"scales {tuple(scales.shape)} and offsets {tuple(offsets.shape)} must be the same [G, N]")
-    return torch.stack((scales, offsets), dim=1).reshape(2 * scales.shape[0], scales.shape[1]).contiguous()
+def stack_zero_points(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Scales [G, N] and zero points [G, N] (whole numbers 0..15) -> [2G, N] in the scales' dtype:
+    each group's scale row, then its zero-point row."""
+    if scales.shape != zeros.shape or scales.dim() != 2:
+        raise ValueError(f"scales {tuple(scales.shape)} and zero points {tuple(zeros.shape)} must be the same [G, N]")
+    if zeros.numel() and not bool(((zeros >= 0) & (zeros <= 15) & (zeros == zeros.round())).all()):
+        raise ValueError("4-bit zero points must be whole numbers in 0..15")
+    rows = (scales, zeros.to(scales.dtype))
+    return torch.stack(rows, dim=1).reshape(2 * scales.shape[0], scales.shape[1]).contiguous()
 
 
-def split_offsets(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of stack_offsets: [2G, N] -> (scales [G, N], offsets [G, N])."""
+def split_zero_points(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of stack_zero_points: [2G, N] -> (scales [G, N], zero points [G, N], in the scales'
+    dtype)."""
     if stacked.dim() != 2 or stacked.shape[0] % 2:
-        raise ValueError(f"stacked scales and offsets must be [2G, N], got {tuple(stacked.shape)}")
+        raise ValueError(f"stacked scales and zero points must be [2G, N], got {tuple(stacked.shape)}")
     return stacked[0::2].contiguous(), stacked[1::2].contiguous()
 
 

@@ -111,15 +111,15 @@ def swapped_mmas(plan: Plan):
 
     @T.macro
     def decode(bufs, wb, sb, u, j):
-        """The word's A fragments into a: raw magic-number codes (fold_zero_point), codes less 8 times the
-        group's scales plus its zero points' offsets (zero points: scales from sb, offsets 8 after), codes
-        less the zero point times the group's scales (scales from sb), or without the scales
-        (channelwise: they scale the final sums)."""
+        """The word's A fragments into a: raw magic-number codes (fold_zero_point), codes less their zero
+        points times the group's scales (zero points: scales from sb, the subtrahends in zsub), codes
+        less 8 times the group's scales (scales from sb), or without the scales (channelwise: they
+        scale the final sums)."""
         if plan.fold:
             T.call_extern("handle", plan.decode_raw, word(bufs, wb, u, j), T.access_ptr(bufs.a[j * 8], "w"))
         elif plan.zp:
-            T.call_extern("handle", plan.decode_offset, word(bufs, wb, u, j), T.access_ptr(bufs.scale[sb + 2 * j], "r"),
-                          T.access_ptr(bufs.scale[sb + 8 + 2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))
+            T.call_extern("handle", plan.zero.scaled, word(bufs, wb, u, j), T.access_ptr(bufs.scale[sb + 2 * j], "r"),
+                          T.access_ptr(bufs.zsub[j * plan.zero.halves], "r"), T.access_ptr(bufs.a[j * 8], "w"))
         elif plan.scale_weights:
             T.call_extern("handle", plan.decode_scaled, word(bufs, wb, u, j),
                           T.access_ptr(bufs.scale[sb + 2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))
@@ -128,6 +128,11 @@ def swapped_mmas(plan: Plan):
 
     @T.macro
     def multiply(bufs, wb, sb, xb, ab, ob):
+        if plan.zsub_len:
+            # The batch's subtrahends, once: a sub-tile's two rows' z sit beside their scales.
+            for j in T.unroll(4):
+                T.call_extern("handle", plan.zero.subtrahends, T.access_ptr(bufs.scale[sb + 8 + 2 * j], "r"),
+                              T.access_ptr(bufs.zsub[j * plan.zero.halves], "w"))
         for u in T.unroll(unroll):
             if plan.fold:
                 offsets(bufs.x, bufs.a_off, bufs.off, xb, u, ob)
@@ -142,8 +147,8 @@ def swapped_mmas(plan: Plan):
 def sums_fold(plan: Plan):
     """fold_zero_point: a T.macro(bufs, scale, ab, ob, sb) that adds one batch's sums (set ab) less the
     offsets (set ob), times its group's scales (`scale` from sb; channelwise: none), to the running
-    total; with zero points also the batch's activation sums (set ob, elements 2-3 of each m-tile)
-    times the zero points' offsets (`scale` from sb + 8)."""
+    total; with zero points the offsets (magic numbers only) in elements 0-1 of each m-tile, and the
+    batch's activation sums in elements 2-3, times the zero points (`scale` from sb + 8), come off."""
     m_tiles, acc_index = plan.m_tiles, plan.acc_index
 
     @T.macro
@@ -154,10 +159,12 @@ def sums_fold(plan: Plan):
                     i = acc_index(j, mi) + e
                     if plan.zp:
                         # The offsets' sums of this row of M in elements 0-1, its activations' sum in 2-3:
-                        # (raw - magic - 8) x s, plus the activations' sum times s * (8 - z).
-                        part = bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e % 2]
-                        bufs.total[i] = bufs.total[i] + part * T.cast(scale[sb + 2 * j + e // 2], "float32") + \
-                            bufs.off[ob + mi * 4 + 2 + e % 2] * T.cast(scale[sb + 8 + 2 * j + e // 2], "float32")
+                        # (raw - magic - z) x s, z times the sum off in one FFMA (nvcc left a - b * c
+                        # as a multiply and a subtraction)
+                        part = T.call_extern("float32", "__fmaf_rn", -bufs.off[ob + mi * 4 + 2 + e % 2],
+                                             T.cast(scale[sb + 8 + 2 * j + e // 2], "float32"),
+                                             bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e % 2])
+                        bufs.total[i] = bufs.total[i] + part * T.cast(scale[sb + 2 * j + e // 2], "float32")
                     elif plan.grouped:
                         part = bufs.acc[ab + i] - bufs.off[ob + mi * 4 + e]
                         bufs.total[i] = bufs.total[i] + part * T.cast(scale[sb + 2 * j + e // 2], "float32")

@@ -59,7 +59,7 @@ def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
     Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N] (with zero
-    points [2K/group, N], each group's offset row after its scale row), C [M, N];
+    points [2K/group, N], each group's zero-point row after its scale row), C [M, N];
     with split_k > 1 also a zeroed fp32 workspace [M, N] and int32 tile counters.
     """
     plan = Plan(problem, knobs)
@@ -141,7 +141,9 @@ def buffers(plan: Plan):
         off = T.alloc_local((plan.off_len * plan.sets,), "float32")
         lag_scale = T.alloc_local((2 * plan.per_s,), dtype) if plan.lag else None
         a_off = T.alloc_local((8,), dtype)
-        return Buffers(A=A, B=B, S=S, w=w, x=x, scale=scale, a=a, a_off=a_off, acc=acc, off=off, total=total,
+        zsub = T.alloc_local((plan.zsub_len,), dtype) if plan.zsub_len else None
+        return Buffers(A=A, B=B, S=S, w=w, x=x, scale=scale, a=a, a_off=a_off, zsub=zsub, acc=acc, off=off,
+                       total=total,
                        lag_scale=lag_scale, W_s=W_s, S_s=S_s, X_s=X_s, C_s=C_s, P_s=P_s)
 
     return allocate

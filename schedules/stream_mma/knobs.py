@@ -137,8 +137,10 @@ class Knobs:
         return padding_for_at_most(self.max_blocks, self._k_loop_bytes(problem), self.x_slots_bytes, spare=1024)
 
     def registers_estimate(self, problem: Problem | None = None) -> int:
-        """32-bit registers per thread; a problem with zero points holds their offsets beside the scales."""
-        scale_regs = 8 if problem is not None and problem.zero_points else 4    # per batch: 8 or 16 halves
+        """32-bit registers per thread; a problem with zero points holds them beside the scales (and
+        without fold_zero_point their decode's subtrahends, 16 registers in fp16, 8 in bf16)."""
+        zero_points = problem is not None and problem.zero_points
+        scale_regs = 8 if zero_points else 4    # per batch: 8 or 16 halves
         sets = 2 if self.fold_lag else 1
         acc = 4 * self.m_tiles * 4 * (1 + sets if self.fold_zero_point else 1)
         acc += (self.m_tiles * 4 * sets + 4) if self.fold_zero_point else 0     # offsets' sums, constant A
@@ -147,7 +149,8 @@ class Knobs:
         w_bufs = 1 if self.async_weights else self.ahead
         loads = w_bufs * (self.unroll * 4 + scale_regs) + self.ahead * (0 if self.x_ldmatrix else x_regs)
         loads += x_regs if self.x_ldmatrix else 0
-        return acc + loads + 32   # + addresses and loop state (76 measured for mt1 u4 a1: est. 76)
+        subtrahends = (16 if problem.dtype == "float16" else 8) if zero_points and not self.fold_zero_point else 0
+        return acc + loads + subtrahends + 32   # + addresses and loop state (76 measured for mt1 u4 a1: est. 76)
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from templates import dequant_function_names, mma_operand_dtype, offset_decode_name, raw_decode
+from templates import dequant_function_names, mma_operand_dtype, raw_decode, zero_decode
 
 from ..marlin_mma.layout import TILE_K
 from ..problem import Problem
@@ -18,11 +18,11 @@ class Plan:
     def __init__(self, problem: Problem, knobs: Knobs):
         kb = self.knobs = knobs
         self.problem, self.dtype = problem, problem.dtype
-        # Zero points: each batch's offset row comes with its scale row, and the decode adds the offsets
-        # (w = (q - 8) * s + o); channelwise ones are then one group like any other.
+        # Zero points: each batch's zero-point row comes with its scale row, and the decode takes z off
+        # the codes where the symmetric one takes 8; channelwise ones are then one group like any other.
         self.zp = problem.zero_points
         self.grouped = not problem.channelwise or self.zp
-        self.scale_rows = 2 if self.zp else 1     # rows of a batch's scales (and offsets) in S
+        self.scale_rows = 2 if self.zp else 1     # rows of a batch's scales (and zero points) in S
         self.m_tiles, self.unroll, self.warps, self.ahead = kb.m_tiles, kb.unroll, kb.warps, kb.ahead
         self.bm, self.bn = kb.block_m, kb.block_n
         self.grid_n = problem.n // self.bn
@@ -39,7 +39,7 @@ class Plan:
         # Per register buffer: the weight words, activation halves and scale halves of one batch.
         self.per_w = self.unroll * 4
         self.per_x = self.unroll * self.m_tiles * 4
-        self.per_s = 8 * self.scale_rows      # the lane's 8 scales, then with zero points their 8 offsets
+        self.per_s = 8 * self.scale_rows      # the lane's 8 scales, then with zero points their 8 z
         self.w_bufs = 1 if self.w_smem else self.ahead   # async_weights: the shared slots hold the batches in flight
         self.x_bufs = 1 if self.x_smem else self.ahead   # x_ldmatrix: activations wait in shared memory instead
         self.x_cols = TILE_K * self.unroll + 8   # padded rows: ldmatrix's 8 row addresses hit 8 bank groups
@@ -49,14 +49,19 @@ class Plan:
         # The decode and the sums.
         self.mma_dtype = mma_operand_dtype(self.dtype)
         self.decode, self.decode_scaled = dequant_function_names(self.dtype, problem.bits, operand="a")
-        self.decode_offset = offset_decode_name(self.dtype, problem.bits)
+        self.zero = zero_decode(self.dtype, problem.bits)
         self.decode_raw, lo_magic, hi_magic = raw_decode(self.dtype, problem.bits)
         self.fold = kb.fold_zero_point
         # fold_zero_point: the MMA sees (lo_magic + code) on pairs 0/2 (k % 16 < 8) and (hi_magic + code)
         # on pairs 1/3, so every product carries an offset that does not depend on the weight column: per
         # row of M it is lo_off * sum(x, k % 16 < 8) + hi_off * sum(x, k % 16 >= 8) with the zero point 8
-        # included, which one more MMA per k-step computes from a constant A fragment.
-        self.lo_off, self.hi_off = lo_magic + 8, hi_magic + 8
+        # included, which one more MMA per k-step computes from a constant A fragment. With zero points
+        # its rows g + 8 sum the activations instead, the zero point is not included (each column has
+        # its own), and the fold takes z times that sum off as well.
+        zero = 0 if self.zp else 8
+        self.lo_off, self.hi_off = lo_magic + zero, hi_magic + zero
+        # zero points without fold_zero_point: the decode's subtrahends of a batch's four sub-tiles
+        self.zsub_len = 4 * self.zero.halves if self.zp and not kb.fold_zero_point else 0
         # fold_zero_point folds each batch's fp32 sums, less the offsets, into a running total (also
         # channelwise, so that no sum grows to K * 1032 * |x|); otherwise the decode applies the scales.
         self.scale_weights = self.grouped and not self.fold
@@ -103,6 +108,7 @@ class Buffers:
     scale: object             # the lane's group scales, per register buffer
     a: object                 # one decoded word: the A fragments of four 16x16 W^T tiles
     a_off: object             # fold_zero_point: the constant A fragment of the offsets
+    zsub: object              # zero points without fold_zero_point: the batch's decode subtrahends
     acc: object               # the MMAs' fp32 sums (two sets with fold_lag)
     off: object               # fold_zero_point: the offsets' sums per m-tile (two sets with fold_lag)
     total: object             # fold_zero_point: the folded batches' running total

@@ -68,10 +68,10 @@ def batch_loads(plan: Plan, m):
                     T.call_extern("handle", "tm_cp_async_l1_16B", T.access_ptr(bufs.X_s[wk, slot, r, col], "w", 8),
                                   T.access_ptr(bufs.A[T.min(by * bm + r, m - 1), kt0 * TILE_K + col], "r", 8),
                                   by * bm + r < m)
-            row = kt0 * TILE_K // group * plan.scale_rows     # the group's scale row (and offset row after it)
+            row = kt0 * TILE_K // group * plan.scale_rows     # the group's scale row (and zero-point row after it)
             if plan.grouped and plan.w_smem:
                 # The block's scale row of the batch's group: 8 halves per lane, 8 lanes (with zero
-                # points 8 more lanes bring the offset row).
+                # points 8 more lanes bring the zero-point row).
                 if lane < 8:
                     T.ptx_cp_async(T.access_ptr(bufs.S_s[wk, slot, lane * 8], "w", 8),
                                    T.access_ptr(bufs.S[row, bx * SLAB_N + lane * 8], "r", 8), 8)
@@ -112,7 +112,7 @@ def start_early(plan: Plan):
                     T.call_extern("handle", "tm_prefetch_l2",
                                   T.access_ptr(S[batch * unroll * TILE_K // group * plan.scale_rows, bx * SLAB_N], "r"),
                                   SLAB_N * 2)
-                elif plan.zp and lane == 30:     # the offset row
+                elif plan.zp and lane == 30:     # the zero-point row
                     T.call_extern("handle", "tm_prefetch_l2",
                                   T.access_ptr(S[batch * unroll * TILE_K // group * 2 + 1, bx * SLAB_N], "r"),
                                   SLAB_N * 2)

@@ -16,12 +16,12 @@ Why it looks the way it does:
 - FP8 activations (W4A8): a 32-deep wgmma's A fragment is two words' decodes (tm_decode_e4m3_a_u4:
   the codes - 8 as e4m3, exact, unscaled), k 0-15 from word 2u and 16-31 from word 2u + 1; group
   scales always go on the sums (knobs.fp8_reason), the token scales on the final sums (store.py).
-- Zero points: the offsets o = s * (8 - z) come with the scales (a second row of the stage's scale
-  box) and the decode fuses them, w = (q - 8) * s + o: four HFMA2 per word where the symmetric
-  decode has four HMUL2, so asymmetric weights cost only the offsets' bytes (3 % more at group 128).
-  With scale_on_acc the decode stays unscaled and takes z off in place of 8, code - z (exact): each
-  k-tile recovers its rows' z from the scales and offsets (zero_point), two per lane and group, and
-  makes the decode's subtrahends from them once, so that a word costs what a symmetric one does.
+- Zero points: z comes with the scales (a second row of the stage's scale box, exact integers in
+  the activations' dtype), and the decode takes it off in place of 8, code - z (exact), then scales
+  as the symmetric decode does (or leaves it unscaled for scale_on_acc): a word costs what a
+  symmetric one does. Each k-tile makes its rows' subtrahends (magic + z, ...) once per group and
+  row pair (two half2 operations and the pairs' moves), so asymmetric weights cost the zero points'
+  bytes (3 % more at group 128) and those few instructions.
 """
 import tilelang.language as T
 
@@ -41,25 +41,11 @@ def read_w(plan, mem, tile, wg, wq, lane, sb):
         for i in T.unroll(g):
             for h in T.unroll(2):
                 sc[sb + 2 * i + h] = S_s[tile % stages, 0, plan.weight_col(0, wg, wq, lane, i, h)]
-                if plan.zp and plan.sacc:
-                    z = zero_point(sc[sb + 2 * i + h], S_s[tile % stages, 1, plan.weight_col(0, wg, wq, lane, i, h)])
-                    at = plan.zp_at + i * plan.per_zero + 2 * h
-                    for e in T.unroll(2):
-                        sc[at + e] = plan.zero_subtrahend(0, z)
-                        if plan.per_zero == 8:
-                            sc[at + 4 + e] = plan.zero_subtrahend(1, z)
-                elif plan.zp:
-                    sc[plan.zp_at + 2 * i + h] = S_s[tile % stages, 1, plan.weight_col(0, wg, wq, lane, i, h)]
-
-
-def zero_point(scale, offset):
-    """z (fp32) from a scale and its offset o = s * (8 - z) (marlin_mma/layout.py): the nearest integer
-    to 8 - o / s, exact because o's rounding moves o / s by at most 8 x 2^-9 (bf16), and the fast
-    division (2 ulp; IEEE's costs about 20 instructions, twice per group and lane) by far less. A zero
-    scale zeroes its weights whatever z is: o / s is then 0 / 0, which the clamp to 8 - z's range
-    turns into a finite z (fmaxf drops the NaN), so that no NaN reaches the sums."""
-    ratio = T.call_extern("float32", "__fdividef", T.cast(offset, "float32"), T.cast(scale, "float32"))
-    return T.float32(8) - T.round(T.min(T.max(ratio, T.float32(-8)), T.float32(8)))
+                if plan.zp:
+                    sc[plan.z_at + 2 * i + h] = S_s[tile % stages, 1, plan.weight_col(0, wg, wq, lane, i, h)]
+            if plan.zp:
+                T.call_extern("handle", plan.zero.subtrahends, T.access_ptr(sc[plan.z_at + 2 * i], "r"),
+                              T.access_ptr(sc[plan.zp_at + i * plan.per_zero], "w"))
 
 
 @T.macro
@@ -73,12 +59,12 @@ def decode_step(plan, mem, abuf, u):
                 T.call_extern("handle", plan.decode, T.access_ptr(w[(2 * u + h) * g + i], "r"),
                               T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8 + 4 * h], "w"))
         elif plan.zp and plan.sacc:
-            T.call_extern("handle", plan.decode_zero, T.access_ptr(w[u * g + i], "r"),
+            T.call_extern("handle", plan.zero.unscaled, T.access_ptr(w[u * g + i], "r"),
                           T.access_ptr(sc[plan.zp_at + i * plan.per_zero], "r"),
                           T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8], "w"))
         elif plan.zp:
-            T.call_extern("handle", plan.decode_offset, T.access_ptr(w[u * g + i], "r"),
-                          T.access_ptr(sc[2 * i], "r"), T.access_ptr(sc[plan.zp_at + 2 * i], "r"),
+            T.call_extern("handle", plan.zero.scaled, T.access_ptr(w[u * g + i], "r"),
+                          T.access_ptr(sc[2 * i], "r"), T.access_ptr(sc[plan.zp_at + i * plan.per_zero], "r"),
                           T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8], "w"))
         elif plan.grouped and not plan.sacc:
             T.call_extern("handle", plan.decode_scaled, T.access_ptr(w[u * g + i], "r"),

@@ -188,7 +188,7 @@ def build(problem: Problem, knobs: Knobs):
     """The TileLang prim_func for `problem` with `knobs` (checked by knobs.check beforehand).
 
     Arguments as marlin_mma's: A [M, K], packed B [K/16, 2N] int32, scales [K/group, N] (with zero
-    points [2K/group, N], each group's offset row after its scale row), C [M, N];
+    points [2K/group, N], each group's zero-point row after its scale row), C [M, N];
     with split_k > 1 through the workspace also a zeroed fp32 workspace and int32 tile counters.
     With FP8 activations (epilogue.w4a8_prim_func) A is float8_e4m3fn in layout.fp8_k_order and
     their token scales [M, 1] fp32 come after it.

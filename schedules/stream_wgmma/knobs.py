@@ -172,7 +172,7 @@ class Knobs:
 
     def shared_bytes(self, problem: Problem) -> int:
         x = self.stages * self.block_m * self.block_k * (1 if problem.fp8 else 2)
-        # a stage's packed words and its scale row (with zero points, the offset row too)
+        # a stage's packed words and its scale row (with zero points, the zero-point row too)
         w = self.stages * (self.block_k * self.block_n // 2 + self.block_n * 2 * (2 if problem.zero_points else 1))
         c = self.block_m * self.block_n * 4 if self.split_k > 1 else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
@@ -186,8 +186,8 @@ class Knobs:
         steps = self.k_steps if problem is None else self.mma_steps(problem)
         a = steps * self.groups * 4 * 2
         raw = self.k_steps * self.groups + self.groups
-        # zero points with scale_on_acc: the decode's subtrahends, 2 or 4 registers per group (fp16)
-        zero = 4 * self.groups if problem is not None and problem.zero_points and self.scale_on_acc else 0
+        # zero points: the decode's subtrahends (4 registers per group in fp16, 2 in bf16) and z itself
+        zero = 5 * self.groups if problem is not None and problem.zero_points else 0
         return acc + a + raw + zero + 40
 
 

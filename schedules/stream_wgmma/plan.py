@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import tilelang.language as T
 
-from templates import (dequant_function_names, fp8_decode_name, mma_operand_dtype, offset_decode_name,
-                       zero_decode)
+from templates import dequant_function_names, fp8_decode_name, mma_operand_dtype, zero_decode
 
 from ..epilogue import split_k_prelude, store_tile, store_tile_split_wait, wait_for_prior_grids
 from ..marlin_mma.layout import SLAB_N
@@ -84,20 +83,19 @@ class Plan:
         self.trips, self.extra = kb.k_tiles(problem) // kb.split_k, kb.longer_splits(problem)
         # split_wait: the short splits come first, so that the last split (which waits) is a long one
         self.short = kb.split_k - self.extra if kb.split_wait else 0
-        # Zero points: every k-tile's stage brings its group's offset row beside the scale row, and the
-        # decode adds the offsets (w = (q - 8) * s + o), or with scale_on_acc takes the zero points off
-        # the codes (code - z, unscaled); channelwise ones are then one group like any other, their
-        # scales in the decode rather than on the final sums.
+        # Zero points: every k-tile's stage brings its group's zero-point row beside the scale row, and
+        # the decode takes z off the codes where the symmetric one takes 8 (code - z, then scaled unless
+        # scale_on_acc); channelwise ones are then one group like any other, their scales in the decode
+        # rather than on the final sums.
         self.zp = problem.zero_points
         self.grouped = not problem.channelwise or self.zp
-        self.scale_rows = 2 if self.zp else 1      # rows of a k-tile's scales (and offsets) in S
+        self.scale_rows = 2 if self.zp else 1      # rows of a k-tile's scales (and zero points) in S
         self.grid_n = problem.n // self.bn
         self.ab = "e4m3" if self.fp8 else mma_operand_dtype(problem.dtype)
         self.decode, self.decode_scaled = dequant_function_names(problem.dtype, problem.bits, operand="a")
         if self.fp8:
             self.decode = fp8_decode_name(problem.bits)
-        self.decode_offset = offset_decode_name(problem.dtype, problem.bits)
-        self.decode_zero, self.zero_subtrahends = zero_decode(problem.dtype, problem.bits)
+        self.zero = zero_decode(problem.dtype, problem.bits)
         self.cluster = kb.cluster_reduce     # the splits add their tiles through distributed shared memory
         self.release = kb.release_barriers   # stages freed by per-stage barriers, not a block barrier
         self.producer = kb.producer_warp     # ... and refilled by a warp of their own
@@ -108,12 +106,13 @@ class Plan:
         self.sacc, self.lag = kb.scale_on_acc, kb.fold_lag
         self.per_w = self.word_rows * self.g     # packed words per lane and stage
         self.per_s = 2 * self.g              # group scales per lane and stage: rows g and g + 8 of each group
-        # sc holds per_s scales, then with scale_on_acc the other k-tile's, then from zp_at with zero
-        # points the k-tile's offsets (per_s), or with scale_on_acc the zero decode's subtrahends: per
-        # group `per_zero` halves, a pair of equal halves per row and kind (templates.zero_decode)
+        # sc holds per_s scales, then with scale_on_acc the other k-tile's; with zero points then from
+        # zp_at the k-tile's subtrahends (templates.zero_decode: `per_zero` halves per group), and from
+        # z_at its zero points (per_s, as the scales)
         self.zp_at = self.per_s * (2 if self.sacc else 1)
-        self.per_zero = 4 * len(self.zero_subtrahends)
-        self.sc_len = self.zp_at + (0 if not self.zp else self.g * self.per_zero if self.sacc else self.per_s)
+        self.per_zero = self.zero.halves
+        self.z_at = self.zp_at + self.g * self.per_zero
+        self.sc_len = self.z_at + self.per_s if self.zp else self.zp_at
         # decoded 16-bit units per lane and stage: 4 registers per wgmma k-step and group (16 halves,
         # or 32 e4m3 from two words)
         self.a_len = self.steps * self.g * 8
@@ -139,12 +138,6 @@ class Plan:
         slab = (wq * g + i) // 4
         return (bx * self.bn + wg * SLAB_N * g + slab * SLAB_N + slab_quarter(wq, lane, i, g, self.kb.rotate) * 16 +
                 lane // 4 + 8 * h)
-
-    def zero_subtrahend(self, kind, z):
-        """Subtrahend `kind` of the zero decode (templates.zero_decode) for zero point z (fp32), in the
-        activations' dtype."""
-        base, sign = self.zero_subtrahends[kind]
-        return T.cast(T.float32(base) + T.float32(sign) * z, self.dtype)
 
     def fragment_element(self, by, bx, wg, wq, lane, i, c, e):
         """(row of C, column of C, index in acc) of a lane's accumulator element e of row block c of

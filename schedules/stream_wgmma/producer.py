@@ -3,7 +3,7 @@
 Why it looks the way it does:
 - One elected thread issues three TMA copies per k-tile (the activations as one or two [block_m,
   128-byte] boxes in the 128-byte swizzle, the block's packed words, its scale row, with zero points the scale
-  and offset rows as one box) against the stage's "full"
+  and zero-point rows as one box) against the stage's "full"
   mbarrier: no copy instruction, address arithmetic or proxy fence is left in the consumers' k-loop.
 - A stage is reused once its k-tile's wgmmas are done. Without release barriers a block barrier per
   k-tile says so, and one elected thread refills the freed stage right after it (load_tma). With
@@ -40,7 +40,7 @@ def copy_stage(plan, mem, tile, kt, by, bx, leaders):
     T.tma_copy(B[kt * steps:(kt + 1) * steps, bx * 2 * bn:(bx + 1) * 2 * bn], W_s[tile % stages, :, :],
                barrier=full[tile % stages], leader_scope_threads=leaders)
     if plan.grouped:
-        row = kt * bk // group * plan.scale_rows      # the group's scale row (and its offset row after it)
+        row = kt * bk // group * plan.scale_rows      # the group's scale row (and its zero-point row after it)
         T.tma_copy(S[row:row + plan.scale_rows, bx * bn:(bx + 1) * bn], S_s[tile % stages, :, :],
                    barrier=full[tile % stages], leader_scope_threads=leaders)
 
@@ -114,7 +114,7 @@ def start_early(plan, B, S, bx, k0):
             T.call_extern("handle", "tm_prefetch_l2", T.access_ptr(B[k0 * steps + lane, bx * 2 * bn], "r"),
                           8 * bn)
         elif plan.grouped and lane < rows + plan.kb.early_start * plan.scale_rows:
-            j, r = (lane - rows) // plan.scale_rows, (lane - rows) % plan.scale_rows   # k-tile, scale or offset row
+            j, r = (lane - rows) // plan.scale_rows, (lane - rows) % plan.scale_rows   # k-tile, scale or zero-point row
             T.call_extern("handle", "tm_prefetch_l2",
                           T.access_ptr(S[(k0 + j) * plan.bk // plan.group * plan.scale_rows + r, bx * bn], "r"),
                           2 * bn)
