@@ -35,13 +35,14 @@ def dequant_function_names(dtype: str, bits: int = 4, operand: str = "b") -> tup
 
 
 class ZeroDecode(NamedTuple):
-    """Extern names of the zero-point decode (w = s * (code - z)) in A order, and how many halves of
-    subtrahends it takes per row pair of a sub-tile (pairs of equal halves: 4 per row in fp16, 2 in
-    bf16)."""
+    """Extern names of the zero-point decodes (w = s * (code - z)) in A order, and how many halves of
+    subtrahends the unscaled one takes per row pair of a sub-tile (pairs of equal halves: 4 per row
+    in fp16, 2 in bf16)."""
 
     subtrahends: str   # (z0, z1) -> the sub-tile's subtrahends, once per group
     unscaled: str      # (word, subtrahends) -> code - z (the scales go on the sums)
-    scaled: str        # (word, scales, subtrahends) -> (code - z) * s
+    offsets: str       # (z0 z1, s0 s1) -> o = (8 - z) * s of the two rows, once per group
+    scaled: str        # (word, scales, offsets) -> (code - 8) * s + o
     halves: int
 
 
@@ -50,8 +51,8 @@ def zero_decode(dtype: str, bits: int = 4) -> ZeroDecode:
     _check(dtype, bits)
     name = _DEQUANT[dtype]["name"]
     # fp16 takes the nibbles at bit 4 in place (as 16 * code) and subtracts 64 + z after scaling by 1/16
-    return ZeroDecode(f"tm_zero_subtrahends_{name}", f"tm_dequant_zero_a_{name}", f"tm_dequant_scaled_zero_a_{name}",
-                      8 if dtype == "float16" else 4)
+    return ZeroDecode(f"tm_zero_subtrahends_{name}", f"tm_dequant_zero_a_{name}", f"tm_zero_offsets_{name}",
+                      f"tm_dequant_scaled_offset_a_{name}", 8 if dtype == "float16" else 4)
 
 
 def mma_operand_dtype(dtype: str) -> str:

@@ -294,6 +294,14 @@ def sample_zero_points(dtype, count):
     return zeros, bits[:, 0] | (bits[:, 1] << 16)
 
 
+def zero_offsets(dtype, zero_words, scale_words, source=None):
+    """The offsets (8 - z) * s of each zero-point and scale pair, made by the template's own entry point."""
+    device = Device(render_dequant(dtype) if source is None else source, dtype)
+    out = Pointer([None])
+    device.call(zero_decode(dtype).offsets, Pointer([zero_words]), Pointer([scale_words]), out)
+    return out.cells[0]
+
+
 def zero_subtrahends(dtype, zero_words, source=None) -> list:
     """The zero decode's subtrahend words for each zero-point pair, made by the template's own
     subtrahend entry point (as the kernels make them, once per group)."""
@@ -339,19 +347,28 @@ def decode_mismatches(dtype, source=None) -> list[str]:
         scaled_a: (scale_bits[:, 0] | (scale_bits[:, 1] << 16), decoded_values(codes, scales, A_ORDER)),
         raw_name: (None, raw_codes + raw_magic[None, :, None]),
     }
-    # zero points: code - z exactly (the scales on the sums), or (code - z) * s rounded once
+    # zero points: code - z exactly (the scales on the sums), or (code - 8) * s + o with o = (8 - z) * s
+    # rounded once, in one fma rounded once (float64 holds the sum exactly)
     zeros, zero_words = sample_zero_points(dtype, len(words))
+    # scales from 2^-4: (q - 8) * s + o with q = z leaves o's rounding, a multiple of ulp(s), which
+    # is then a normal fp16 number (subnormal results are not emulated)
+    scales = scales.clamp(min=2 ** -4)
+    bits = scales.view(torch.int16).numpy().astype(np.uint16).astype(np.uint32)
+    scale_words = bits[:, 0] | (bits[:, 1] << 16)
     try:
         subtrahends = zero_subtrahends(dtype, zero_words, source)
+        offset_words = zero_offsets(dtype, zero_words, scale_words, source)
     except AssertionError as exc:   # a changed source can leave what is emulated exactly
         if source is None:
             raise
-        return [f"{zero_decode(dtype).subtrahends}: {exc}"]
-    less_zeros = raw_codes.double() - zeros.double()[:, tile].unsqueeze(-1)
-    cases[zero_decode(dtype).unscaled] = (None, less_zeros, subtrahends)
-    cases[zero_decode(dtype).scaled] = (scale_bits[:, 0] | (scale_bits[:, 1] << 16),
-                                        less_zeros * scales.double()[:, tile].unsqueeze(-1), subtrahends)
-    found = []
+        return [f"zero points' subtrahends or offsets: {exc}"]
+    offsets = ((8 - zeros.double()) * scales.double()).to(TORCH[dtype])      # rounded once
+    found = [f"{zero_decode(dtype).offsets}: {int((got != want).sum())} offsets wrong"
+             for got, want in [(offset_words, join(*offsets.double().T.numpy(), dtype))] if (got != want).any()]
+    cases[zero_decode(dtype).unscaled] = (None, raw_codes.double() - zeros.double()[:, tile].unsqueeze(-1),
+                                          subtrahends)
+    cases[zero_decode(dtype).scaled] = (scale_words, decoded_values(codes, scales, A_ORDER).double() +
+                                        offsets.double()[:, tile].unsqueeze(-1), offset_words)
     for name, (scale_words, values, *subtrahend_words) in cases.items():
         try:
             got = run(dtype, name, words, scale_words, source, *subtrahend_words)
@@ -389,8 +406,11 @@ MUTATIONS = {   # (rendered text, replacement, dtype): one constant or order of 
     "fp16 raw high magic": ("MAGIC_HI = 0x54005400u", "MAGIC_HI = 0x64006400u", "float16"),
     "fp16 scales swapped": ("out[1] = __hmul2(out[1], s0)", "out[1] = __hmul2(out[1], s1)", "float16"),
     "fp16 A order": ("out[1] = p[2];\n  out[2] = p[1];", "out[1] = p[1];\n  out[2] = p[2];", "float16"),
-    "fp16 zero scales swapped": ("out[2] = __hmul2(out[2], s0);", "out[2] = __hmul2(out[2], s1);", "float16"),
-    "bf16 zero scales swapped": ("out[3] = __hmul2(out[3], s1);", "out[3] = __hmul2(out[3], s0);", "bfloat16"),
+    "fp16 offsets swapped": ("out[1] = __hfma2(p[2], s1, o1)", "out[1] = __hfma2(p[2], s1, o0)", "float16"),
+    "bf16 offset order": ("out[2] = __hfma2(p[1], s0, o0)", "out[2] = __hfma2(p[3], s0, o0)", "bfloat16"),
+    "fp16 offsets' 8": ("as_half2(0x48004800u), z), s)", "as_half2(0x47004800u), z), s)", "float16"),
+    "bf16 offsets' 8": ("as___nv_bfloat162(0x41004100u), z), s)", "as___nv_bfloat162(0x41004180u), z), s)",
+                        "bfloat16"),
     "fp16 zero magic": ("m = __hadd2(z, tilemarlin::as_half2(0x64006400u))",
                         "m = __hadd2(z, tilemarlin::as_half2(0x64006401u))", "float16"),
     "fp16 zero -64": ("0xd400d400u", "0xd400d380u", "float16"),

@@ -194,6 +194,11 @@ def test_a_tune_starts_from_the_twins_winners_and_the_best_estimated_transfers()
     assert own_winner in [r.schedule for r in fresh[0].results]
     assert s.add_transfers(s.plan([(bf16, 1)], H200, _spec(), top=1), table, winners, H200, _spec(),
                            families=["marlin_mma"]) == 0                                # not searched
+    # twins_only (a re-tuned bucket): the twin's winner, none of the other shapes' transfers
+    again = s.plan([(bf16, 1)], H200, _spec(), top=1)
+    planned = [r.schedule for r in again[0].results]
+    s.add_transfers(again, table, winners, H200, _spec(), per_bucket=1, twins_only=True)
+    assert [r.schedule for r in again[0].results] == planned + ([] if twin_winner in planned else [twin_winner])
 
 
 def test_variants_of_the_winners_join_their_buckets():

@@ -143,8 +143,8 @@ def test_stream_mma_counts_the_zero_points_registers():
     symmetric = Problem(1024, 4096, 128)
     assert knobs.registers_estimate(symmetric) == knobs.registers_estimate()
     assert knobs.registers_estimate(GROUPED) == knobs.registers_estimate(symmetric) + 2 * 4 + 2 * 4   # buffers, lag
-    unfolded = stream_mma.Knobs(1, 4, 4, 1, ahead=2)        # z beside the scales, and the subtrahends
-    assert unfolded.registers_estimate(GROUPED) == unfolded.registers_estimate(symmetric) + 2 * 4 + 16
+    unfolded = stream_mma.Knobs(1, 4, 4, 1, ahead=2)        # z beside the scales, and the offsets
+    assert unfolded.registers_estimate(GROUPED) == unfolded.registers_estimate(symmetric) + 2 * 4 + 4
 
 
 def test_the_gpu_tests_zero_point_forms_are_offered_on_sm90():
@@ -184,7 +184,8 @@ def test_a_table_keys_zero_point_entries_apart_and_reads_them_back(tmp_path):
 
 def test_the_template_takes_the_zero_points_off_in_place_of_8():
     """The zero decode has the symmetric decode's instructions per word, the subtrahends in place of
-    its constants (templates/dequant.cuh.j2); its scaled form then multiplies as the symmetric one."""
+    its constants (templates/dequant.cuh.j2); the scaled form has an HFMA2 with the offsets per pair
+    where the symmetric one has its HMUL2."""
     for dtype in ("float16", "bfloat16"):
         source, zero = render_dequant(dtype), zero_decode(dtype)
         unscaled = source.split(f"void {zero.unscaled}(")[1].split("\n}\n")[0]
@@ -193,23 +194,25 @@ def test_the_template_takes_the_zero_points_off_in_place_of_8():
         for op in ("__hsub2(", "__hfma2(", "lop3_and_or("):
             assert unscaled.count(op) == symmetric.count(op), (dtype, op)
         scaled = source.split(f"void {zero.scaled}(")[1].split("\n}\n")[0]
-        assert scaled.count("__hmul2(") == 4 and "__hfma2" not in scaled and f"{zero.unscaled}(" in scaled
+        assert scaled.count("__hfma2(") == 4 and "__hmul2" not in scaled
+        assert [line.split("= ")[1] for line in scaled.splitlines() if line.strip().startswith("out[")] == [
+            "__hfma2(p[0], s0, o0);", "__hfma2(p[2], s1, o1);", "__hfma2(p[1], s0, o0);", "__hfma2(p[3], s1, o1);"]
 
 
 @pytest.mark.parametrize("problem, schedule, arch", KERNELS[:4], ids=["wgmma", "wgmma_cw", "mma_async", "mma_sm80_cw"])
 def test_zero_point_kernels_decode_as_many_words_as_the_symmetric_ones(problem, schedule, arch):
-    """The zero-point kernel calls the scaled zero decode and makes its subtrahends once per group;
-    per word it has its symmetric twin's (same knobs) decode: as many HMUL2 (the scaling) and as many
-    f16x2 operations but those few subtrahends' (channelwise: the twin scales the sums instead)."""
+    """The zero-point kernel makes its offsets once per group and decodes with an HFMA2 per pair where
+    its symmetric twin (same knobs) has its HMUL2: per word as many f16x2 operations, plus the
+    offsets' few per group (channelwise: the twin scales the sums instead)."""
     kernel = compile_schedule(problem, schedule, arch)
     source, ptx = (kernel.folder / "kernel.cu").read_text(), kernel.ptx()
     zero = zero_decode(problem.dtype)
-    assert source.count(zero.scaled + "(") >= 2 and source.count(zero.subtrahends + "(") >= 2
-    multiplies = len(SCALING_MULTIPLY.findall(ptx))
-    assert multiplies >= 8
+    assert source.count(zero.scaled + "(") >= 2 and source.count(zero.offsets + "(") >= 2
+    assert ptx.count("fma.rn.f16x2") >= 8
     if not problem.channelwise:
         twin = compile_schedule(Problem(problem.n, problem.k, problem.group), schedule, arch)
-        assert len(SCALING_MULTIPLY.findall(twin.ptx())) == multiplies
+        multiplies = [len(SCALING_MULTIPLY.findall(k.ptx())) for k in (twin, kernel)]
+        assert multiplies[1] * 4 <= multiplies[0], multiplies      # the offsets' HMUL2, once per group
         half2 = [k.ptx().count(".f16x2") for k in (twin, kernel)]
         assert half2[0] < half2[1] <= half2[0] * 1.15, half2
 

@@ -245,10 +245,14 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     searches = plan(pending, arch, spec, top=args.top, families=args.families, workers=args.workers)
     add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
     if not args.axes:   # knob development (--axes) measures its own grid alone
-        # buckets tuned before have their winner measured again instead (add_incumbents)
+        # buckets tuned before have their winner measured again instead (add_incumbents), and their
+        # twins' winners (the same shape symmetric, or in the other dtype): after a kernel change those
+        # are the likeliest to have become the fastest, and the cost model may not rank them first
         fresh = [s for s in searches if table.entry(s.problem, s.bucket) is None]
-        transfers = add_transfers(fresh, load_tuned_table(gpu), winners_for_arch(arch.name), arch, spec,
-                                  families=args.families)
+        retuned = [s for s in searches if table.entry(s.problem, s.bucket) is not None]
+        shipped, winners = load_tuned_table(gpu), winners_for_arch(arch.name)
+        transfers = add_transfers(fresh, shipped, winners, arch, spec, families=args.families)
+        transfers += add_transfers(retuned, shipped, winners, arch, spec, families=args.families, twins_only=True)
         print(f"{transfers} candidates added from the tuned winners of twins and of other shapes")
     if args.variant_changes:
         varied = add_variants(searches, table, args.variant_changes, arch, spec, families=args.families)

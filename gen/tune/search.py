@@ -204,7 +204,7 @@ def add_incumbents(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec
 
 
 def add_transfers(searches: list[BucketSearch], table, winners, arch: Arch, gpu: GpuSpec, per_bucket: int = 2,
-                  families=None) -> int:
+                  families=None, twins_only: bool = False) -> int:
     """Start each bucket from what the runtime would run there: `table`'s winner of the problem itself
     (another table's, e.g. the shipped one, for a tune into a cache of its own), the tuned winners of
     the problem's twins at the same bucket (the same shape in the other dtype or zero-point setting,
@@ -213,7 +213,8 @@ def add_transfers(searches: list[BucketSearch], table, winners, arch: Arch, gpu:
     best-estimated of `winners` (every tuned winner for the arch, runtime.fallback.TunedWinner) that
     fit the problem. Proven kernels cost a compile each, mostly shared across buckets,
     so a short tune (a low --top) starts from them instead of from the cost model's guesses alone,
-    and a tune never ends slower than what it replaces. Returns how many were added."""
+    and a tune never ends slower than what it replaces. `twins_only`: the problem's own and its
+    twins' winners alone. Returns how many were added."""
     from runtime.fallback import nearest_transfers, ranked_transfers, twin_winners
 
     added = 0
@@ -222,8 +223,9 @@ def add_transfers(searches: list[BucketSearch], table, winners, arch: Arch, gpu:
         own = table.lookup(problem, bucket)
         proven = [own] if own is not None else []
         proven += [s for s, _ in twin_winners(problem, bucket, arch, table)]
-        proven += nearest_transfers(problem, bucket, arch, winners)
-        proven += ranked_transfers(problem, bucket, arch, gpu, winners)[:per_bucket]
+        if not twins_only:
+            proven += nearest_transfers(problem, bucket, arch, winners)
+            proven += ranked_transfers(problem, bucket, arch, gpu, winners)[:per_bucket]
         for schedule in proven:
             if families is None or schedule.family in families:
                 added += _add_candidate(search, schedule, arch, gpu)

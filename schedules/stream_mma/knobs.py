@@ -138,7 +138,7 @@ class Knobs:
 
     def registers_estimate(self, problem: Problem | None = None) -> int:
         """32-bit registers per thread; a problem with zero points holds them beside the scales (and
-        without fold_zero_point their decode's subtrahends, 16 registers in fp16, 8 in bf16)."""
+        without fold_zero_point their offsets, 4 registers)."""
         zero_points = problem is not None and problem.zero_points
         scale_regs = 8 if zero_points else 4    # per batch: 8 or 16 halves
         sets = 2 if self.fold_lag else 1
@@ -149,8 +149,8 @@ class Knobs:
         w_bufs = 1 if self.async_weights else self.ahead
         loads = w_bufs * (self.unroll * 4 + scale_regs) + self.ahead * (0 if self.x_ldmatrix else x_regs)
         loads += x_regs if self.x_ldmatrix else 0
-        subtrahends = (16 if problem.dtype == "float16" else 8) if zero_points and not self.fold_zero_point else 0
-        return acc + loads + subtrahends + 32   # + addresses and loop state (76 measured for mt1 u4 a1: est. 76)
+        offsets = 4 if zero_points and not self.fold_zero_point else 0
+        return acc + loads + offsets + 32   # + addresses and loop state (76 measured for mt1 u4 a1: est. 76)
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:

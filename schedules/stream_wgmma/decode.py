@@ -17,11 +17,12 @@ Why it looks the way it does:
   the codes - 8 as e4m3, exact, unscaled), k 0-15 from word 2u and 16-31 from word 2u + 1; group
   scales always go on the sums (knobs.fp8_reason), the token scales on the final sums (store.py).
 - Zero points: z comes with the scales (a second row of the stage's scale box, exact integers in
-  the activations' dtype), and the decode takes it off in place of 8, code - z (exact), then scales
-  as the symmetric decode does (or leaves it unscaled for scale_on_acc): a word costs what a
-  symmetric one does. Each k-tile makes its rows' subtrahends (magic + z, ...) once per group and
-  row pair (two half2 operations and the pairs' moves), so asymmetric weights cost the zero points'
-  bytes (3 % more at group 128) and those few instructions.
+  the activations' dtype). With scale_on_acc the decode takes it off in place of 8, code - z
+  (exact), from subtrahends (magic + z, ...) each k-tile makes once per group and row pair; otherwise
+  each k-tile makes the rows' offsets o = (8 - z) * s once and the decode adds them, w = (q - 8) * s +
+  o, an HFMA2 per pair where the symmetric decode has its HMUL2. Either way a word costs what a
+  symmetric one does: asymmetric weights cost the zero points' bytes (3 % more at group 128) and a
+  few instructions per group.
 """
 import tilelang.language as T
 
@@ -43,9 +44,12 @@ def read_w(plan, mem, tile, wg, wq, lane, sb):
                 sc[sb + 2 * i + h] = S_s[tile % stages, 0, plan.weight_col(0, wg, wq, lane, i, h)]
                 if plan.zp:
                     sc[plan.z_at + 2 * i + h] = S_s[tile % stages, 1, plan.weight_col(0, wg, wq, lane, i, h)]
-            if plan.zp:
+            if plan.zp and plan.sacc:
                 T.call_extern("handle", plan.zero.subtrahends, T.access_ptr(sc[plan.z_at + 2 * i], "r"),
                               T.access_ptr(sc[plan.zp_at + i * plan.per_zero], "w"))
+            elif plan.zp:
+                T.call_extern("handle", plan.zero.offsets, T.access_ptr(sc[plan.z_at + 2 * i], "r"),
+                              T.access_ptr(sc[sb + 2 * i], "r"), T.access_ptr(sc[plan.zp_at + 2 * i], "w"))
 
 
 @T.macro
@@ -64,7 +68,7 @@ def decode_step(plan, mem, abuf, u):
                           T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8], "w"))
         elif plan.zp:
             T.call_extern("handle", plan.zero.scaled, T.access_ptr(w[u * g + i], "r"),
-                          T.access_ptr(sc[2 * i], "r"), T.access_ptr(sc[plan.zp_at + i * plan.per_zero], "r"),
+                          T.access_ptr(sc[2 * i], "r"), T.access_ptr(sc[plan.zp_at + 2 * i], "r"),
                           T.access_ptr(a[abuf * a_len + (plan.fragment_slot(u) * g + i) * 8], "w"))
         elif plan.grouped and not plan.sacc:
             T.call_extern("handle", plan.decode_scaled, T.access_ptr(w[u * g + i], "r"),

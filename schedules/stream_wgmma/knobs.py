@@ -186,8 +186,9 @@ class Knobs:
         steps = self.k_steps if problem is None else self.mma_steps(problem)
         a = steps * self.groups * 4 * 2
         raw = self.k_steps * self.groups + self.groups
-        # zero points: the decode's subtrahends (4 registers per group in fp16, 2 in bf16) and z itself
-        zero = 5 * self.groups if problem is not None and problem.zero_points else 0
+        # zero points: z and the decode's subtrahends (scale_on_acc: 4 registers per group in fp16, 2 in
+        # bf16) or offsets (1)
+        zero = (5 if self.scale_on_acc else 2) * self.groups if problem is not None and problem.zero_points else 0
         return acc + a + raw + zero + 40
 
 

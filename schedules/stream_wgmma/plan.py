@@ -107,10 +107,10 @@ class Plan:
         self.per_w = self.word_rows * self.g     # packed words per lane and stage
         self.per_s = 2 * self.g              # group scales per lane and stage: rows g and g + 8 of each group
         # sc holds per_s scales, then with scale_on_acc the other k-tile's; with zero points then from
-        # zp_at the k-tile's subtrahends (templates.zero_decode: `per_zero` halves per group), and from
-        # z_at its zero points (per_s, as the scales)
+        # zp_at the k-tile's subtrahends (scale_on_acc, templates.zero_decode: `per_zero` halves per
+        # group) or offsets (per_s, as the scales), and from z_at its zero points (per_s)
         self.zp_at = self.per_s * (2 if self.sacc else 1)
-        self.per_zero = self.zero.halves
+        self.per_zero = self.zero.halves if self.sacc else 2
         self.z_at = self.zp_at + self.g * self.per_zero
         self.sc_len = self.z_at + self.per_s if self.zp else self.zp_at
         # decoded 16-bit units per lane and stage: 4 registers per wgmma k-step and group (16 halves,
