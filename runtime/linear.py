@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 from torch import nn
 
-from schedules.marlin_mma.layout import split_zero_points
+from schedules.marlin_mma.layout import check_zero_points, split_zero_points
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn, quantize_rtn_asymmetric
 
@@ -78,7 +78,7 @@ class QuantLinear(nn.Module):
         problem_of(n, k, k // scales.shape[0], dtype_name(scales.dtype), layout, zeros is not None, act)
         _check_scales(scales)
         if zeros is not None:
-            _check_zeros(zeros, scales)
+            check_zero_points(zeros, scales)
         return cls._packed(codes, scales, bias, layout, precompile, max_m, zeros, act)
 
     @classmethod
@@ -172,7 +172,7 @@ class QuantLinear(nn.Module):
         if self.zero_points and prefix + "scales" in state_dict:
             scales, zeros = split_zero_points(self.scales)
             try:
-                _check_zeros(zeros, scales)
+                check_zero_points(zeros, scales)
             except ValueError as exc:
                 raise ValueError(f"{prefix}scales: its zero-point rows (every second row) must hold the zero "
                                  f"points themselves; {exc}") from None
@@ -258,18 +258,6 @@ def _check_scales(scales: torch.Tensor) -> None:
         more = int((~ok).sum()) - 1
         raise ValueError(f"scale {scales[group, column].item()} at group {group}, column {column}"
                          + (f" (and {more} more)" if more else "") + ": scales must be finite and positive")
-
-
-def _check_zeros(zeros: torch.Tensor, scales: torch.Tensor) -> None:
-    """A ValueError for zero points of another shape than the scales, or naming the first that is not a
-    whole number in 0..15 (the kernels that put the scales on the sums take z off the codes exactly)."""
-    if zeros.shape != scales.shape:
-        raise ValueError(f"zero points {tuple(zeros.shape)} must have the scales' shape {tuple(scales.shape)}")
-    bad = _first_false((zeros >= 0) & (zeros <= 15) & (zeros == zeros.round()))
-    if bad is not None:
-        group, column = bad
-        raise ValueError(f"zero point {zeros[group, column].item()} at group {group}, column {column}: "
-                         "4-bit zero points are whole numbers in 0..15")
 
 
 def _name_filter(filter) -> Callable[[str, nn.Module], bool]:

@@ -87,10 +87,21 @@ def stack_zero_points(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor
     each group's scale row, then its zero-point row."""
     if scales.shape != zeros.shape or scales.dim() != 2:
         raise ValueError(f"scales {tuple(scales.shape)} and zero points {tuple(zeros.shape)} must be the same [G, N]")
-    if zeros.numel() and not bool(((zeros >= 0) & (zeros <= 15) & (zeros == zeros.round())).all()):
-        raise ValueError("4-bit zero points must be whole numbers in 0..15")
+    check_zero_points(zeros, scales)
     rows = (scales, zeros.to(scales.dtype))
     return torch.stack(rows, dim=1).reshape(2 * scales.shape[0], scales.shape[1]).contiguous()
+
+
+def check_zero_points(zeros: torch.Tensor, scales: torch.Tensor) -> None:
+    """A ValueError for zero points of another shape than the scales, or naming the first that is not a
+    whole number in 0..15 (the decode takes them off the codes exactly)."""
+    if zeros.shape != scales.shape:
+        raise ValueError(f"zero points {tuple(zeros.shape)} must have the scales' shape {tuple(scales.shape)}")
+    bad = (~((zeros >= 0) & (zeros <= 15) & (zeros == zeros.round()))).nonzero()
+    if len(bad):
+        group, column = bad[0].tolist()
+        raise ValueError(f"zero point {zeros[group, column].item()} at group {group}, column {column}: "
+                         "4-bit zero points are whole numbers in 0..15")
 
 
 def split_zero_points(stacked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,14 +112,14 @@ def swapped_mmas(plan: Plan):
     @T.macro
     def decode(bufs, wb, sb, u, j):
         """The word's A fragments into a: raw magic-number codes (fold_zero_point), codes less 8 times the
-        group's scales plus the zero points' offsets (zero points: scales from sb, offsets in zsub),
-        codes less 8 times the group's scales (scales from sb), or without the scales (channelwise:
-        they scale the final sums)."""
+        group's scales plus the zero points' offsets (zero points: scales from sb, offsets in
+        zero_offsets), codes less 8 times the group's scales (scales from sb), or without the scales
+        (channelwise: they scale the final sums)."""
         if plan.fold:
             T.call_extern("handle", plan.decode_raw, word(bufs, wb, u, j), T.access_ptr(bufs.a[j * 8], "w"))
         elif plan.zp:
             T.call_extern("handle", plan.zero.scaled, word(bufs, wb, u, j), T.access_ptr(bufs.scale[sb + 2 * j], "r"),
-                          T.access_ptr(bufs.zsub[2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))
+                          T.access_ptr(bufs.zero_offsets[2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))
         elif plan.scale_weights:
             T.call_extern("handle", plan.decode_scaled, word(bufs, wb, u, j),
                           T.access_ptr(bufs.scale[sb + 2 * j], "r"), T.access_ptr(bufs.a[j * 8], "w"))
@@ -128,11 +128,12 @@ def swapped_mmas(plan: Plan):
 
     @T.macro
     def multiply(bufs, wb, sb, xb, ab, ob):
-        if plan.zsub_len:
+        if plan.zero_offsets_len:
             # The batch's offsets, once: a sub-tile's two rows' z sit 8 after their scales.
             for j in T.unroll(4):
                 T.call_extern("handle", plan.zero.offsets, T.access_ptr(bufs.scale[sb + 8 + 2 * j], "r"),
-                              T.access_ptr(bufs.scale[sb + 2 * j], "r"), T.access_ptr(bufs.zsub[2 * j], "w"))
+                              T.access_ptr(bufs.scale[sb + 2 * j], "r"),
+                              T.access_ptr(bufs.zero_offsets[2 * j], "w"))
         for u in T.unroll(unroll):
             if plan.fold:
                 offsets(bufs.x, bufs.a_off, bufs.off, xb, u, ob)

@@ -141,10 +141,9 @@ def buffers(plan: Plan):
         off = T.alloc_local((plan.off_len * plan.sets,), "float32")
         lag_scale = T.alloc_local((2 * plan.per_s,), dtype) if plan.lag else None
         a_off = T.alloc_local((8,), dtype)
-        zsub = T.alloc_local((plan.zsub_len,), dtype) if plan.zsub_len else None
-        return Buffers(A=A, B=B, S=S, w=w, x=x, scale=scale, a=a, a_off=a_off, zsub=zsub, acc=acc, off=off,
-                       total=total,
-                       lag_scale=lag_scale, W_s=W_s, S_s=S_s, X_s=X_s, C_s=C_s, P_s=P_s)
+        zero_offsets = T.alloc_local((plan.zero_offsets_len,), dtype) if plan.zero_offsets_len else None
+        return Buffers(A=A, B=B, S=S, w=w, x=x, scale=scale, a=a, a_off=a_off, zero_offsets=zero_offsets, acc=acc,
+                       off=off, total=total, lag_scale=lag_scale, W_s=W_s, S_s=S_s, X_s=X_s, C_s=C_s, P_s=P_s)
 
     return allocate
 

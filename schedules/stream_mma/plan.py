@@ -61,7 +61,7 @@ class Plan:
         zero = 0 if self.zp else 8
         self.lo_off, self.hi_off = lo_magic + zero, hi_magic + zero
         # zero points without fold_zero_point: the offsets o = (8 - z) * s of a batch's four sub-tiles
-        self.zsub_len = 8 if self.zp and not kb.fold_zero_point else 0
+        self.zero_offsets_len = 8 if self.zp and not kb.fold_zero_point else 0
         # fold_zero_point folds each batch's fp32 sums, less the offsets, into a running total (also
         # channelwise, so that no sum grows to K * 1032 * |x|); otherwise the decode applies the scales.
         self.scale_weights = self.grouped and not self.fold
@@ -108,7 +108,7 @@ class Buffers:
     scale: object             # the lane's group scales, per register buffer
     a: object                 # one decoded word: the A fragments of four 16x16 W^T tiles
     a_off: object             # fold_zero_point: the constant A fragment of the offsets
-    zsub: object              # zero points without fold_zero_point: the batch's offsets (8 - z) * s
+    zero_offsets: object      # zero points without fold_zero_point: the batch's offsets (8 - z) * s
     acc: object               # the MMAs' fp32 sums (two sets with fold_lag)
     off: object               # fold_zero_point: the offsets' sums per m-tile (two sets with fold_lag)
     total: object             # fold_zero_point: the folded batches' running total
