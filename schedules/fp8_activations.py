@@ -5,11 +5,16 @@ largest magnitude across the block, then read the row again in the FP8 k order (
 L1/L2) and write each element divided by amax / 448 as e4m3 (round to nearest, saturating), clamped to
 the finite range, at its position in marlin_mma.layout.fp8_k_order (position p of every 16 columns
 holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with the packed INT4 words sums matching k.
-The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the output. The
-math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
+The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the output. Each
+block first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built with the pdl
+knob then starts while this one runs, asks L2 for its first weights (early_start) and waits for this
+kernel's writes before it reads them. (Staging the row in shared memory instead of reading it twice
+measured the same on the H200: docs/performance.md.) The math is schedules.quant.quantize_fp8_per_token's;
+building imports TileLang.
 """
 # (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
 # build()'s locals)
+from .epilogue import EARLY_START_HELPERS
 from .marlin_mma.layout import FP8_K_ORDER, TILE_K
 from .quant import FP8_E4M3_MAX
 
@@ -46,7 +51,8 @@ def build(k: int, dtype: str = "float16"):
     @T.prim_func
     def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                      S: T.Tensor((m, 1), "float32")):
-        with T.Kernel(m, threads=threads_for(k)) as row:
+        with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS) as row:
+            T.call_extern("handle", "tm_launch_dependents")
             x = T.alloc_fragment((1, k), "float32")
             amax = T.alloc_fragment((1,), "float32")
             for i, j in T.Parallel(1, k):
