@@ -144,9 +144,7 @@ def consume(plan, mem, k0, by, bx, tx, wg, wq, lane, count):
         for r in T.unroll(2):
             t = peeled + t0 * 2 + r
             consume_k_tile(plan, mem, k0, by, bx, tx, wg, wq, lane, t, t, r, r == 0, r == 1)
-    # (kept rolled where nvcc unrolled it whole: zero points' scale_on_acc kernels, whose k-tiles make
-    # their decode's subtrahends, at qkv_proj M = 16 178 registers against the symmetric twin's 112)
-    for t0 in T.unroll(count // per_trip, unroll_factor=1) if plan.zp and plan.sacc else T.serial(count // per_trip):
+    for t0 in T.serial(count // per_trip):
         for r in T.unroll(per_trip):
             t = lead + t0 * per_trip + r
             consume_k_tile(plan, mem, k0, by, bx, tx, wg, wq, lane, t, t, r, r == 0, r == per_trip - 1)
