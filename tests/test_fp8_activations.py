@@ -49,10 +49,10 @@ def test_widths_the_k_order_cannot_cover_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k", [(m, 4096) for m in (1, 3, 17, 100, 257, 1024)] + [(3, 28672)])
+@pytest.mark.parametrize("m,k", [(m, 4096) for m in (1, 3, 16, 17, 100, 257, 1024)] + [(1, 11008), (3, 28672)])
 def test_the_kernel_matches_the_reference_in_the_fp8_k_order(m, k):
-    """(K = 28672: Llama-3-70B's down_proj, a row of 56 KB staged in shared memory, past the 48 KB a
-    launch gets unasked.)"""
+    """(K = 11008: 256 threads a row; K = 28672: Llama-3-70B's down_proj, a row of 56 KB staged in
+    shared memory, past the 48 KB a launch gets unasked.)"""
     kernel = compiled(k)
     generator = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, device="cuda", generator=generator).half() * 3
