@@ -168,7 +168,7 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     # Every k-tile ends in block-wide barriers that drain the warps' MMA chains: a fixed cost per
     # tile that favours deep tiles (block_k) the more the fewer warps hide it.
     wave_s = max(mem_s, math_s + k_tiles * gpu.k_tile_us * traits.k_tile_scale * 1e-6) + fill_s
-    wave_s *= measured_factor(schedule.family, kb, m)
+    wave_s *= measured_factor(schedule.family, kb, m, problem.fp8)
 
     out_s = m * problem.n * 2 / gpu.hbm_bytes_per_s
     # Split-K: every split adds an fp32 partial into the workspace; the last one reads it back and
@@ -182,14 +182,15 @@ def estimate_us(problem: Problem, schedule: Schedule, m: int, gpu: GpuSpec) -> f
     return (waves * wave_s + out_s + reduce_s) * 1e6 + gpu.launch_us
 
 
-def measured_factor(family: str, knobs, m: int) -> float:
-    """The measured corrections to the terms above at M = m: the family's KNOB_FACTORS for the
-    techniques and shape knobs that `knobs` has and, for stream_mma above M = 8, m_tiles ** 0.25
+def measured_factor(family: str, knobs, m: int, fp8: bool = False) -> float:
+    """The measured corrections to the terms above at M = m: the family's KNOB_FACTORS (with FP8
+    activations, its FP8_KNOB_FACTORS in place of the rows they name) for the techniques and shape
+    knobs that `knobs` has and, for stream_mma above M = 8, m_tiles ** 0.25
     (wider M tiles cost more than the weight bytes they save: more registers and loads per warp).
     With stream_mma's shape rows, `gen modelcheck` puts the best of its top 6 at 1.005x of the
     measured best (1.112x without them)."""
     factor = 1.0
-    for name, value, knob_factor in _factor_rows(family, m):
+    for name, value, knob_factor in _factor_rows(family, m, fp8):
         if getattr(knobs, name) == value if value is not None else getattr(knobs, name):
             factor *= knob_factor
     if family != "stream_mma":
@@ -200,12 +201,15 @@ def measured_factor(family: str, knobs, m: int) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def _factor_rows(family: str, m: int) -> tuple[tuple[str, object, float], ...]:
-    """KNOB_FACTORS of `family` at M = m as (knob, value, factor): a knob name applies when the knob is
-    on (value None), a (name, value) pair when the knob has that value. Built once per family and M:
+def _factor_rows(family: str, m: int, fp8: bool) -> tuple[tuple[str, object, float], ...]:
+    """KNOB_FACTORS of `family` at M = m (with FP8 activations, FP8_KNOB_FACTORS' rows in place of the
+    same keys') as (knob, value, factor): a knob name applies when the knob is on (value None), a
+    (name, value) pair when the knob has that value. Built once per family, M and activation type:
     the ranking calls measured_factor for every candidate of the space."""
+    module = family_module(family)
+    factors = {**module.KNOB_FACTORS, **module.FP8_KNOB_FACTORS} if fp8 else module.KNOB_FACTORS
     rows = []
-    for key, by_m in family_module(family).KNOB_FACTORS.items():
+    for key, by_m in factors.items():
         name, value = key if isinstance(key, tuple) else (key, None)
         rows.append((name, value, next(f for up_to, f in by_m if up_to is None or m <= up_to)))
     return tuple(rows)

@@ -67,6 +67,7 @@ class Family(Protocol):
     PASS_CONFIGS: dict                 # TileLang pass configs its kernels compile with
     TRAITS: FamilyTraits               # cost-model traits
     KNOB_FACTORS: KnobFactors          # measured cost corrections per knob
+    FP8_KNOB_FACTORS: KnobFactors      # ... the rows that FP8-activation problems take instead
 
     check: Callable[[Problem, object, Arch], "str | None"]   # why knobs cannot run a problem, or None
     from_axes: Callable[[tuple], object]                       # the knobs at one point of AXES

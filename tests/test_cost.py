@@ -187,3 +187,21 @@ def test_a_tma_pipeline_fill_waits_for_its_first_stages_only(monkeypatch):
     monkeypatch.setattr(stream_wgmma, "TRAITS", replace(two, fill_stages=0))     # every stage in the fill
     for stream, estimate in zip(streams, fills_two):
         assert estimate < estimate_us(down, stream, 16, SPEC)
+
+
+def test_fp8_activations_take_their_own_two_warpgroup_rows():
+    """Two warpgroups cost W4A16 1.4x above M = 1024 but gained with FP8 activations (W4A8) there;
+    only FP8 problems take that row, and with it the M = 4096 ranking puts a 128 x 128 tile first."""
+    from schedules import stream_wgmma
+    from schedules.cost import measured_factor
+
+    one = stream_wgmma.Knobs(block_m=128, groups=1, warpgroups=1, block_k=128, stages=4, scale_on_acc=True)
+    two = replace(one, warpgroups=2)
+
+    def ratio(m, fp8):
+        return measured_factor("stream_wgmma", two, m, fp8) / measured_factor("stream_wgmma", one, m, fp8)
+
+    assert ratio(4096, False) == pytest.approx(1.4) and ratio(4096, True) == pytest.approx(0.93)
+    assert ratio(256, False) == ratio(256, True) == pytest.approx(1.3)
+    first = rank(Problem.make(n=12288, k=4096, act="fp8"), 4096, H200, SPEC, families=("stream_wgmma",))[0]
+    assert (first.knobs.block_m, first.knobs.block_n, first.knobs.warpgroups) == (128, 128, 2)

@@ -15,7 +15,7 @@ def test_each_family_implements_the_interface(name):
     assert fam.NAME == name and isinstance(fam.TRAITS, FamilyTraits)
     assert set(fam.VARIANT_AXES) <= set(fam.AXES)
     fields = {f.name for f in dataclasses.fields(fam.Knobs)}
-    for key in fam.KNOB_FACTORS:            # every measured factor names a knob the family has
+    for key in {**fam.KNOB_FACTORS, **fam.FP8_KNOB_FACTORS}:     # every measured factor names a knob the family has
         assert (key[0] if isinstance(key, tuple) else key) in fields | set(fam.AXES), key
     knobs = fam.Knobs()
     for attr in ("name", "block_m", "block_n", "block_k", "num_stages", "threads", "split_k", "uses_workspace"):

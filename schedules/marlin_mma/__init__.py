@@ -10,7 +10,7 @@ from ..problem import Problem
 from ..quant import torch_dtype
 from . import layout
 from .knobs import Knobs, check
-from .traits import KNOB_FACTORS, TRAITS
+from .traits import FP8_KNOB_FACTORS, KNOB_FACTORS, TRAITS
 
 
 # The TileLang pass configs the kernels compile with.
@@ -130,4 +130,5 @@ def _expect(what, t, dtype, shape, min_elems=0) -> None:
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
-           "workspace_elems", "kernel_args", "layout", "VARIANT_AXES", "TRAITS", "KNOB_FACTORS"]
+           "workspace_elems", "kernel_args", "layout", "VARIANT_AXES", "TRAITS", "KNOB_FACTORS",
+           "FP8_KNOB_FACTORS"]

@@ -6,3 +6,4 @@ from ..family import FamilyTraits
 TRAITS = FamilyTraits()
 
 KNOB_FACTORS: dict = {}
+FP8_KNOB_FACTORS: dict = {}     # its kernels take no FP8 activations

@@ -45,3 +45,4 @@ KNOB_FACTORS = {
     ("split_k", 6): ((8, 0.73), (None, 1.0)),
     ("split_k", 8): ((8, 0.65), (None, 0.8)),
 }
+FP8_KNOB_FACTORS: dict = {}     # its kernels take no FP8 activations

@@ -12,7 +12,7 @@ from ..problem import Problem
 # the same packed weights, arguments, checks and workspace.
 from ..marlin_mma import LAYOUT, kernel_args, layout, pack, unpack, workspace_elems
 from .knobs import RULES, Knobs, check
-from .traits import KNOB_FACTORS, TRAITS
+from .traits import FP8_KNOB_FACTORS, KNOB_FACTORS, TRAITS
 
 
 # The TileLang pass configs the kernels compile with.
@@ -120,4 +120,5 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",
-           "workspace_elems", "kernel_args", "layout", "VARIANT_AXES", "TRAITS", "KNOB_FACTORS"]
+           "workspace_elems", "kernel_args", "layout", "VARIANT_AXES", "TRAITS", "KNOB_FACTORS",
+           "FP8_KNOB_FACTORS"]
