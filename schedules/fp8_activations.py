@@ -8,9 +8,9 @@ of every 16 columns holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with 
 sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the
 output. Each block first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built
 with the pdl knob then starts while this one runs, asks L2 for its first weights (early_start) and
-waits for this kernel's writes before it reads them. Those early weight reads are why the row is read
-from global memory once: read twice, the second read queued behind them (docs/performance.md). The
-math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
+waits for this kernel's writes before it reads them. The row is read from global memory once: read a
+second time in the k order, under those early weight reads, the calls measured slower
+(docs/performance.md). The math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
 """
 # (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
 # build()'s locals)
