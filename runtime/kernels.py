@@ -243,41 +243,49 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fp8_activations_identity(k: int, dtype: str, arch: Arch) -> dict:
+# The kernels beside the GEMMs, each built per (K, dtype) by its module's build(k, dtype): W4A8's FP8
+# quantizer and act-order's column gather.
+ACTIVATION_KERNELS = {"fp8_activations": "schedules.fp8_activations", "gather_columns": "schedules.gather"}
+
+
+def _activation_identity(kind: str, k: int, dtype: str, arch: Arch) -> dict:
     return {"code": _code_fingerprint(), "tilelang": tilelang_version(), "arch": arch.name,
-            "kernel": f"fp8_activations_k{k}_{dtype}"}
+            "kernel": f"{kind}_k{k}_{dtype}"}
 
 
-def fp8_activations_folder(k: int, dtype: str, arch: Arch) -> Path:
-    """The store's folder of W4A8's activation kernel for K = k and `dtype` input."""
-    ident = _fp8_activations_identity(k, dtype, arch)
+def activation_kernel_folder(kind: str, k: int, dtype: str, arch: Arch) -> Path:
+    """The store's folder of activation kernel `kind` (one of ACTIVATION_KERNELS) for K = k and `dtype`."""
+    ident = _activation_identity(kind, k, dtype, arch)
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
-    return kernel_dir() / arch.name / "fp8_activations" / f"k{k}_{dtype}-{digest[:16]}"
+    return kernel_dir() / arch.name / kind / f"k{k}_{dtype}-{digest[:16]}"
 
 
-def is_fp8_activations_stored(k: int, dtype: str, arch: Arch) -> bool:
+def is_activation_kernel_stored(kind: str, k: int, dtype: str, arch: Arch) -> bool:
     """Whether the store holds that activation kernel, built by the CUDA toolkit found here."""
-    return _is_current(fp8_activations_folder(k, dtype, arch))
+    return _is_current(activation_kernel_folder(kind, k, dtype, arch))
 
 
-def compile_fp8_activations(k: int, dtype: str, arch: Arch) -> CompiledKernel:
-    """W4A8's activation kernel (schedules/fp8_activations.py) for K = k and `dtype` input: call it with
-    x [M, K], fp8 out [M, K], token scales [M, 1] fp32. From this process's memory, else the store
-    (`kernels/<arch>/fp8_activations/`), else built and stored."""
-    key = ("fp8_activations", k, dtype, arch.name)
+def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> CompiledKernel:
+    """Activation kernel `kind` for K = k and `dtype` input: "fp8_activations" (schedules/fp8_activations.py;
+    call it with x [M, K], fp8 out [M, K], token scales [M, 1] fp32) or "gather_columns"
+    (schedules/gather.py; x [M, K], perm [K] int32, out [M, K]). From this process's memory, else the
+    store (`kernels/<arch>/<kind>/`), else built and stored."""
+    if kind not in ACTIVATION_KERNELS:
+        raise ValueError(f"unknown activation kernel {kind!r}; known: {sorted(ACTIVATION_KERNELS)}")
+    key = (kind, k, dtype, arch.name)
     with _LOCK:
         kernel = _LOADED.get(key)
         if kernel is None:
-            folder = fp8_activations_folder(k, dtype, arch)
+            folder = activation_kernel_folder(kind, k, dtype, arch)
             if not _is_current(folder):
-                _store_entry(folder, _build_fp8_activations(k, dtype, arch), _fp8_activations_identity(k, dtype, arch))
+                _store_entry(folder, _build_activation_kernel(kind, k, dtype, arch),
+                             _activation_identity(kind, k, dtype, arch))
             kernel = _LOADED[key] = CompiledKernel(folder, _load_library(folder / "kernel.so"))
         return kernel
 
 
-def _build_fp8_activations(k: int, dtype: str, arch: Arch):
-    from schedules.fp8_activations import build
-
+def _build_activation_kernel(kind: str, k: int, dtype: str, arch: Arch):
+    build = importlib.import_module(ACTIVATION_KERNELS[kind]).build
     writable_kernel_dir()     # a read-only store is an error before the compile, not after it
     return _compiler().compile(build(k, dtype), target=arch.target)
 

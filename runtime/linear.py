@@ -16,7 +16,8 @@ from schedules.marlin_mma.layout import check_zero_points, split_zero_points
 from schedules.problem import Problem
 from schedules.quant import quantize_rtn, quantize_rtn_asymmetric
 
-from .op import DEFAULT_LAYOUT, dtype_name, layout_family, packed_shapes, problem_of, w4a8_gemm, w4a16_gemm
+from .op import (DEFAULT_LAYOUT, dtype_name, gather_columns, layout_family, packed_shapes, problem_of, w4a8_gemm,
+                 w4a16_gemm)
 from .precompile import precompile_layers
 
 if TYPE_CHECKING:
@@ -51,10 +52,13 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", torch.zeros(weight_shape, dtype=torch.int32, device=device))
         self.register_buffer("scales", torch.zeros(scales_shape, dtype=dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
-        # Checkpoint layers (runtime/checkpoint): the act-order gather of x's columns; None in natural order.
-        self.register_buffer("perm", torch.arange(in_features, device=device) if act_order else None)
+        # Checkpoint layers (runtime/checkpoint): the act-order gather of x's columns (int32, as the gather
+        # kernel reads it); None in natural order.
+        perm = torch.arange(in_features, dtype=torch.int32, device=device) if act_order else None
+        self.register_buffer("perm", perm)
         if precompile:
-            precompile_layers([(problem, self.qweight.device)], max_m, layout)
+            layer = [(problem, self.qweight.device)]
+            precompile_layers(layer, max_m, layout, gathered=layer if act_order else ())
 
     @property
     def problem(self) -> Problem:
@@ -133,7 +137,9 @@ class QuantLinear(nn.Module):
         """
         module = cls.from_codes(layer.codes, layer.scales, layer.bias, layout, precompile, max_m, layer.zeros)
         if layer.perm is not None:
-            module.perm = layer.perm.to(device=layer.codes.device)
+            module.perm = layer.perm.to(device=layer.codes.device, dtype=torch.int32)
+            if precompile:
+                precompile_layers((), gathered=[(module.problem, module.qweight.device)])
         return module
 
     @classmethod
@@ -179,7 +185,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
-            x = x.index_select(-1, self.perm)
+            x = gather_columns(x, self.perm)
         if self.act == "fp8":
             y = w4a8_gemm(x, self.qweight, self.scales, self.out_features, self.in_features, self.group_size,
                           self.layout)

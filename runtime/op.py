@@ -253,32 +253,80 @@ def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.T
     """(FP8 e4m3 [M, K] in the FP8 k order, token scales fp32 [M, 1]) of a, by the activation kernel."""
     values = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device)
     token_scales = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
-    _fp8_activations(a.device, problem.k, problem.dtype)(a, values, token_scales)
+    _activation_kernel("fp8_activations", a.device, problem.k, problem.dtype)(a, values, token_scales)
     return values, token_scales
 
 
-_FP8_ACTIVATIONS: dict[tuple, object] = {}
+# --- act-order's column gather -------------------------------------------------------------------
+
+def _gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    _check_gather(x, perm)
+    k = x.shape[-1]
+    a = x.reshape(-1, k)
+    if not a.is_contiguous() or a.data_ptr() % 16:   # the kernel reads rows with 16-byte loads
+        a = a.clone(memory_format=torch.contiguous_format)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _gather_into(a, perm, out.view(-1, k))
+    return out
 
 
-def _fp8_activations(device: torch.device, k: int, dtype: str):
-    """runtime.kernels.compile_fp8_activations's kernel, looked up without a lock after its first call,
-    which refuses GPUs without FP8 wgmma (before sm_90a) with a RuntimeError."""
-    key = (device.index, k, dtype)
-    kernel = _FP8_ACTIVATIONS.get(key)
+def _gather_columns_fake(x, perm):
+    _check_gather(x, perm)
+    return x.new_empty(x.shape)
+
+
+def _check_gather(x: torch.Tensor, perm: torch.Tensor) -> None:
+    dtype_name(x.dtype)
+    if x.dim() == 0 or perm.dim() != 1 or perm.dtype != torch.int32 or perm.shape[0] != x.shape[-1]:
+        raise ValueError(f"perm must be int32 [K] for x of shape {tuple(x.shape)}, got {perm.dtype} "
+                         f"{tuple(perm.shape)}")
+    if perm.device != x.device or not perm.is_contiguous():
+        raise ValueError(f"perm must be contiguous on x's device {x.device}, got {perm.device}")
+
+
+def _gather_into(a: torch.Tensor, perm: torch.Tensor, out: torch.Tensor) -> None:
+    """out[M, K] = a[:, perm] by the gather kernel (schedules/gather.py), on the current stream."""
+    if a.device.type != "cuda":
+        raise RuntimeError(f"tilemarlin::gather_columns runs on CUDA GPUs, but x is on {a.device}")
+    _activation_kernel("gather_columns", a.device, a.shape[1], dtype_name(a.dtype))(a, perm, out)
+
+
+_GATHER_OP = _define("gather_columns", _gather_columns, _gather_columns_fake)
+
+
+def gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x[..., perm] (torch.ops.tilemarlin.gather_columns): act-order's activations in the order of the
+    layer's weight rows, sorted by group. A kernel of one block per row that lets the GEMM after it
+    launch at once (schedules/gather.py); CUDA-graph and torch.compile safe like the GEMM ops.
+
+    x : float16 or bfloat16 CUDA tensor [..., K]. perm : int32 [K] on x's device, contiguous, a
+    permutation of range(K) (the checkpoint loaders check it; the kernel does not).
+    Returns a new tensor of x's shape and dtype."""
+    return _GATHER_OP(x, perm)
+
+
+_ACTIVATION_KERNELS: dict[tuple, object] = {}
+
+
+def _activation_kernel(kind: str, device: torch.device, k: int, dtype: str):
+    """runtime.kernels.compile_activation_kernel's kernel, looked up without a lock after its first
+    call; W4A8's quantizer refuses GPUs without FP8 wgmma (before sm_90a) with a RuntimeError."""
+    key = (kind, device.index, k, dtype)
+    kernel = _ACTIVATION_KERNELS.get(key)
     if kernel is None:
         from schedules.arch import current_arch
 
-        from .kernels import compile_fp8_activations
+        from .kernels import compile_activation_kernel
 
         arch = current_arch(device)
-        if not arch.hopper:
+        if kind == "fp8_activations" and not arch.hopper:
             raise RuntimeError(f"W4A8 runs on FP8 wgmma (Hopper, sm_90a); {torch.cuda.get_device_name(device)} "
                                f"is {arch.name}: use w4a16_gemm (QuantLinear act='dtype') there")
-        kernel = compile_fp8_activations(k, dtype, arch)
+        kernel = compile_activation_kernel(kind, k, dtype, arch)
         with _LOCK:
-            kernel = _FP8_ACTIVATIONS.setdefault(key, kernel)
+            kernel = _ACTIVATION_KERNELS.setdefault(key, kernel)
     return kernel
-
 
 
 # --- choosing and loading kernels ----------------------------------------------------------------

@@ -56,10 +56,13 @@ class Dispatch:
         return schedule, how
 
 
-def fp8_activation_kernels(problems: Iterable[Problem]) -> list[tuple[int, str]]:
-    """(K, dtype) of each W4A8 activation kernel that `problems` need (one per K and input dtype of
-    their FP8 problems), sorted."""
-    return sorted({(p.k, p.dtype) for p in problems if p.fp8})
+def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = ()) -> list[tuple[str, int, str]]:
+    """(kind, K, dtype) of each activation kernel (runtime.kernels.ACTIVATION_KERNELS) that layers of
+    `problems` need, W4A8's quantizer for the FP8 ones, and that act-order layers of `gathered` need,
+    the column gather; one per kind, K and input dtype, sorted."""
+    wanted = {("fp8_activations", p.k, p.dtype) for p in problems if p.fp8}
+    wanted |= {("gather_columns", p.k, p.dtype) for p in gathered}
+    return sorted(wanted)
 
 
 def plan(problems: Iterable[Problem], buckets: Iterable[int], dispatch: Dispatch,
@@ -105,30 +108,37 @@ def _on_cuda(device) -> bool:
 
 
 def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | None = None,
-                      layout: str | None = None) -> None:
+                      layout: str | None = None, gathered: Iterable[tuple[Problem, object]] = ()) -> None:
     """Build every kernel that layers of these (problem, torch device) pairs will run at M up to
-    `max_m` (all buckets for None), as the constructors and replace_linear do: nothing when
-    TILEMARLIN_PRECOMPILE is off, nothing for devices other than CUDA GPUs, one compile_many call per
-    arch. Raises RuntimeError naming the kernels that failed to build (their first calls would fail)."""
+    `max_m` (all buckets for None), as the constructors and replace_linear do, and the column gather
+    of the act-order layers among them (`gathered`, the same pairs): nothing when TILEMARLIN_PRECOMPILE
+    is off, nothing for devices other than CUDA GPUs, one compile_many call per arch. Raises
+    RuntimeError naming the kernels that failed to build (their first calls would fail)."""
     from . import kernels
     from .op import DEFAULT_LAYOUT, dispatch_for
 
     if not enabled():
         return
     by_device: dict = {}
-    for problem, device in layers:
-        if _on_cuda(device):
-            by_device.setdefault(device, set()).add(problem)
+    gathers_by_device: dict = {}
+    for pairs, into in ((layers, by_device), (gathered, gathers_by_device)):
+        for problem, device in pairs:
+            if _on_cuda(device):
+                into.setdefault(device, set()).add(problem)
     jobs_by_arch: dict[Arch, dict] = {}
-    for device, problems in by_device.items():
+    activations_by_arch: dict[Arch, set] = {}
+    for device in {**by_device, **gathers_by_device}:
         dispatch = dispatch_for(device)
+        problems = by_device.get(device, set())
         planned = plan(problems, buckets_up_to(max_m), dispatch, layout or DEFAULT_LAYOUT)
         jobs_by_arch.setdefault(dispatch.arch, {}).update(dict.fromkeys(planned))
+        activations_by_arch.setdefault(dispatch.arch, set()).update(
+            activation_kernels(problems, gathers_by_device.get(device, ())))
     failed = {}
     for arch, jobs in jobs_by_arch.items():
         failed.update((job, error) for job, error in build_missing(list(jobs), arch).items() if error)
-        for k, dtype in fp8_activation_kernels(problem for problem, _ in jobs):
-            kernels.compile_fp8_activations(k, dtype, arch)
+        for kind, k, dtype in sorted(activations_by_arch[arch]):
+            kernels.compile_activation_kernel(kind, k, dtype, arch)
     if failed:
         listed = "; ".join(f"{p.name} {s.name}: {error}" for (p, s), error in list(failed.items())[:5])
         raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); their buckets' first calls would "

@@ -272,7 +272,9 @@ def split_k_prelude(block_m: int, block_n: int, split_k: int, threads: int, n: i
 # scales) before this kernel's own wait: one bulk prefetch moves up to a few KB without registers.
 EARLY_START_HELPERS = r"""
 __device__ __forceinline__ void tm_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900   // (act-order's gather also runs before Hopper)
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ void tm_prefetch_l2(const void* src, int bytes) {

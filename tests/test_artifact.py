@@ -240,7 +240,7 @@ def test_untuned_pairs_ship_the_fallbacks_kernels_and_no_entries(artifact, monke
 def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, capsys, tmp_path):
     """--act fp8: refused while the per-token activation kernel is not in the store (the command to
     build it named), packed beside the GEMMs once it is."""
-    from tests.test_precompile import fake_fp8_activations_entry
+    from tests.test_precompile import fake_activation_entry
 
     _, _, source = artifact
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(source))
@@ -252,8 +252,8 @@ def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, ca
     args = ["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8", "--out", str(out)]
     assert gen_main(args) == 1
     err = capsys.readouterr().err
-    assert "FP8 activations K = 4096 float16" in err and "gen precompile --shapes 4096x4096 --act fp8" in err
-    folder = fake_fp8_activations_entry(4096, "float16", toolkit=TOOLKIT)
+    assert "FP8 activations, K = 4096, float16 input" in err and "gen precompile --shapes 4096x4096 --act fp8" in err
+    folder = fake_activation_entry("fp8_activations", 4096, "float16", toolkit=TOOLKIT)
     assert gen_main(args) == 0
     with tarfile.open(out) as tar:
         manifest = json.loads(tar.extractfile("manifest.json").read())

@@ -22,7 +22,7 @@ def dense_weight(module: QuantLinear) -> torch.Tensor:
     codes, scales = module.unpack()
     zeros = 8.0 if module.zeros() is None else module.zeros().float().unsqueeze(1)
     w = ((codes.float().unflatten(0, (-1, module.group_size)) - zeros) * scales.float().unsqueeze(1)).flatten(0, 1)
-    return w if module.perm is None else torch.empty_like(w).index_copy_(0, module.perm, w)
+    return w if module.perm is None else torch.empty_like(w).index_copy_(0, module.perm.long(), w)
 
 
 def test_word_layout_by_hand():
@@ -66,7 +66,7 @@ def test_asymmetric_and_act_order_layers_give_the_definitions_weights(checkpoint
     codes, scales = module.unpack()
     if act_order:
         perm = module.perm
-        assert perm.dtype == torch.int64 and torch.equal(perm.sort().values, torch.arange(K))
+        assert perm.dtype == torch.int32 and torch.equal(perm.sort().values, torch.arange(K, dtype=torch.int32))
         assert torch.equal(drawn.g_idx[perm], torch.arange(K) // GROUP), "groups not contiguous"
     else:
         perm = torch.arange(K)

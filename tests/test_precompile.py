@@ -128,6 +128,8 @@ def compiler(monkeypatch):
     monkeypatch.setattr(op, "dispatch_for", lambda device=None: Dispatch(SM90, None, StubTable(), ()))
     monkeypatch.setattr(store, "is_stored", lambda problem, schedule, arch: False)
     monkeypatch.setattr(store, "compile_many", compile_many)
+    monkeypatch.setattr(store, "compile_activation_kernel",
+                        lambda kind, k, dtype, arch: calls.append(((kind, k, dtype), arch)))
     return calls
 
 
@@ -188,10 +190,20 @@ def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_pa
 
     drawn = write_checkpoint(tmp_path / "ckpt", "gptq", symmetric=False, act_order=True)
     load_quantized(tmp_path / "ckpt", device="cpu")
-    (jobs, arch), = compiler
+    (jobs, arch), *gathers = compiler
     problems = {Problem(layer.codes.shape[1], layer.codes.shape[0], 128, zero_points=True) for layer in drawn.values()}
     assert len(problems) == 4 and arch == SM90 and len(jobs) == len(set(jobs))
     assert set(jobs) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
+    # act-order's column gather, once per input width and dtype, after the GEMMs
+    widths = {layer.codes.shape[0] for layer in drawn.values()}
+    assert sorted(gathers) == sorted((("gather_columns", k, "float16"), SM90) for k in widths)
+
+
+def test_an_act_order_layer_alone_builds_its_gather(compiler):
+    """QuantLinear(act_order=True) and from_layer with a permutation build the gather beside the GEMMs."""
+    QuantLinear(256, 128, group_size=64, act_order=True, max_m=1)
+    (jobs, arch), gather = compiler
+    assert {p for p, _ in jobs} == {Problem(128, 256, 64)} and gather == (("gather_columns", 256, "float16"), SM90)
 
 
 def test_precompile_off_by_option_or_environment(compiler, monkeypatch):
@@ -296,10 +308,10 @@ def test_without_a_gpu_or_an_arch_the_command_says_what_to_name(cache, capsys):
     assert "no tuned table 'nvidia-b200_sm_100a_148sm'" in capsys.readouterr().err
 
 
-def fake_fp8_activations_entry(k, dtype, arch=SM90, toolkit="cuda_test"):
-    """The store entry of W4A8's activation kernel as a build leaves it."""
-    return _fake_store_entry(store.fp8_activations_folder(k, dtype, arch), store._fp8_activations_identity(k, dtype, arch),
-                             toolkit)
+def fake_activation_entry(kind, k, dtype, arch=SM90, toolkit="cuda_test"):
+    """The store entry of an activation kernel as a build leaves it."""
+    return _fake_store_entry(store.activation_kernel_folder(kind, k, dtype, arch),
+                             store._activation_identity(kind, k, dtype, arch), toolkit)
 
 
 def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monkeypatch):
@@ -313,10 +325,12 @@ def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monke
     assert f"{problem.name} (4096x4096)" in out
     built = []
     monkeypatch.setattr(store, "compile_many", lambda jobs, arch, workers=None, progress=None: {j: None for j in jobs})
-    monkeypatch.setattr(store, "compile_fp8_activations", lambda k, dtype, arch: built.append((k, dtype, arch.name)))
+    monkeypatch.setattr(store, "compile_activation_kernel",
+                        lambda kind, k, dtype, arch: built.append((kind, k, dtype, arch.name)))
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
-    assert built == [(4096, "float16", "sm_90a")] and "building 1 FP8 activation kernels" in capsys.readouterr().out
-    fake_fp8_activations_entry(4096, "float16")
+    assert built == [("fp8_activations", 4096, "float16", "sm_90a")]
+    assert "building 1 activation kernels" in capsys.readouterr().out
+    fake_activation_entry("fp8_activations", 4096, "float16")
     built.clear()
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
     assert built == []                                                   # in the store: not built again

@@ -131,16 +131,16 @@ def tilemarlin_act_order_contender(w: LayerWeights) -> Contender:
     The gather is timed with the kernel. x[:, perm] @ W is not the reference's x @ W, so not checked
     here (tests/test_checkpoint_gpu.py checks act-order layers against their dequantized weights)."""
     try:
-        from runtime.op import w4a16_gemm
+        from runtime.op import gather_columns, w4a16_gemm
     except ImportError as exc:
         raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
     from schedules import marlin_mma
 
-    perm = torch.randperm(w.k, device=w.codes.device)
+    perm = torch.randperm(w.k, device=w.codes.device).int()
     copies = weight_copies(marlin_mma.pack(w.codes, w.scales))
 
     def gathered_gemm(x, qweight, scales):
-        return w4a16_gemm(x.index_select(-1, perm), qweight, scales, w.n, w.k, w.group)
+        return w4a16_gemm(gather_columns(x, perm), qweight, scales, w.n, w.k, w.group)
 
     return Contender(lambda x: [functools.partial(gathered_gemm, x, qw, qs) for qw, qs in copies], exact=False)
 

@@ -33,8 +33,8 @@ def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
         return k * n // 2 + 4 * groups * n
     if kernel == "tilemarlin_zp":   # a zero point beside each scale
         return k * n // 2 + 4 * groups * n
-    if kernel == "tilemarlin_act":   # and the permutation, int64 per input feature
-        return k * n // 2 + 2 * groups * n + 8 * k
+    if kernel == "tilemarlin_act":   # and the permutation, int32 per input feature
+        return k * n // 2 + 2 * groups * n + 4 * k
     if kernel == "fp8_w8a8":   # a byte per weight
         return k * n
     return k * n // 2 + 2 * groups * n   # INT4 codes + fp16 scales (tilemarlin, humming)

@@ -26,8 +26,10 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from runtime.artifact import ArtifactError, write_artifact
-    from runtime.kernels import fp8_activations_folder, is_fp8_activations_stored, is_stored, kernel_folder
-    from runtime.precompile import fp8_activation_kernels
+    from runtime.kernels import activation_kernel_folder, is_activation_kernel_stored, is_stored, kernel_folder
+    from runtime.precompile import activation_kernels
+
+    from .precompile_cmd import activation_label
 
     try:
         deployment = deployment_from_args(args)
@@ -39,10 +41,9 @@ def run(args) -> int:
         return 2
     planned = deployment.plan()
     arch = deployment.dispatch.arch
-    activations = fp8_activation_kernels(t.problem for t in deployment.targets)
+    activations = activation_kernels(t.problem for t in deployment.targets)
     missing = [f"{p.name} {s.name}" for p, s in planned if not is_stored(p, s, arch)]
-    missing += [f"FP8 activations K = {k} {dtype}" for k, dtype in activations
-                if not is_fp8_activations_stored(k, dtype, arch)]
+    missing += [activation_label(kernel) for kernel in activations if not is_activation_kernel_stored(*kernel, arch)]
     if missing:
         print(f"gen export: {len(missing)} of the {len(planned) + len(activations)} kernels are not in the store "
               f"(e.g. {missing[0]}); build them first with: gen precompile {_same_layers(args)}", file=sys.stderr)
@@ -58,7 +59,7 @@ def run(args) -> int:
     about = {"model": args.model, "tp": args.tp, "shapes": args.shapes, "group": args.group, "dtype": args.dtype,
              "act": args.act, "buckets": deployment.buckets}
     folders = [kernel_folder(p, s, arch) for p, s in planned]
-    folders += [fp8_activations_folder(k, dtype, arch) for k, dtype in activations]
+    folders += [activation_kernel_folder(*kernel, arch) for kernel in activations]
     try:
         manifest = write_artifact(args.out, table, folders, about)
     except (ArtifactError, OSError) as exc:

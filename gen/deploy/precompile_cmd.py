@@ -32,8 +32,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from runtime.kernels import is_fp8_activations_stored, is_stored, kernel_dir
-    from runtime.precompile import build_missing, fp8_activation_kernels
+    from runtime.kernels import is_activation_kernel_stored, is_stored, kernel_dir
+    from runtime.precompile import activation_kernels, build_missing
 
     try:
         deployment = deployment_from_args(args)
@@ -44,16 +44,16 @@ def run(args) -> int:
     arch = deployment.dispatch.arch
     labels = deployment.labels()
     stored = {job for job in planned if is_stored(*job, arch)}
-    activations = fp8_activation_kernels(t.problem for t in deployment.targets)
-    missing_activations = [(k, dtype) for k, dtype in activations if not is_fp8_activations_stored(k, dtype, arch)]
+    activations = activation_kernels(t.problem for t in deployment.targets)
+    missing_activations = [kernel for kernel in activations if not is_activation_kernel_stored(*kernel, arch)]
     print(summary_line(deployment, planned))
     if args.dry_run:
         for (problem, schedule), served in planned.items():
             status = "in store" if (problem, schedule) in stored else "to build"
             print(f"  {status}  {labels[problem]}  {schedule.name}  {served_text(served)}")
-        for k, dtype in activations:
-            status = "to build" if (k, dtype) in missing_activations else "in store"
-            print(f"  {status}  FP8 activations, K = {k}, {dtype} input")
+        for kernel in activations:
+            status = "to build" if kernel in missing_activations else "in store"
+            print(f"  {status}  {activation_label(kernel)}")
         print(f"would build {len(planned) - len(stored) + len(missing_activations)}, "
               f"{len(stored) + len(activations) - len(missing_activations)} already in the store ({kernel_dir()})")
         return 0
@@ -70,8 +70,8 @@ def run(args) -> int:
     results = build_missing(list(planned), arch, args.workers, progress)
     failed = {job: error for job, error in results.items() if error}
     if missing_activations:
-        print(f"building {len(missing_activations)} FP8 activation kernels", flush=True)
-        activation_failures = build_fp8_activations(missing_activations, arch)
+        print(f"building {len(missing_activations)} activation kernels", flush=True)
+        activation_failures = build_activation_kernels(missing_activations, arch)
     else:
         activation_failures = {}
     built = len(planned) - len(stored) - len(failed) + len(missing_activations) - len(activation_failures)
@@ -79,22 +79,29 @@ def run(args) -> int:
           f"{len(failed) + len(activation_failures)} failed ({kernel_dir()})")
     for (problem, schedule), error in failed.items():
         print(f"  failed: {labels[problem]} {schedule.name}: {error}", file=sys.stderr)
-    for (k, dtype), error in activation_failures.items():
-        print(f"  failed: FP8 activations, K = {k}, {dtype} input: {error}", file=sys.stderr)
+    for kernel, error in activation_failures.items():
+        print(f"  failed: {activation_label(kernel)}: {error}", file=sys.stderr)
     return 1 if failed or activation_failures else 0
 
 
-def build_fp8_activations(wanted: list[tuple[int, str]], arch) -> dict:
-    """Build W4A8's activation kernels (K, dtype) into the store, one after another (a few, one per
-    K); {(K, dtype): error} for those that failed."""
-    from runtime.kernels import compile_fp8_activations
+def activation_label(kernel: tuple[str, int, str]) -> str:
+    """How a (kind, K, dtype) activation kernel is named in the listings."""
+    kind, k, dtype = kernel
+    what = {"fp8_activations": "FP8 activations", "gather_columns": "act-order gather"}[kind]
+    return f"{what}, K = {k}, {dtype} input"
+
+
+def build_activation_kernels(wanted: list[tuple[str, int, str]], arch) -> dict:
+    """Build activation kernels (kind, K, dtype) into the store, one after another (a few, one per
+    kind and K); {(kind, K, dtype): error} for those that failed."""
+    from runtime.kernels import compile_activation_kernel
 
     failed = {}
-    for k, dtype in wanted:
+    for kernel in wanted:
         try:
-            compile_fp8_activations(k, dtype, arch)
+            compile_activation_kernel(*kernel, arch)
         except Exception as exc:    # a compiler failure of any kind is reported, the rest still built
-            failed[(k, dtype)] = f"{type(exc).__name__}: {exc}"
+            failed[kernel] = f"{type(exc).__name__}: {exc}"
     return failed
 
 

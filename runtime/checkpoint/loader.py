@@ -138,7 +138,8 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
                               + (f" (and {len(pending) - 1} more)" if len(pending) > 1 else ""))
     if not replaced:
         raise CheckpointError(files.source, f"no quantized layer ({fmt.marker} tensors) in the checkpoint")
-    precompile_layers([(layer.problem, layer.qweight.device) for layer in replaced], layout=layout)
+    precompile_layers([(layer.problem, layer.qweight.device) for layer in replaced], layout=layout,
+                      gathered=[(layer.problem, layer.qweight.device) for layer in replaced if layer.perm is not None])
     return len(replaced)
 
 
