@@ -243,9 +243,11 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# The kernels beside the GEMMs, each built per (K, dtype) by its module's build(k, dtype): W4A8's FP8
-# quantizer and act-order's column gather.
-ACTIVATION_KERNELS = {"fp8_activations": "schedules.fp8_activations", "gather_columns": "schedules.gather"}
+# The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype), "module:function": W4A8's
+# FP8 quantizer, its FP8 rounding for the buckets that W4A16's kernels serve, and act-order's column gather.
+ACTIVATION_KERNELS = {"fp8_activations": "schedules.fp8_activations:build",
+                      "fp8_rounded": "schedules.fp8_activations:build_rounded",
+                      "gather_columns": "schedules.gather:build"}
 
 
 def _activation_identity(kind: str, k: int, dtype: str, arch: Arch) -> dict:
@@ -267,9 +269,10 @@ def is_activation_kernel_stored(kind: str, k: int, dtype: str, arch: Arch) -> bo
 
 def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> CompiledKernel:
     """Activation kernel `kind` for K = k and `dtype` input: "fp8_activations" (schedules/fp8_activations.py;
-    call it with x [M, K], fp8 out [M, K], token scales [M, 1] fp32) or "gather_columns"
-    (schedules/gather.py; x [M, K], perm [K] int32, out [M, K]). From this process's memory, else the
-    store (`kernels/<arch>/<kind>/`), else built and stored."""
+    call it with x [M, K], fp8 out [M, K], token scales [M, 1] fp32), "fp8_rounded" (x [M, K], out
+    [M, K] in x's dtype) or "gather_columns" (schedules/gather.py; x [M, K], perm [K] int32, out
+    [M, K]). From this process's memory, else the store (`kernels/<arch>/<kind>/`), else built and
+    stored."""
     if kind not in ACTIVATION_KERNELS:
         raise ValueError(f"unknown activation kernel {kind!r}; known: {sorted(ACTIVATION_KERNELS)}")
     key = (kind, k, dtype, arch.name)
@@ -285,7 +288,8 @@ def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> Comp
 
 
 def _build_activation_kernel(kind: str, k: int, dtype: str, arch: Arch):
-    build = importlib.import_module(ACTIVATION_KERNELS[kind]).build
+    module, function = ACTIVATION_KERNELS[kind].split(":")
+    build = getattr(importlib.import_module(module), function)
     writable_kernel_dir()     # a read-only store is an error before the compile, not after it
     return _compiler().compile(build(k, dtype), target=arch.target)
 

@@ -229,15 +229,17 @@ def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: i
 
 
 def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Problem, layout: str) -> None:
-    """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream (FP8
-    activations: after quantizing a with the activation kernel)."""
+    """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream. FP8
+    activations: quantized by the activation kernel for the FP8 kernel, or, at buckets where the
+    W4A16 twin's kernel serves (Dispatch.serving_problem), rounded to their FP8 values in a's dtype."""
     if not a.is_contiguous() or a.data_ptr() % 16:   # the kernel loads rows with 16-byte copies
         a = a.clone(memory_format=torch.contiguous_format)
-    m = a.shape[0]
-    if problem.fp8:    # (first: the quantizer's first lookup refuses GPUs without FP8 wgmma)
-        a = _quantized(a, problem)
-    launcher = _launcher(out.device, problem, layout, bucket_of(m))
-    launch_schedule(launcher.kernel, launcher.schedule, problem, a, qweight, scales, out)
+    if problem.fp8:
+        _check_fp8_gpu(out.device)
+    launcher = _launcher(out.device, problem, layout, bucket_of(a.shape[0]))
+    if problem.fp8:     # quantized for the FP8 kernel, or rounded to FP8 for the W4A16 one
+        a = _quantized(a, problem) if launcher.problem.fp8 else _fp8_rounded(a, problem)
+    launch_schedule(launcher.kernel, launcher.schedule, launcher.problem, a, qweight, scales, out)
 
 
 def launch_schedule(kernel, schedule: Schedule, problem: Problem, a, qweight, scales, out: torch.Tensor) -> None:
@@ -255,6 +257,30 @@ def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.T
     token_scales = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
     _activation_kernel("fp8_activations", a.device, problem.k, problem.dtype)(a, values, token_scales)
     return values, token_scales
+
+
+def _fp8_rounded(a: torch.Tensor, problem: Problem) -> torch.Tensor:
+    """a's elements as W4A8 quantizes them (e4m3, a scale per token), times their token's scale, in a's
+    dtype and order: the W4A16 kernels' input for the same products."""
+    rounded = torch.empty_like(a)
+    _activation_kernel("fp8_rounded", a.device, problem.k, problem.dtype)(a, rounded)
+    return rounded
+
+
+_FP8_GPUS: set = set()
+
+
+def _check_fp8_gpu(device: torch.device) -> None:
+    """A RuntimeError on a GPU without FP8 wgmma (before sm_90a); checked once per device."""
+    if device.index in _FP8_GPUS:
+        return
+    from schedules.arch import current_arch
+
+    arch = current_arch(device)
+    if not arch.hopper:
+        raise RuntimeError(f"W4A8 runs on FP8 wgmma (Hopper, sm_90a); {torch.cuda.get_device_name(device)} "
+                           f"is {arch.name}: use w4a16_gemm (QuantLinear act='dtype') there")
+    _FP8_GPUS.add(device.index)
 
 
 # --- act-order's column gather -------------------------------------------------------------------
@@ -310,8 +336,7 @@ _ACTIVATION_KERNELS: dict[tuple, object] = {}
 
 
 def _activation_kernel(kind: str, device: torch.device, k: int, dtype: str):
-    """runtime.kernels.compile_activation_kernel's kernel, looked up without a lock after its first
-    call; W4A8's quantizer refuses GPUs without FP8 wgmma (before sm_90a) with a RuntimeError."""
+    """runtime.kernels.compile_activation_kernel's kernel, looked up without a lock after its first call."""
     key = (kind, device.index, k, dtype)
     kernel = _ACTIVATION_KERNELS.get(key)
     if kernel is None:
@@ -319,11 +344,7 @@ def _activation_kernel(kind: str, device: torch.device, k: int, dtype: str):
 
         from .kernels import compile_activation_kernel
 
-        arch = current_arch(device)
-        if kind == "fp8_activations" and not arch.hopper:
-            raise RuntimeError(f"W4A8 runs on FP8 wgmma (Hopper, sm_90a); {torch.cuda.get_device_name(device)} "
-                               f"is {arch.name}: use w4a16_gemm (QuantLinear act='dtype') there")
-        kernel = compile_activation_kernel(kind, k, dtype, arch)
+        kernel = compile_activation_kernel(kind, k, dtype, current_arch(device))
         with _LOCK:
             kernel = _ACTIVATION_KERNELS.setdefault(key, kernel)
     return kernel
@@ -333,6 +354,7 @@ def _activation_kernel(kind: str, device: torch.device, k: int, dtype: str):
 
 @dataclass(frozen=True)
 class _Launcher:
+    problem: Problem      # the one whose kernel serves the bucket (Dispatch.serving_problem)
     schedule: Schedule
     kernel: object
 
@@ -358,8 +380,9 @@ def _launcher(device: torch.device, problem: Problem, layout: str, bucket: int) 
         with _key_lock(key):
             launcher = _LAUNCHERS.get(key)
             if launcher is None:
-                schedule = schedule_for(problem, bucket, device, layout)
-                launcher = _Launcher(*_checked_kernel(problem, schedule, bucket, device))
+                served = dispatch_for(device).serving_problem(problem, bucket)
+                schedule = schedule_for(served, bucket, device, layout)
+                launcher = _Launcher(served, *_checked_kernel(served, schedule, bucket, device))
                 with _LOCK:
                     _LAUNCHERS[key] = launcher
     return launcher

@@ -16,6 +16,7 @@ are not on a CUDA device skip it (the arch to build for is the GPU's).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -41,6 +42,18 @@ class Dispatch:
     table: object
     winners: tuple   # runtime.fallback.TunedWinner
 
+    def serving_problem(self, problem: Problem, bucket: int) -> Problem:
+        """The problem whose kernel runs `problem` at `bucket`: itself, except that a W4A8 problem runs
+        on its W4A16 twin (the same packed weights; FP16 / BF16 MMAs fed the FP8-rounded activations,
+        the same products) where the tuned table times the twin's kernel faster at that bucket: at
+        small M, memory-bound, the FP8 kernels' 128-deep k-tiles and promoted sums cost more than their
+        math saves. Without both entries, the problem itself."""
+        if not problem.fp8:
+            return problem
+        twin = dataclasses.replace(problem, act="dtype")
+        fp8, dense = self.table.entry(problem, bucket), self.table.entry(twin, bucket)
+        return twin if fp8 is not None and dense is not None and dense.us < fp8.us else problem
+
     def choose(self, problem: Problem, bucket: int, layout: str) -> tuple[Schedule, str | None]:
         """(schedule, how it was chosen: None for the tuned table's entry, else the fallback's note).
         The schedule's family must read weights packed in `layout`."""
@@ -58,9 +71,10 @@ class Dispatch:
 
 def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = ()) -> list[tuple[str, int, str]]:
     """(kind, K, dtype) of each activation kernel (runtime.kernels.ACTIVATION_KERNELS) that layers of
-    `problems` need, W4A8's quantizer for the FP8 ones, and that act-order layers of `gathered` need,
+    `problems` need, W4A8's quantizer and its rounding for the FP8 ones (whichever kernels serve their
+    buckets: Dispatch.serving_problem), and that act-order layers of `gathered` need,
     the column gather; one per kind, K and input dtype, sorted."""
-    wanted = {("fp8_activations", p.k, p.dtype) for p in problems if p.fp8}
+    wanted = {(kind, p.k, p.dtype) for p in problems if p.fp8 for kind in ("fp8_activations", "fp8_rounded")}
     wanted |= {("gather_columns", p.k, p.dtype) for p in gathered}
     return sorted(wanted)
 
@@ -68,13 +82,18 @@ def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] 
 def plan(problems: Iterable[Problem], buckets: Iterable[int], dispatch: Dispatch,
          layout: str) -> dict[tuple[Problem, Schedule], list[tuple[int, str | None]]]:
     """The kernels the op will load for `problems` at `buckets`: (problem, schedule) -> the buckets
-    it serves, each with how it was chosen (Dispatch.choose). Each distinct problem and bucket is
-    planned once; the order is by problem, then schedule name, whatever the order of the inputs."""
+    it serves, each with how it was chosen (Dispatch.choose), the problem being the one whose kernel
+    serves the bucket (Dispatch.serving_problem: a W4A8 problem's W4A16 twin at some). Each distinct
+    problem and bucket is planned once; the order is by problem, then schedule name, whatever the
+    order of the inputs."""
     kernels: dict[tuple[Problem, Schedule], list[tuple[int, str | None]]] = {}
     for problem in sorted(set(problems), key=lambda p: p.name):
         for bucket in sorted({bucket_of(b) for b in buckets}):
-            schedule, how = dispatch.choose(problem, bucket, layout)
-            kernels.setdefault((problem, schedule), []).append((bucket, how))
+            served = dispatch.serving_problem(problem, bucket)
+            schedule, how = dispatch.choose(served, bucket, layout)
+            buckets_served = kernels.setdefault((served, schedule), [])
+            if (bucket, how) not in buckets_served:
+                buckets_served.append((bucket, how))
     return dict(sorted(kernels.items(), key=lambda kv: (kv[0][0].name, kv[0][1].name)))
 
 

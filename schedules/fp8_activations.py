@@ -40,6 +40,32 @@ def _source_column(j):
 assert tuple(_source_column(p) for p in range(TILE_K)) == FP8_K_ORDER
 
 
+def _staged_row_scale(k: int, dtype: str):
+    """A T.macro(X, row, x_s, scale): lets the next kernel launch, copies row `row` of X into the shared
+    x_s (its only global read) and sets scale[0] to its largest magnitude / 448 (1 for a zero row)."""
+    import tilelang.language as T
+
+    @T.macro
+    def staged_row_scale(X, row, x_s, scale):
+        T.call_extern("handle", "tm_launch_dependents")
+        x = T.alloc_fragment((1, k), "float32")
+        amax = T.alloc_fragment((1,), "float32")
+        T.copy(X[row:row + 1, 0:k], x_s)
+        T.copy(x_s, x)
+        T.reduce_absmax(x, amax, dim=1)
+        scale[0] = T.if_then_else(amax[0] > 0, amax[0] / FP8_E4M3_MAX, 1.0)
+
+    return staged_row_scale
+
+
+def _e4m3(value):
+    """value (float32, already divided by the row's scale) as e4m3: clamped to the finite range, then
+    rounded to nearest (saturating)."""
+    import tilelang.language as T
+
+    return T.cast(T.clamp(value, -FP8_E4M3_MAX, FP8_E4M3_MAX), "float8_e4m3fn")
+
+
 def build(k: int, dtype: str = "float16"):
     """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32), M dynamic."""
     import tilelang.language as T
@@ -47,23 +73,40 @@ def build(k: int, dtype: str = "float16"):
     if k % TILE_K:
         raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
     m = T.dynamic("m")
+    staged_row_scale = _staged_row_scale(k, dtype)
 
     @T.prim_func
     def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                      S: T.Tensor((m, 1), "float32")):
         with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS) as row:
-            T.call_extern("handle", "tm_launch_dependents")
             x_s = T.alloc_shared((1, k), dtype)
-            x = T.alloc_fragment((1, k), "float32")
-            amax = T.alloc_fragment((1,), "float32")
-            T.copy(X[row:row + 1, 0:k], x_s)
-            T.copy(x_s, x)
-            T.reduce_absmax(x, amax, dim=1)
-            scale = T.alloc_var("float32")
-            scale = T.if_then_else(amax[0] > 0, amax[0] / FP8_E4M3_MAX, 1.0)
+            scale = T.alloc_local((1,), "float32")
+            staged_row_scale(X, row, x_s, scale)
             for i, j in T.Parallel(1, k):
-                value = T.cast(x_s[i, _source_column(j)], "float32") / scale
-                Q[row, j] = T.cast(T.clamp(value, -FP8_E4M3_MAX, FP8_E4M3_MAX), "float8_e4m3fn")
-            S[row, 0] = scale
+                Q[row, j] = _e4m3(T.cast(x_s[i, _source_column(j)], "float32") / scale[0])
+            S[row, 0] = scale[0]
 
     return quantize_fp8
+
+
+def build_rounded(k: int, dtype: str = "float16"):
+    """The TileLang prim_func round_fp8(X [M, K] `dtype`, Y [M, K] `dtype`), M dynamic: Y = the FP8
+    e4m3 value of each element times its row's scale, in X's order and dtype, for W4A8 calls that run
+    on the W4A16 kernels (runtime.precompile.Dispatch.serving_problem). e4m3 values are exact in
+    float16 and bfloat16; the product with the scale is rounded once, to `dtype`."""
+    import tilelang.language as T
+
+    m = T.dynamic("m")
+    staged_row_scale = _staged_row_scale(k, dtype)
+
+    @T.prim_func
+    def round_fp8(X: T.Tensor((m, k), dtype), Y: T.Tensor((m, k), dtype)):
+        with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS) as row:
+            x_s = T.alloc_shared((1, k), dtype)
+            scale = T.alloc_local((1,), "float32")
+            staged_row_scale(X, row, x_s, scale)
+            for i, j in T.Parallel(1, k):
+                q = _e4m3(T.cast(x_s[i, j], "float32") / scale[0])
+                Y[row, j] = T.cast(T.cast(q, "float32") * scale[0], dtype)
+
+    return round_fp8

@@ -238,24 +238,34 @@ def test_untuned_pairs_ship_the_fallbacks_kernels_and_no_entries(artifact, monke
 
 
 def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, capsys, tmp_path):
-    """--act fp8: refused while the per-token activation kernel is not in the store (the command to
-    build it named), packed beside the GEMMs once it is."""
+    """--act fp8: refused while the per-token activation kernels are not in the store (the command to
+    build them named), packed beside the GEMMs once they are: the FP8 kernels, the W4A16 twin's at
+    the buckets it serves, and the FP8 entries that decide those buckets."""
+    from runtime.precompile import Dispatch
     from tests.test_precompile import fake_activation_entry
 
     _, _, source = artifact
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(source))
     fp8 = Problem(4096, 4096, act="fp8")
-    chosen = {TunedTable.read(COMMITTED).lookup(fp8, b) for b in BUCKETS}
-    for schedule in chosen:
-        fake_entry(fp8, schedule, toolkit=TOOLKIT)
+    committed = Dispatch(get_arch("sm_90a"), None, TunedTable.read(COMMITTED), ())
+    served = {b: committed.serving_problem(fp8, b) for b in BUCKETS}
+    assert {p.act for p in served.values()} == {"fp8", "dtype"}
+    chosen = {(p, committed.table.lookup(p, b)) for b, p in served.items()}
+    for problem, schedule in chosen:
+        if not store.kernel_folder(problem, schedule, committed.arch).exists():   # (the fixture built W4A16's)
+            fake_entry(problem, schedule, toolkit=TOOLKIT)
     out = tmp_path / "w4a8.tar.gz"
     args = ["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8", "--out", str(out)]
     assert gen_main(args) == 1
     err = capsys.readouterr().err
     assert "FP8 activations, K = 4096, float16 input" in err and "gen precompile --shapes 4096x4096 --act fp8" in err
-    folder = fake_activation_entry("fp8_activations", 4096, "float16", toolkit=TOOLKIT)
+    folders = [fake_activation_entry(kind, 4096, "float16", toolkit=TOOLKIT) for kind in ("fp8_activations", "fp8_rounded")]
     assert gen_main(args) == 0
     with tarfile.open(out) as tar:
         manifest = json.loads(tar.extractfile("manifest.json").read())
-    assert len(manifest["kernels"]) == len(chosen) + 1 and manifest["about"]["act"] == "fp8"
-    assert folder.relative_to(source).as_posix() in manifest["kernels"]
+        shipped = {(entry["problem"].get("act", "dtype"), entry["bucket"])
+                   for entry in json.loads(tar.extractfile(manifest["table"]).read())["entries"]}
+    assert len(manifest["kernels"]) == len(chosen) + 2 and manifest["about"]["act"] == "fp8"
+    assert all(folder.relative_to(source).as_posix() in manifest["kernels"] for folder in folders)
+    assert {("fp8", b) for b in BUCKETS} <= shipped       # every FP8 entry: they decide the W4A16 buckets
+    assert {("dtype", b) for b, p in served.items() if not p.fp8} <= shipped

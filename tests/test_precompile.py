@@ -315,24 +315,57 @@ def fake_activation_entry(kind, k, dtype, arch=SM90, toolkit="cuda_test"):
 
 
 def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monkeypatch):
-    """--act fp8: the FP8 problems' GEMMs (the committed table's fp8 entries) and one per-token
-    activation kernel per K and input dtype, listed by --dry-run and built after the GEMMs."""
+    """--act fp8: the FP8 problems' GEMMs (the committed table's fp8 entries), the W4A16 twins' at the
+    buckets the table times them faster, and two activation kernels per K and input dtype (the FP8
+    quantizer and its rounding), listed by --dry-run and built after the GEMMs."""
     problem = Problem(4096, 4096, act="fp8")
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096,4096x12288", "--act", "fp8",
                      "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "to build  FP8 activations, K = 4096, float16 input" in out and out.count("FP8 activations") == 1
+    assert "to build  FP8 activations, K = 4096, float16 input" in out and out.count(" FP8 activations") == 1
+    assert "to build  FP8-rounded activations, K = 4096, float16 input" in out
     assert f"{problem.name} (4096x4096)" in out
+    assert f"{Problem(4096, 4096).name} (4096x4096, W4A8 on W4A16 kernels)" in out   # small M, by the table
     built = []
     monkeypatch.setattr(store, "compile_many", lambda jobs, arch, workers=None, progress=None: {j: None for j in jobs})
     monkeypatch.setattr(store, "compile_activation_kernel",
                         lambda kind, k, dtype, arch: built.append((kind, k, dtype, arch.name)))
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
-    assert built == [("fp8_activations", 4096, "float16", "sm_90a")]
-    assert "building 1 activation kernels" in capsys.readouterr().out
-    fake_activation_entry("fp8_activations", 4096, "float16")
+    assert built == [("fp8_activations", 4096, "float16", "sm_90a"), ("fp8_rounded", 4096, "float16", "sm_90a")]
+    assert "building 2 activation kernels" in capsys.readouterr().out
+    for kind in ("fp8_activations", "fp8_rounded"):
+        fake_activation_entry(kind, 4096, "float16")
     built.clear()
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
     assert built == []                                                   # in the store: not built again
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096"]) == 0
     assert built == []                                                   # W4A16 layers need none
+
+
+def test_w4a8_runs_on_its_w4a16_twin_where_the_table_times_the_twin_faster():
+    """Dispatch.serving_problem compares the two tuned entries of a bucket; without both, the FP8 kernel."""
+    from types import SimpleNamespace
+
+    fp8, twin = Problem(4096, 4096, act="fp8"), Problem(4096, 4096)
+    timings = {(fp8, 1): 6.2, (twin, 1): 4.7, (fp8, 256): 12.7, (twin, 256): 14.7, (fp8, 16): 6.6}
+
+    class TimedTable:
+        def entry(self, problem, bucket):
+            us = timings.get((problem, bucket))
+            return None if us is None else SimpleNamespace(us=us)
+
+    dispatch = Dispatch(SM90, None, TimedTable(), ())
+    assert dispatch.serving_problem(fp8, 1) == twin
+    assert dispatch.serving_problem(fp8, 256) == fp8
+    assert dispatch.serving_problem(fp8, 16) == fp8 and dispatch.serving_problem(fp8, 64) == fp8
+    assert dispatch.serving_problem(twin, 1) == twin
+
+
+def test_the_plan_of_a_w4a8_layer_names_the_twins_kernels_at_its_small_buckets(h200):
+    """On the committed H200 table Llama-2-7B's W4A8 layers run W4A16's kernels at M = 1 and FP8's at
+    M = 4096; the plan lists each kernel under the problem it is compiled for."""
+    dispatch, _ = h200
+    fp8 = Problem(4096, 11008, act="fp8")
+    planned = plan([fp8], [1, 4096], dispatch, marlin_mma.LAYOUT)
+    assert {(problem.act, tuple(b for b, _ in served)) for (problem, _), served in planned.items()} == \
+        {("dtype", (1,)), ("fp8", (4096,))}

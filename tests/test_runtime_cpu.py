@@ -535,3 +535,30 @@ def test_the_untuned_warning_names_the_tune_of_a_zero_point_bf16_layer(dispatch)
     with pytest.warns(op.UntunedShapeWarning,
                       match="gen tune --shapes 256x128 --group 128 --dtype bfloat16 --zero-points"):
         op._launcher(CUDA0, problem, op.DEFAULT_LAYOUT, 1)
+
+
+@pytest.mark.parametrize("served_act, kind", [("dtype", "fp8_rounded"), ("fp8", "fp8_activations")])
+def test_w4a8_feeds_the_kernel_that_serves_its_bucket(monkeypatch, served_act, kind):
+    """A W4A8 call whose bucket the W4A16 twin serves rounds x to its FP8 values in x's dtype and runs
+    the twin's kernel; otherwise it quantizes x for the FP8 kernel."""
+    fp8 = Problem(n=128, k=256, group=128, act="fp8")
+    served = Problem(n=128, k=256, group=128, act=served_act)
+    ran, built = [], []
+
+    def activation_kernel(kind, device, k, dtype):
+        built.append(kind)
+        return lambda a, *outputs: [o.copy_(a.to(o.dtype)) for o in outputs[:1]]
+
+    monkeypatch.setattr(op, "_check_fp8_gpu", lambda device: None)
+    monkeypatch.setattr(op, "_launcher", lambda device, problem, layout, bucket: op._Launcher(served, TUNED, "kernel"))
+    monkeypatch.setattr(op, "_activation_kernel", activation_kernel)
+    monkeypatch.setattr(op, "launch_schedule", lambda kernel, schedule, problem, a, *rest: ran.append((problem, a)))
+    a = torch.randn(3, 256).half()
+    op._launch(a, None, None, torch.empty(3, 128).half(), fp8, op.DEFAULT_LAYOUT)
+    (problem, fed), = ran
+    assert problem == served and built == [kind]
+    if served_act == "dtype":
+        assert fed.dtype == torch.float16 and fed.shape == a.shape
+    else:
+        values, token_scales = fed
+        assert values.dtype == torch.float8_e4m3fn and token_scales.shape == (3, 1)

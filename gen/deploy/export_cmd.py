@@ -54,6 +54,9 @@ def run(args) -> int:
         print(f"note: {untuned} (problem, bucket) pairs are not tuned; the artifact carries the kernels the fallback "
               "picks here, and a serving machine whose tuned tables differ may pick, and build, others. Tune them "
               f"for an artifact that covers every choice: gen tune {_same_layers(args, with_target=False)}")
+    # A W4A8 bucket served by W4A16's kernel is decided by both problems' entries: the FP8 one ships too.
+    pairs += [(t.problem, bucket) for t in deployment.targets if t.problem.fp8 for bucket in deployment.buckets
+              if deployment.dispatch.table.entry(t.problem, bucket) is not None and (t.problem, bucket) not in pairs]
     table = deployment.dispatch.table.subset(pairs)
     table.gpu = deployment.gpu
     about = {"model": args.model, "tp": args.tp, "shapes": args.shapes, "group": args.group, "dtype": args.dtype,

@@ -87,7 +87,8 @@ def run(args) -> int:
 def activation_label(kernel: tuple[str, int, str]) -> str:
     """How a (kind, K, dtype) activation kernel is named in the listings."""
     kind, k, dtype = kernel
-    what = {"fp8_activations": "FP8 activations", "gather_columns": "act-order gather"}[kind]
+    what = {"fp8_activations": "FP8 activations", "fp8_rounded": "FP8-rounded activations",
+            "gather_columns": "act-order gather"}[kind]
     return f"{what}, K = {k}, {dtype} input"
 
 

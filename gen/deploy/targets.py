@@ -9,6 +9,7 @@ for that GPU allow.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from runtime.table import BUCKETS
@@ -43,8 +44,15 @@ class Deployment:
         return plan([t.problem for t in self.targets], self.buckets, self.dispatch, DEFAULT_LAYOUT)
 
     def labels(self) -> dict:
-        """problem -> its name and the layers that share it."""
-        return {t.problem: f"{t.problem.name} ({t.label})" for t in self.targets}
+        """problem -> its name and the layers that share it; a W4A8 problem's W4A16 twin, whose kernels
+        serve some of its buckets (Dispatch.serving_problem), is named after the same layers."""
+        labels = {}
+        for t in self.targets:
+            if t.problem.fp8:
+                twin = dataclasses.replace(t.problem, act="dtype")
+                labels.setdefault(twin, f"{twin.name} ({t.label}, W4A8 on W4A16 kernels)")
+            labels[t.problem] = f"{t.problem.name} ({t.label})"
+        return labels
 
     def describe(self) -> str:
         arch = self.dispatch.arch.name
