@@ -160,6 +160,32 @@ def test_retune_measures_the_incumbent_once():
     assert [r.schedule for r in one.results].count(incumbent) == 1 and len(one.results) == 4
 
 
+def test_a_bucket_measures_its_neighbours_kernels_and_keeps_one_that_is_within_the_tolerance():
+    from runtime.table import TunedTable
+    from schedules import stream_mma
+    from schedules.registry import Schedule
+
+    s = _search()
+    at_2 = Schedule("stream_mma", stream_mma.Knobs(1, 4, 4, 16, ahead=2))
+    at_4 = Schedule("stream_mma", stream_mma.Knobs(1, 8, 4, 8, ahead=2))
+    table = TunedTable()
+    table.record(QKV, 2, at_2, 9.0)
+    table.record(QKV, 4, at_4, 9.1)
+    searches = s.plan([(QKV, b) for b in (1, 2, 8)], H200, _spec(), top=2)
+    assert s.add_siblings(searches, table, H200, _spec()) >= 3
+    one, two, eight = searches
+    assert one.siblings == {at_2} and two.siblings == {at_4} and eight.siblings == {at_4}
+    assert at_2 in [r.schedule for r in one.results] and at_4 in [r.schedule for r in eight.results]
+    # timed: the fastest at M = 1 is another candidate, the sibling 0.9 % behind it
+    for r in one.results:
+        r.us = 9.0 if r.schedule != at_2 else 9.08
+    assert one.winner().schedule == at_2
+    next(r for r in one.results if r.schedule == at_2).us = 9.2                # 2.2 % behind: not kept
+    assert one.winner().schedule != at_2 and one.winner().us == 9.0
+    next(r for r in one.results if r.schedule == at_2).error = "wrong result"   # never a failed one
+    assert one.winner().us == 9.0
+
+
 def test_a_tune_starts_from_the_twins_winners_and_the_best_estimated_transfers():
     import dataclasses
 

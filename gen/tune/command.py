@@ -26,7 +26,7 @@ from gen.tune.options import (Target, load_seeds, parse_axes, parse_buckets, par
                               positive_workers, searched_axes, targets_from_args)
 from gen.tune.rounds import compile_and_measure_with_progress, compile_with_progress, local_rounds
 from gen.tune.search import (DEFAULT_REFINE, DEFAULT_TOP, REFINE_ROUNDS, achieved_gbps, add_incumbents, add_seeds,
-                             add_transfers, add_variants, plan)
+                             add_siblings, add_transfers, add_variants, plan)
 
 # A cold `gen tune --model llama-2-7b` must finish within 10 minutes on the H200 (docs/performance.md,
 # "The cold tune's time"): planning and rounds one and two take ~430 s there, so later rounds get what
@@ -244,6 +244,7 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     spec = GpuSpec.current()
     searches = plan(pending, arch, spec, top=args.top, families=args.families, workers=args.workers)
     add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
+    add_siblings(searches, table, arch, spec, args.families)     # and the neighbouring buckets' kernels
     if not args.axes:   # knob development (--axes) measures its own grid alone
         # buckets tuned before have their winner measured again instead (add_incumbents), and their
         # twins' winners (the same shape symmetric, or in the other dtype): after a kernel change those

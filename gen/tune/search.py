@@ -39,6 +39,10 @@ DEFAULT_REFINE = 6     # candidates per bucket in each local round (add_refineme
 # winner the round before changed (a hill climb from the new winner, which ends where nothing moves).
 REFINE_ROUNDS = 3
 PEERS_PER_BUCKET = 2   # other layers' winners at the same M that a local round measures (add_refinements)
+# A bucket keeps the kernel of a neighbouring bucket (add_siblings) when it is this close to the fastest
+# candidate: within the replays' run-to-run spread, and every kernel shared is one compile fewer when a
+# served model starts with an empty kernel store (43 distinct kernels for Llama-2-7B's 52 pairs).
+SHARE_TOLERANCE = 0.01
 
 
 @dataclass
@@ -66,10 +70,16 @@ class BucketSearch:
     bucket: int
     results: list[Result] = field(default_factory=list)
     fp16_us: float | None = None
+    siblings: set = field(default_factory=set)   # the schedules the problem's neighbouring buckets run
 
     def winner(self) -> Result | None:
+        """The fastest correct candidate, or a sibling's kernel within SHARE_TOLERANCE of it."""
         timed = [r for r in self.results if r.us is not None and r.error is None]
-        return min(timed, key=lambda r: r.us) if timed else None
+        if not timed:
+            return None
+        fastest = min(timed, key=lambda r: r.us)
+        shared = [r for r in timed if r.schedule in self.siblings and r.us <= fastest.us * (1 + SHARE_TOLERANCE)]
+        return min(shared, key=lambda r: r.us) if shared else fastest
 
     def timings(self) -> list[dict]:
         return [r.to_dict() for r in self.results]
@@ -200,6 +210,27 @@ def add_incumbents(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec
         entry = table.entry(search.problem, search.bucket)
         if entry is not None and (families is None or entry.schedule.family in families):
             added += _add_candidate(search, entry.schedule, arch, gpu)
+    return added
+
+
+def add_siblings(searches: list[BucketSearch], table, arch: Arch, gpu: GpuSpec, families=None) -> int:
+    """Put the table's winners of each bucket's neighbouring buckets (the same problem, one bucket edge
+    below and above) among its candidates and mark them its siblings: a kernel that serves M = 2 often
+    serves M = 1 as fast or faster, and BucketSearch.winner keeps a sibling that times within
+    SHARE_TOLERANCE of the fastest, so that neighbouring buckets share kernels. Returns how many were
+    added."""
+    from runtime.table import BUCKETS
+
+    added = 0
+    for search in searches:
+        i = BUCKETS.index(search.bucket)
+        for j in (i - 1, i + 1):
+            entry = table.entry(search.problem, BUCKETS[j]) if 0 <= j < len(BUCKETS) else None
+            if entry is None or (families is not None and entry.schedule.family not in families):
+                continue
+            added += _add_candidate(search, entry.schedule, arch, gpu)
+            if any(r.schedule == entry.schedule for r in search.results):
+                search.siblings.add(entry.schedule)
     return added
 
 
