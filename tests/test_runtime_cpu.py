@@ -562,3 +562,13 @@ def test_w4a8_feeds_the_kernel_that_serves_its_bucket(monkeypatch, served_act, k
     else:
         values, token_scales = fed
         assert values.dtype == torch.float8_e4m3fn and token_scales.shape == (3, 1)
+
+
+def test_an_act_order_layer_keeps_its_permutation_as_int32_and_loads_an_int64_one():
+    """The gather kernel reads int32 indices; state dicts written with int64 ones still load."""
+    layer = QuantLinear(256, 128, group_size=128, act_order=True, precompile=False)
+    assert layer.perm.dtype == torch.int32 and torch.equal(layer.perm, torch.arange(256, dtype=torch.int32))
+    state = layer.state_dict()
+    state["perm"] = torch.randperm(256, generator=torch.Generator().manual_seed(1))
+    layer.load_state_dict(state)
+    assert layer.perm.dtype == torch.int32 and torch.equal(layer.perm.long(), state["perm"])
