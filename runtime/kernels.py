@@ -243,11 +243,12 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype), "module:function": W4A8's
-# FP8 quantizer, its FP8 rounding for the buckets that W4A16's kernels serve, and act-order's column gather.
-ACTIVATION_KERNELS = {"fp8_activations": "schedules.fp8_activations:build",
-                      "fp8_rounded": "schedules.fp8_activations:build_rounded",
-                      "gather_columns": "schedules.gather:build"}
+# The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype), "module:function", and
+# how listings name them: W4A8's FP8 quantizer, its FP8 rounding for the buckets that W4A16's kernels
+# serve, and act-order's column gather.
+ACTIVATION_KERNELS = {"fp8_activations": ("schedules.fp8_activations:build", "FP8 activations"),
+                      "fp8_rounded": ("schedules.fp8_activations:build_rounded", "FP8-rounded activations"),
+                      "gather_columns": ("schedules.gather:build", "act-order gather")}
 
 
 def _activation_identity(kind: str, k: int, dtype: str, arch: Arch) -> dict:
@@ -288,7 +289,7 @@ def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> Comp
 
 
 def _build_activation_kernel(kind: str, k: int, dtype: str, arch: Arch):
-    module, function = ACTIVATION_KERNELS[kind].split(":")
+    module, function = ACTIVATION_KERNELS[kind][0].split(":")
     build = getattr(importlib.import_module(module), function)
     writable_kernel_dir()     # a read-only store is an error before the compile, not after it
     return _compiler().compile(build(k, dtype), target=arch.target)

@@ -31,7 +31,8 @@ class QuantLinear(nn.Module):
     tensors), :meth:`from_layer` (a checkpoint layer of any format) or :meth:`from_codes`; or
     construct an empty one of the right shape and load a state dict.
     act="fp8" runs it as W4A8 (runtime.op.w4a8_gemm: activations quantized per token to FP8 e4m3,
-    FP8 tensor cores, Hopper only) on the same packed weights; symmetric weights only.
+    FP8 tensor cores, Hopper only; at small M those FP8 values on the W4A16 kernels where the tuned
+    table times them faster) on the same packed weights; symmetric weights only.
     On a CUDA device each of them builds, before it returns, every kernel the layer will run for M up
     to `max_m` (all M buckets by default; runtime/precompile.py); `precompile=False` or
     TILEMARLIN_PRECOMPILE=0 leaves that to the first calls.
@@ -173,8 +174,15 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         """As nn.Module's, then with zero points a check that the loaded zero-point rows of `scales`
-        hold what the kernels decode, whole numbers in 0..15 (not, say, pre-scaled offsets)."""
+        hold what the kernels decode, whole numbers in 0..15 (not, say, pre-scaled offsets), and with
+        act-order that `perm` is a permutation of the input features (the gather kernel reads x's row
+        at each index unchecked)."""
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.perm is not None and prefix + "perm" in state_dict:
+            order = torch.arange(self.in_features, dtype=self.perm.dtype, device=self.perm.device)
+            if not torch.equal(self.perm.sort().values, order):
+                raise ValueError(f"{prefix}perm must be a permutation of range({self.in_features}), the input features "
+                                 "in the order of the stored weight rows")
         if self.zero_points and prefix + "scales" in state_dict:
             scales, zeros = split_zero_points(self.scales)
             try:

@@ -4,7 +4,8 @@
 output's shape, so `torch.compile(fullgraph=True)` traces through it; its real implementation is
 CUDA-graph safe: it does no host synchronization and no Python branching on device values, allocates
 only the output (and a split-K workspace the first time a size is seen on a stream), and launches
-one kernel on the current stream.
+the GEMM kernel on the current stream (W4A8: after its activation kernel; act-order layers call
+`tilemarlin::gather_columns` first).
 
 Dispatch: M = x.numel() // K picks an M bucket; the tuned table of this GPU names the schedule for
 (problem, bucket), else its twin's winner or the best of the tuned winners that fit the problem
@@ -222,8 +223,10 @@ def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: i
 
     x is quantized per token (row) to FP8 e4m3 by a kernel of its own (schedules/fp8_activations.py:
     scale = the row's largest magnitude / 448), then multiplied by the same packed INT4 weights and
-    scales that w4a16_gemm takes (symmetric weights; no zero points). Arguments and result as
-    w4a16_gemm's. Raises RuntimeError on a GPU without FP8 wgmma.
+    scales that w4a16_gemm takes (symmetric weights; no zero points). At the buckets where the tuned
+    table times the W4A16 kernel faster (small M), x is instead rounded to those FP8 values times
+    their scale, in x's dtype, and runs on it (runtime.precompile.Dispatch.serving_problem).
+    Arguments and result as w4a16_gemm's. Raises RuntimeError on a GPU without FP8 wgmma.
     """
     return _W4A8_OP(x, qweight, scales, n, k, group, layout)
 
@@ -315,6 +318,8 @@ def _gather_into(a: torch.Tensor, perm: torch.Tensor, out: torch.Tensor) -> None
     """out[M, K] = a[:, perm] by the gather kernel (schedules/gather.py), on the current stream."""
     if a.device.type != "cuda":
         raise RuntimeError(f"tilemarlin::gather_columns runs on CUDA GPUs, but x is on {a.device}")
+    if perm.data_ptr() % 16:     # the kernel reads the indices with 16-byte loads
+        perm = perm.clone()
     _activation_kernel("gather_columns", a.device, a.shape[1], dtype_name(a.dtype))(a, perm, out)
 
 

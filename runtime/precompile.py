@@ -3,9 +3,10 @@ parallel before the first call.
 
 The op (runtime/op.py) runs one kernel per (problem, M bucket): the tuned table's entry for this GPU,
 else the fallback's pick (runtime/fallback.py: its twin's winner, or one of the arch's tuned
-winners). `Dispatch.choose` is that choice as a function of its inputs alone, and the op's
-`schedule_for` makes it through the same function, so `plan` (problems x buckets -> the (problem,
-schedule) pairs to build) names exactly the kernels the op will load. Only a kernel that fails its first-run check is replaced by one the plan
+winners), for the problem that serves the bucket (`Dispatch.serving_problem`: a W4A8 problem's
+W4A16 twin at some). `Dispatch` makes those choices as functions of their inputs alone, and the
+op's `_launcher` makes them through the same functions, so `plan` (problems x buckets -> the (served
+problem, schedule) pairs to build) names exactly the kernels the op will load. Only a kernel that fails its first-run check is replaced by one the plan
 could not foresee (runtime/selfcheck.py).
 
 Converting a model (`replace_linear`) and constructing a `QuantLinear` on a GPU call
@@ -71,8 +72,9 @@ class Dispatch:
 
 def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = ()) -> list[tuple[str, int, str]]:
     """(kind, K, dtype) of each activation kernel (runtime.kernels.ACTIVATION_KERNELS) that layers of
-    `problems` need, W4A8's quantizer and its rounding for the FP8 ones (whichever kernels serve their
-    buckets: Dispatch.serving_problem), and that act-order layers of `gathered` need,
+    `problems` need, W4A8's quantizer and its rounding for every FP8 one (two small kernels per K:
+    which one a bucket uses follows the tuned table, Dispatch.serving_problem, on the serving machine
+    too), and that act-order layers of `gathered` need,
     the column gather; one per kind, K and input dtype, sorted."""
     wanted = {(kind, p.k, p.dtype) for p in problems if p.fp8 for kind in ("fp8_activations", "fp8_rounded")}
     wanted |= {("gather_columns", p.k, p.dtype) for p in gathered}

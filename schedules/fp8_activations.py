@@ -11,6 +11,9 @@ with the pdl knob then starts while this one runs, asks L2 for its first weights
 waits for this kernel's writes before it reads them. The row is read from global memory once: read a
 second time in the k order, under those early weight reads, the calls measured slower
 (docs/performance.md). The math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
+
+build_rounded is the same row kernel for the buckets where W4A8 runs on the W4A16 kernels: it writes
+each element's e4m3 value times the row's scale, in the input's dtype and order.
 """
 # (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
 # build()'s locals)
@@ -40,7 +43,7 @@ def _source_column(j):
 assert tuple(_source_column(p) for p in range(TILE_K)) == FP8_K_ORDER
 
 
-def _staged_row_scale(k: int, dtype: str):
+def _staged_row_scale(k: int):
     """A T.macro(X, row, x_s, scale): lets the next kernel launch, copies row `row` of X into the shared
     x_s (its only global read) and sets scale[0] to its largest magnitude / 448 (1 for a zero row)."""
     import tilelang.language as T
@@ -73,7 +76,7 @@ def build(k: int, dtype: str = "float16"):
     if k % TILE_K:
         raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
     m = T.dynamic("m")
-    staged_row_scale = _staged_row_scale(k, dtype)
+    staged_row_scale = _staged_row_scale(k)
 
     @T.prim_func
     def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
@@ -97,7 +100,7 @@ def build_rounded(k: int, dtype: str = "float16"):
     import tilelang.language as T
 
     m = T.dynamic("m")
-    staged_row_scale = _staged_row_scale(k, dtype)
+    staged_row_scale = _staged_row_scale(k)
 
     @T.prim_func
     def round_fp8(X: T.Tensor((m, k), dtype), Y: T.Tensor((m, k), dtype)):

@@ -73,6 +73,31 @@ def test_the_plan_is_the_ops_choice_for_every_problem_and_bucket(h200, monkeypat
             assert op.schedule_for(problem, bucket, CUDA0) == schedule, (problem.name, bucket)
 
 
+def test_the_plan_of_a_w4a8_problem_is_what_the_ops_launcher_loads(h200, monkeypatch):
+    """For W4A8 the op's _launcher first picks the problem that serves the bucket (its W4A16 twin at
+    small M on the committed table); the plan lists the same (problem, schedule) for every bucket."""
+    import runtime.kernels
+    import runtime.selfcheck
+    import schedules.arch
+
+    dispatch, _ = h200
+    monkeypatch.setattr(op, "_tuned_table", lambda device: dispatch.table)
+    monkeypatch.setattr(op, "_winners", lambda arch: dispatch.winners)
+    monkeypatch.setattr(op, "_LAUNCHERS", {})
+    monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: SM90)
+    monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: H200))
+    monkeypatch.setattr(runtime.kernels, "compile_schedule", lambda problem, schedule, arch: "kernel")
+    monkeypatch.setattr(runtime.selfcheck, "check_once", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    fp8 = Problem(12288, 4096, act="fp8")
+    planned = plan([fp8], BUCKETS, dispatch, op.DEFAULT_LAYOUT)
+    served = {b: (p, s) for (p, s), buckets in planned.items() for b, _ in buckets}
+    assert sorted(served) == list(BUCKETS) and {p.act for p, _ in served.values()} == {"dtype", "fp8"}
+    for bucket, (problem, schedule) in served.items():
+        launcher = op._launcher(CUDA0, fp8, op.DEFAULT_LAYOUT, bucket)
+        assert (launcher.problem, launcher.schedule) == (problem, schedule), bucket
+
+
 def test_tuned_pairs_are_the_tables_and_the_rest_the_fallbacks(h200):
     dispatch, tuned = h200
     planned = plan([tuned[0], UNTUNED[0]], BUCKETS, dispatch, op.DEFAULT_LAYOUT)
@@ -312,6 +337,16 @@ def fake_activation_entry(kind, k, dtype, arch=SM90, toolkit="cuda_test"):
     """The store entry of an activation kernel as a build leaves it."""
     return _fake_store_entry(store.activation_kernel_folder(kind, k, dtype, arch),
                              store._activation_identity(kind, k, dtype, arch), toolkit)
+
+
+def test_act_order_layers_precompile_their_gather_when_asked(cache, capsys):
+    assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096,11008x4096", "--act-order",
+                     "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "to build  act-order gather, K = 4096, float16 input" in out
+    assert "to build  act-order gather, K = 11008, float16 input" in out
+    assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--dry-run"]) == 0
+    assert "gather" not in capsys.readouterr().out
 
 
 def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monkeypatch):

@@ -572,3 +572,15 @@ def test_an_act_order_layer_keeps_its_permutation_as_int32_and_loads_an_int64_on
     state["perm"] = torch.randperm(256, generator=torch.Generator().manual_seed(1))
     layer.load_state_dict(state)
     assert layer.perm.dtype == torch.int32 and torch.equal(layer.perm.long(), state["perm"])
+
+
+def test_a_state_dict_whose_perm_is_not_a_permutation_is_refused():
+    layer = QuantLinear(256, 128, group_size=128, act_order=True, precompile=False)
+    state = layer.state_dict()
+    state["perm"] = torch.arange(256)
+    state["perm"][7] = 300                          # out of range: the kernel would read past the row
+    with pytest.raises(ValueError, match="perm must be a permutation of range"):
+        layer.load_state_dict(state)
+    state["perm"][7] = 8                            # a repeat
+    with pytest.raises(ValueError, match="perm must be a permutation of range"):
+        layer.load_state_dict(state)

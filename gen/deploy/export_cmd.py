@@ -10,6 +10,7 @@ and a manifest of the versions and the GPU they were built for. Serving machines
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,8 +28,6 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from runtime.artifact import ArtifactError, write_artifact
     from runtime.kernels import activation_kernel_folder, is_activation_kernel_stored, is_stored, kernel_folder
-    from runtime.precompile import activation_kernels
-
     from .precompile_cmd import activation_label
 
     try:
@@ -41,7 +40,7 @@ def run(args) -> int:
         return 2
     planned = deployment.plan()
     arch = deployment.dispatch.arch
-    activations = activation_kernels(t.problem for t in deployment.targets)
+    activations = deployment.activation_kernels()
     missing = [f"{p.name} {s.name}" for p, s in planned if not is_stored(p, s, arch)]
     missing += [activation_label(kernel) for kernel in activations if not is_activation_kernel_stored(*kernel, arch)]
     if missing:
@@ -54,9 +53,11 @@ def run(args) -> int:
         print(f"note: {untuned} (problem, bucket) pairs are not tuned; the artifact carries the kernels the fallback "
               "picks here, and a serving machine whose tuned tables differ may pick, and build, others. Tune them "
               f"for an artifact that covers every choice: gen tune {_same_layers(args, with_target=False)}")
-    # A W4A8 bucket served by W4A16's kernel is decided by both problems' entries: the FP8 one ships too.
-    pairs += [(t.problem, bucket) for t in deployment.targets if t.problem.fp8 for bucket in deployment.buckets
-              if deployment.dispatch.table.entry(t.problem, bucket) is not None and (t.problem, bucket) not in pairs]
+    # A W4A8 bucket is decided by its own and its W4A16 twin's entries (Dispatch.serving_problem): both ship,
+    # so that a serving machine makes the choice made here.
+    pairs += [(problem, bucket) for t in deployment.targets if t.problem.fp8
+              for problem in (t.problem, dataclasses.replace(t.problem, act="dtype")) for bucket in deployment.buckets
+              if deployment.dispatch.table.entry(problem, bucket) is not None and (problem, bucket) not in pairs]
     table = deployment.dispatch.table.subset(pairs)
     table.gpu = deployment.gpu
     about = {"model": args.model, "tp": args.tp, "shapes": args.shapes, "group": args.group, "dtype": args.dtype,

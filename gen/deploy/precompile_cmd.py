@@ -33,7 +33,7 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from runtime.kernels import is_activation_kernel_stored, is_stored, kernel_dir
-    from runtime.precompile import activation_kernels, build_missing
+    from runtime.precompile import build_missing
 
     try:
         deployment = deployment_from_args(args)
@@ -44,7 +44,7 @@ def run(args) -> int:
     arch = deployment.dispatch.arch
     labels = deployment.labels()
     stored = {job for job in planned if is_stored(*job, arch)}
-    activations = activation_kernels(t.problem for t in deployment.targets)
+    activations = deployment.activation_kernels()
     missing_activations = [kernel for kernel in activations if not is_activation_kernel_stored(*kernel, arch)]
     print(summary_line(deployment, planned))
     if args.dry_run:
@@ -86,10 +86,10 @@ def run(args) -> int:
 
 def activation_label(kernel: tuple[str, int, str]) -> str:
     """How a (kind, K, dtype) activation kernel is named in the listings."""
+    from runtime.kernels import ACTIVATION_KERNELS
+
     kind, k, dtype = kernel
-    what = {"fp8_activations": "FP8 activations", "fp8_rounded": "FP8-rounded activations",
-            "gather_columns": "act-order gather"}[kind]
-    return f"{what}, K = {k}, {dtype} input"
+    return f"{ACTIVATION_KERNELS[kind][1]}, K = {k}, {dtype} input"
 
 
 def build_activation_kernels(wanted: list[tuple[str, int, str]], arch) -> dict:

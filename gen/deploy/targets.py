@@ -24,6 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--arch", help="target arch, e.g. sm_90a (default: this GPU's); needs no GPU")
     p.add_argument("--gpu", metavar="SLUG", help="the tuned table to follow (see `gen cache list`; default: this "
                    "GPU's, or without one the only table of --arch)")
+    p.add_argument("--act-order", action="store_true",
+                   help="the layers gather their input's columns (act-order checkpoints): also the gather kernel of each K")
 
 
 @dataclass
@@ -35,6 +37,7 @@ class Deployment:
     dispatch: object          # runtime.precompile.Dispatch
     gpu: object               # runtime.table.GpuKey of the table followed; None where there is none
     here: bool                # the choices are this GPU's own
+    act_order: bool = False   # the layers gather their input's columns first (act-order checkpoints)
 
     def plan(self) -> dict:
         """(problem, schedule) -> [(bucket, how chosen)], as runtime.precompile.plan gives it."""
@@ -54,6 +57,14 @@ class Deployment:
             labels[t.problem] = f"{t.problem.name} ({t.label})"
         return labels
 
+    def activation_kernels(self) -> list[tuple[str, int, str]]:
+        """(kind, K, dtype) of the activation kernels the layers run beside their GEMMs
+        (runtime.precompile.activation_kernels)."""
+        from runtime.precompile import activation_kernels
+
+        problems = [t.problem for t in self.targets]
+        return activation_kernels(problems, gathered=problems if self.act_order else ())
+
     def describe(self) -> str:
         arch = self.dispatch.arch.name
         if self.here:
@@ -69,7 +80,7 @@ def deployment_from_args(args) -> Deployment:
     targets = targets_from_args(args)
     buckets = parse_buckets(args.buckets)
     dispatch, gpu, here = _dispatch(args.arch, args.gpu)
-    return Deployment(targets, buckets, dispatch, gpu, here)
+    return Deployment(targets, buckets, dispatch, gpu, here, args.act_order)
 
 
 def _dispatch(arch_name: str | None, slug: str | None):

@@ -244,8 +244,8 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
     spec = GpuSpec.current()
     searches = plan(pending, arch, spec, top=args.top, families=args.families, workers=args.workers)
     add_incumbents(searches, table, arch, spec, args.families)   # with --force: re-measure the winners
-    add_siblings(searches, table, arch, spec, args.families)     # and the neighbouring buckets' kernels
     if not args.axes:   # knob development (--axes) measures its own grid alone
+        add_siblings(searches, table, arch, spec, args.families)  # and the neighbouring buckets' kernels
         # buckets tuned before have their winner measured again instead (add_incumbents), and their
         # twins' winners (the same shape symmetric, or in the other dtype): after a kernel change those
         # are the likeliest to have become the fastest, and the cost model may not rank them first

@@ -41,7 +41,8 @@ REFINE_ROUNDS = 3
 PEERS_PER_BUCKET = 2   # other layers' winners at the same M that a local round measures (add_refinements)
 # A bucket keeps the kernel of a neighbouring bucket (add_siblings) when it is this close to the fastest
 # candidate: within the replays' run-to-run spread, and every kernel shared is one compile fewer when a
-# served model starts with an empty kernel store (43 distinct kernels for Llama-2-7B's 52 pairs).
+# served model starts with an empty kernel store (Llama-2-7B's 52 pairs: 43 distinct kernels before, 39
+# after a re-tune with it, H200 2026-12-04).
 SHARE_TOLERANCE = 0.01
 
 
@@ -244,7 +245,8 @@ def add_transfers(searches: list[BucketSearch], table, winners, arch: Arch, gpu:
     best-estimated of `winners` (every tuned winner for the arch, runtime.fallback.TunedWinner) that
     fit the problem. Proven kernels cost a compile each, mostly shared across buckets,
     so a short tune (a low --top) starts from them instead of from the cost model's guesses alone,
-    and a tune never ends slower than what it replaces. `twins_only`: the problem's own and its
+    and a tune never ends slower than what it replaces (beyond SHARE_TOLERANCE, where a neighbouring
+    bucket's kernel is kept). `twins_only`: the problem's own and its
     twins' winners alone. Returns how many were added."""
     from runtime.fallback import nearest_transfers, ranked_transfers, twin_winners
 
