@@ -235,14 +235,21 @@ def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Proble
     """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream. FP8
     activations: quantized by the activation kernel for the FP8 kernel, or, at buckets where the
     W4A16 twin's kernel serves (Dispatch.serving_problem), rounded to their FP8 values in a's dtype."""
-    if not a.is_contiguous() or a.data_ptr() % 16:   # the kernel loads rows with 16-byte copies
-        a = a.clone(memory_format=torch.contiguous_format)
+    a = _rows_for_kernels(a)
     if problem.fp8:
         _check_fp8_gpu(out.device)
     launcher = _launcher(out.device, problem, layout, bucket_of(a.shape[0]))
     if problem.fp8:     # quantized for the FP8 kernel, or rounded to FP8 for the W4A16 one
         a = _quantized(a, problem) if launcher.problem.fp8 else _fp8_rounded(a, problem)
     launch_schedule(launcher.kernel, launcher.schedule, launcher.problem, a, qweight, scales, out)
+
+
+def _rows_for_kernels(a: torch.Tensor) -> torch.Tensor:
+    """a [M, K], contiguous and 16-byte aligned (a copy where it is not): the kernels load rows with
+    16-byte copies."""
+    if not a.is_contiguous() or a.data_ptr() % 16:
+        a = a.clone(memory_format=torch.contiguous_format)
+    return a
 
 
 def launch_schedule(kernel, schedule: Schedule, problem: Problem, a, qweight, scales, out: torch.Tensor) -> None:
@@ -291,9 +298,7 @@ def _check_fp8_gpu(device: torch.device) -> None:
 def _gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     _check_gather(x, perm)
     k = x.shape[-1]
-    a = x.reshape(-1, k)
-    if not a.is_contiguous() or a.data_ptr() % 16:   # the kernel reads rows with 16-byte loads
-        a = a.clone(memory_format=torch.contiguous_format)
+    a = _rows_for_kernels(x.reshape(-1, k))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
         _gather_into(a, perm, out.view(-1, k))

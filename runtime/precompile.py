@@ -17,7 +17,6 @@ are not on a CUDA device skip it (the arch to build for is the GPU's).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Iterable
@@ -51,7 +50,7 @@ class Dispatch:
         math saves. Without both entries, the problem itself."""
         if not problem.fp8:
             return problem
-        twin = dataclasses.replace(problem, act="dtype")
+        twin = problem.w4a16_twin
         fp8, dense = self.table.entry(problem, bucket), self.table.entry(twin, bucket)
         return twin if fp8 is not None and dense is not None and dense.us < fp8.us else problem
 

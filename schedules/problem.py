@@ -1,6 +1,7 @@
 """The problem a kernel solves: C[M, N] = A[M, K] @ dequant(W)[K, N], M dynamic."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
@@ -61,6 +62,12 @@ class Problem:
     def fp8(self) -> bool:
         """W4A8: FP8 e4m3 activations."""
         return self.act == "fp8"
+
+    @property
+    def w4a16_twin(self) -> "Problem":
+        """The same weights with activations in the problem's dtype: the W4A16 problem whose kernels
+        serve a W4A8 one at the buckets where they are faster (runtime.precompile.Dispatch.serving_problem)."""
+        return dataclasses.replace(self, act="dtype")
 
     @property
     def num_groups(self) -> int:

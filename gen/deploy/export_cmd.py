@@ -10,7 +10,6 @@ and a manifest of the versions and the GPU they were built for. Serving machines
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -56,7 +55,7 @@ def run(args) -> int:
     # A W4A8 bucket is decided by its own and its W4A16 twin's entries (Dispatch.serving_problem): both ship,
     # so that a serving machine makes the choice made here.
     pairs += [(problem, bucket) for t in deployment.targets if t.problem.fp8
-              for problem in (t.problem, dataclasses.replace(t.problem, act="dtype")) for bucket in deployment.buckets
+              for problem in (t.problem, t.problem.w4a16_twin) for bucket in deployment.buckets
               if deployment.dispatch.table.entry(problem, bucket) is not None and (problem, bucket) not in pairs]
     table = deployment.dispatch.table.subset(pairs)
     table.gpu = deployment.gpu

@@ -9,7 +9,6 @@ for that GPU allow.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from runtime.table import BUCKETS
@@ -52,7 +51,7 @@ class Deployment:
         labels = {}
         for t in self.targets:
             if t.problem.fp8:
-                twin = dataclasses.replace(t.problem, act="dtype")
+                twin = t.problem.w4a16_twin
                 labels.setdefault(twin, f"{twin.name} ({t.label}, W4A8 on W4A16 kernels)")
             labels[t.problem] = f"{t.problem.name} ({t.label})"
         return labels
