@@ -16,6 +16,8 @@ that threads running other shapes never wait for it.
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import threading
 import warnings
@@ -166,8 +168,18 @@ def _gemm(x, qweight, scales, n, k, group, layout, zero_points, act, name) -> to
     _check_device(x, qweight, scales, name)
     out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     if out.numel():
-        _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
+        with _current_device(x.device):
+            _launch(x.reshape(-1, k), qweight, scales, out.view(-1, n), problem, layout)
     return out
+
+
+def _current_device(device: torch.device):
+    """x's GPU as the current device for a launch, the caller's again after it. A kernel library's host
+    code (TileLang's export, TVM's packed API) makes its tensors' device current and leaves it so, and
+    launches on that device's current stream: with a model spread over GPUs in one process
+    (device_map="auto"), a call on another GPU than the current one would otherwise switch the
+    caller's current device under it. (A CPU tensor gets no guard: the launch refuses it.)"""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: int, k: int, group: int,
@@ -301,7 +313,8 @@ def _gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     a = _rows_for_kernels(x.reshape(-1, k))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
-        _gather_into(a, perm, out.view(-1, k))
+        with _current_device(x.device):
+            _gather_into(a, perm, out.view(-1, k))
     return out
 
 

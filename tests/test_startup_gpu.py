@@ -40,6 +40,15 @@ ANSWER_EVERY_BUCKET = """
                       "answered_s": done - start}))
 """
 
+TORCH_ALONE = """
+    import json, time
+    start = time.perf_counter()
+    import torch
+    imported = time.perf_counter()
+    torch.cuda.init()
+    print(json.dumps({"import_s": imported - start, "cuda_s": time.perf_counter() - imported}))
+"""
+
 FIRST_CHOICE = """
     import json, time, warnings
     start = time.perf_counter()
@@ -67,8 +76,11 @@ def _fresh(code: str, cache: Path, **names) -> dict:
 
 
 def test_tuned_layers_answer_every_bucket_from_an_empty_and_a_filled_store(tmp_path):
+    # torch's own import (and CUDA's start) in a fresh process: the floor under the runtime's import
+    torch_alone = _fresh(TORCH_ALONE, tmp_path)
     cold = _fresh(ANSWER_EVERY_BUCKET, tmp_path, SHAPES=LLAMA_2_7B)
     warm = _fresh(ANSWER_EVERY_BUCKET, tmp_path, SHAPES=LLAMA_2_7B)
+    print(f"torch alone: import {torch_alone['import_s']:.2f} s, then CUDA's start {torch_alone['cuda_s']:.2f} s")
     for name, run in (("empty store", cold), ("filled store", warm)):
         print(f"llama-2-7b, {run['pairs']} (layer, bucket) pairs, {name}: import {run['import_s']:.2f} s, "
               f"kernels ready {run['built_s']:.2f} s, all answered {run['answered_s']:.2f} s after start")
