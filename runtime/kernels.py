@@ -292,7 +292,7 @@ def _build_activation_kernel(kind: str, k: int, dtype: str, arch: Arch):
     module, function = ACTIVATION_KERNELS[kind][0].split(":")
     build = getattr(importlib.import_module(module), function)
     writable_kernel_dir()     # a read-only store is an error before the compile, not after it
-    return _compiler().compile(build(k, dtype), target=arch.target)
+    return _compiler().compile(build(k, dtype, arch), target=arch.target)
 
 
 # Loaded in this order: TVM's runtime (its symbols and its CUDA module loader), then TileLang's library,

@@ -17,6 +17,7 @@ each element's e4m3 value times the row's scale, in the input's dtype and order.
 """
 # (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
 # build()'s locals)
+from .arch import Arch
 from .epilogue import EARLY_START_HELPERS
 from .marlin_mma.layout import FP8_K_ORDER, TILE_K
 from .quant import FP8_E4M3_MAX
@@ -44,13 +45,17 @@ assert tuple(_source_column(p) for p in range(TILE_K)) == FP8_K_ORDER
 
 
 def _staged_row_scale(k: int):
-    """A T.macro(X, row, x_s, scale): lets the next kernel launch, copies row `row` of X into the shared
-    x_s (its only global read) and sets scale[0] to its largest magnitude / 448 (1 for a zero row)."""
+    """A T.macro(X, row, x_s, scale): lets the next kernel launch, waits for the previous one's writes
+    (the kernel itself launches as that one drains: TileLang's pdl_sync), copies row `row` of X into
+    the shared x_s (its only global read) and sets scale[0] to its largest magnitude / 448 (1 for a zero
+    row)."""
     import tilelang.language as T
+    from tilelang.cuda.language.pdl import pdl_sync
 
     @T.macro
     def staged_row_scale(X, row, x_s, scale):
         T.call_extern("handle", "tm_launch_dependents")
+        pdl_sync()        # launched as the previous kernel drains; X is its output
         x = T.alloc_fragment((1, k), "float32")
         amax = T.alloc_fragment((1,), "float32")
         T.copy(X[row:row + 1, 0:k], x_s)
@@ -61,6 +66,11 @@ def _staged_row_scale(k: int):
     return staged_row_scale
 
 
+def _check_hopper(arch: Arch) -> None:
+    if not arch.hopper:
+        raise ValueError(f"W4A8's activation kernels serve FP8 wgmma (Hopper, sm_90a); {arch.name} has none")
+
+
 def _e4m3(value):
     """value (float32, already divided by the row's scale) as e4m3: clamped to the finite range, then
     rounded to nearest (saturating)."""
@@ -69,9 +79,12 @@ def _e4m3(value):
     return T.cast(T.clamp(value, -FP8_E4M3_MAX, FP8_E4M3_MAX), "float8_e4m3fn")
 
 
-def build(k: int, dtype: str = "float16"):
-    """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32), M dynamic."""
+def build(k: int, dtype: str, arch: Arch):
+    """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32), M dynamic,
+    for `arch` (Hopper: W4A8 runs on FP8 wgmma)."""
     import tilelang.language as T
+
+    _check_hopper(arch)
 
     if k % TILE_K:
         raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
@@ -92,12 +105,14 @@ def build(k: int, dtype: str = "float16"):
     return quantize_fp8
 
 
-def build_rounded(k: int, dtype: str = "float16"):
-    """The TileLang prim_func round_fp8(X [M, K] `dtype`, Y [M, K] `dtype`), M dynamic: Y = the FP8
-    e4m3 value of each element times its row's scale, in X's order and dtype, for W4A8 calls that run
-    on the W4A16 kernels (runtime.precompile.Dispatch.serving_problem). e4m3 values are exact in
-    float16 and bfloat16; the product with the scale is rounded once, to `dtype`."""
+def build_rounded(k: int, dtype: str, arch: Arch):
+    """The TileLang prim_func round_fp8(X [M, K] `dtype`, Y [M, K] `dtype`), M dynamic, for `arch`
+    (Hopper): Y = the FP8 e4m3 value of each element times its row's scale, in X's order and dtype, for
+    W4A8 calls that run on the W4A16 kernels (runtime.precompile.Dispatch.serving_problem). e4m3
+    values are exact in float16 and bfloat16; the product with the scale is rounded once, to `dtype`."""
     import tilelang.language as T
+
+    _check_hopper(arch)
 
     m = T.dynamic("m")
     staged_row_scale = _staged_row_scale(k)

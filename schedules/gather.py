@@ -1,25 +1,31 @@
 """Act-order's column gather: Y[m, j] = X[m, P[j]], the activations in the order of the weight rows,
 which act-order checkpoints store sorted by group (runtime/checkpoint).
 
-One block per row (token), as W4A8's activation kernel (schedules/fp8_activations.py): its threads copy
-the row into shared memory with 16-byte loads (the row's only read of global memory), then each thread
-takes 8 consecutive outputs at a time: their 8 int32 indices in two 16-byte loads, the 8 values from the
-shared row, one 16-byte store. Each block first lets the next kernel launch (griddepcontrol.
-launch_dependents): a GEMM built with the pdl knob then starts while this one runs and waits for its
-writes. Building imports TileLang.
+One block per row (token), as W4A8's activation kernel (schedules/fp8_activations.py). Each thread
+first loads the indices of all its outputs (8 int32 per 16-byte load), which no earlier kernel writes;
+then the block copies the row into shared memory with 16-byte loads (the row's only read of global
+memory), so that the indices' and the row's round trips to memory overlap instead of following each
+other; then each thread takes 8 consecutive outputs at a time from the shared row, one 16-byte store
+each. Each block first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built with
+the pdl knob then starts while this one runs and waits for its writes. On Hopper the kernel is itself
+launched as the previous kernel drains (TileLang's pdl_sync: programmatic stream serialization) and
+waits for that kernel's writes only after its index loads. Building imports TileLang.
 """
 # (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
 # build()'s locals)
+from .arch import Arch
 from .epilogue import EARLY_START_HELPERS
 from .fp8_activations import threads_for
 
 CHUNK = 8      # outputs per thread and step: one 16-byte store of 2-byte values
 
 
-def build(k: int, dtype: str = "float16"):
-    """The TileLang prim_func gather_columns(X [M, K] `dtype`, P [K] int32, Y [M, K] `dtype`), M dynamic.
-    P must be a permutation of range(K); an index outside the row reads shared memory out of bounds."""
+def build(k: int, dtype: str, arch: Arch):
+    """The TileLang prim_func gather_columns(X [M, K] `dtype`, P [K] int32, Y [M, K] `dtype`), M dynamic,
+    for `arch`. P must be a permutation of range(K); an index outside the row reads shared memory out
+    of bounds."""
     import tilelang.language as T
+    from tilelang.cuda.language.pdl import pdl_sync
 
     if k % CHUNK:
         raise ValueError(f"K={k} must be a multiple of {CHUNK} (each thread writes {CHUNK} columns a store)")
@@ -32,17 +38,22 @@ def build(k: int, dtype: str = "float16"):
         with T.Kernel(m, threads=threads, prelude=EARLY_START_HELPERS) as row:
             T.call_extern("handle", "tm_launch_dependents")
             x_s = T.alloc_shared((k,), dtype)
-            index = T.alloc_local((CHUNK,), "int32")
+            index = T.alloc_local((steps * CHUNK,), "int32")
             value = T.alloc_local((CHUNK,), dtype)
             tx = T.get_thread_binding()
-            T.copy(X[row, 0:k], x_s)
-            for step in T.serial(steps):
+            for step in T.unroll(steps):
                 first = (step * threads + tx) * CHUNK
                 if first < k:
                     for v in T.vectorized(CHUNK):
-                        index[v] = P[first + v]
+                        index[step * CHUNK + v] = P[first + v]
+            if arch.hopper:
+                pdl_sync()       # X is the previous kernel's output; P is not written by any kernel
+            T.copy(X[row, 0:k], x_s)
+            for step in T.unroll(steps):
+                first = (step * threads + tx) * CHUNK
+                if first < k:
                     for v in T.unroll(CHUNK):
-                        value[v] = x_s[index[v]]
+                        value[v] = x_s[index[step * CHUNK + v]]
                     for v in T.vectorized(CHUNK):
                         Y[row, first + v] = value[v]
 

@@ -17,7 +17,7 @@ SM90 = get_arch("sm_90a")
 def compiled(k, dtype="float16", arch=SM90, builder=build):
     import tilelang
 
-    return tilelang.compile(builder(k, dtype), target=arch.target)
+    return tilelang.compile(builder(k, dtype, arch), target=arch.target)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,8 @@ def test_the_ptx_converts_to_e4m3_with_saturation_and_reduces_across_the_block(p
     assert re.search(r"\bld\.global(\.nc)?\.v4\.u32\b", ptx)          # the row read once, 16 bytes a load
     assert re.search(r"\bld\.shared\.u16\b", ptx)                # ... then in the k order from shared memory
     assert "griddepcontrol.launch_dependents" in ptx             # the next kernel launches at once
+    # launched as the previous kernel drains, it waits for that kernel's writes before reading the row
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
 @pytest.mark.parametrize("k,dtype", [(11008, "float16"), (3584, "bfloat16")])
@@ -44,9 +46,15 @@ def test_llama_and_qwen_widths_build(k, dtype):
     assert "fp8_e4_t" in source and "AllReduce<tl::MaxOp" in source
 
 
+@pytest.mark.parametrize("builder", [build, build_rounded])
+def test_before_hopper_they_are_refused(builder):
+    with pytest.raises(ValueError, match="Hopper"):
+        builder(4096, "float16", get_arch("sm_80"))
+
+
 def test_widths_the_k_order_cannot_cover_are_refused():
     with pytest.raises(ValueError, match="multiple of 16"):
-        build(4100)
+        build(4100, "float16", SM90)
 
 
 @pytest.mark.gpu

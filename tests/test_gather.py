@@ -15,7 +15,7 @@ SM90, SM80 = get_arch("sm_90a"), get_arch("sm_80")
 def compiled(k, dtype="float16", arch=SM90):
     import tilelang
 
-    return tilelang.compile(build(k, dtype), target=arch.target)
+    return tilelang.compile(build(k, dtype, arch), target=arch.target)
 
 
 def ptx_of(kernel, arch):
@@ -38,6 +38,15 @@ def test_the_row_is_read_once_and_written_16_bytes_a_store(ptx):
     assert "griddepcontrol.launch_dependents" in ptx                      # the GEMM launches at once
 
 
+def test_the_indices_are_loaded_before_the_wait_for_the_row(ptx):
+    """The indices (no kernel writes them) are in flight before the kernel waits for the previous one's
+    writes, and the row's load follows the wait: the two round trips overlap."""
+    steps = [line.strip().split()[0] for line in ptx.splitlines()
+             if re.search(r"\bld\.global|griddepcontrol\.wait|\bbar\.sync", line)]
+    assert steps[:5] == ["ld.global.v4.u32", "ld.global.v4.u32", "griddepcontrol.wait;", "ld.global.v4.u32",
+                         "bar.sync"], steps
+
+
 def test_before_hopper_it_builds_without_the_early_launch():
     ptx = ptx_of(compiled(4096, arch=SM80), SM80)
     assert "griddepcontrol" not in ptx and re.search(r"\bst\.global\.v4\.u32\b", ptx)
@@ -58,7 +67,7 @@ def test_whole_steps_need_no_guard():
 
 def test_widths_that_are_not_whole_stores_are_refused():
     with pytest.raises(ValueError, match="multiple of 8"):
-        build(4100)
+        build(4100, "float16", SM90)
 
 
 @pytest.mark.parametrize("perm,match", [
