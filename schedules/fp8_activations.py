@@ -44,6 +44,28 @@ def _source_column(j):
 assert tuple(_source_column(p) for p in range(TILE_K)) == FP8_K_ORDER
 
 
+def row_into_shared(k: int):
+    """A T.macro(X, row, x_s) that copies row `row` of X [M, K] into the shared x_s [1, K] in 16-byte
+    chunks, chunk c by thread c % threads (T.copy moves K / threads elements a thread, with 2-byte
+    loads where that is not a multiple of 8: 43 a thread at K = 11008). The caller synchronizes."""
+    import tilelang.language as T
+
+    threads = threads_for(k)
+    chunks = k // 8
+    steps = -(-chunks // threads)
+
+    @T.macro
+    def copy_row(X, row, x_s):
+        tx = T.get_thread_binding()
+        for step in T.unroll(steps):
+            chunk = step * threads + tx
+            if chunk < chunks:
+                for v in T.vectorized(8):
+                    x_s[0, chunk * 8 + v] = X[row, chunk * 8 + v]
+
+    return copy_row
+
+
 def _staged_row_scale(k: int):
     """A T.macro(X, row, x_s, scale): lets the next kernel launch, waits for the previous one's writes
     (the kernel itself launches as that one drains: TileLang's pdl_sync), copies row `row` of X into
@@ -52,13 +74,16 @@ def _staged_row_scale(k: int):
     import tilelang.language as T
     from tilelang.cuda.language.pdl import pdl_sync
 
+    copy_row = row_into_shared(k)
+
     @T.macro
     def staged_row_scale(X, row, x_s, scale):
         T.call_extern("handle", "tm_launch_dependents")
         pdl_sync()        # launched as the previous kernel drains; X is its output
         x = T.alloc_fragment((1, k), "float32")
         amax = T.alloc_fragment((1,), "float32")
-        T.copy(X[row:row + 1, 0:k], x_s)
+        copy_row(X, row, x_s)
+        T.sync_threads()
         T.copy(x_s, x)
         T.reduce_absmax(x, amax, dim=1)
         scale[0] = T.if_then_else(amax[0] > 0, amax[0] / FP8_E4M3_MAX, 1.0)

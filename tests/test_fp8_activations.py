@@ -52,6 +52,18 @@ def test_before_hopper_they_are_refused(builder):
         builder(4096, "float16", get_arch("sm_80"))
 
 
+@pytest.mark.parametrize("builder", [build, build_rounded])
+def test_the_row_is_read_in_16_byte_chunks_at_k_11008(builder):
+    """256 threads, 43 elements a thread: a plain T.copy would read the row 2 bytes a load."""
+    from tilelang.contrib import nvcc
+    from tvm.target import Target
+
+    with Target(SM90.target):
+        ptx = nvcc.get_ptx_from_source(compiled(11008, builder=builder).get_kernel_source())
+    assert not re.search(r"\bld\.global(\.nc)?\.(u16|b16)\b", ptx)
+    assert len(re.findall(r"\bld\.global(\.nc)?\.v4\.u32\b", ptx)) == 6     # 1376 chunks over 256 threads
+
+
 def test_widths_the_k_order_cannot_cover_are_refused():
     with pytest.raises(ValueError, match="multiple of 16"):
         build(4100, "float16", SM90)
