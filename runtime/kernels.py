@@ -248,8 +248,7 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
 # serve, and act-order's column gather.
 ACTIVATION_KERNELS = {"fp8_activations": ("schedules.fp8_activations:build", "FP8 activations"),
                       "fp8_rounded": ("schedules.fp8_activations:build_rounded", "FP8-rounded activations"),
-                      "gather_columns": ("schedules.gather:build", "act-order gather"),
-                      "gather_columns_split": ("schedules.gather:build_split", "act-order gather for small M")}
+                      "gather_columns": ("schedules.gather:build", "act-order gather")}
 
 
 def _activation_identity(kind: str, k: int, dtype: str, arch: Arch) -> dict:
@@ -272,8 +271,8 @@ def is_activation_kernel_stored(kind: str, k: int, dtype: str, arch: Arch) -> bo
 def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> CompiledKernel:
     """Activation kernel `kind` for K = k and `dtype` input: "fp8_activations" (schedules/fp8_activations.py;
     call it with x [M, K], fp8 out [M, K], token scales [M, 1] fp32), "fp8_rounded" (x [M, K], out
-    [M, K] in x's dtype), "gather_columns" or "gather_columns_split" (schedules/gather.py; x [M, K],
-    perm [K] int32, out [M, K]). From this process's memory, else the store (`kernels/<arch>/<kind>/`), else built and
+    [M, K] in x's dtype) or "gather_columns" (schedules/gather.py; x [M, K], perm [K] int32, out
+    [M, K]). From this process's memory, else the store (`kernels/<arch>/<kind>/`), else built and
     stored."""
     if kind not in ACTIVATION_KERNELS:
         raise ValueError(f"unknown activation kernel {kind!r}; known: {sorted(ACTIVATION_KERNELS)}")

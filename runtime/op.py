@@ -26,7 +26,6 @@ from typing import Iterable
 
 import torch
 
-from schedules.gather import SPLIT_ROWS, splits_for
 from schedules.problem import Problem
 from schedules.registry import FAMILIES, Schedule, group_size_problem
 
@@ -339,10 +338,7 @@ def _gather_into(a: torch.Tensor, perm: torch.Tensor, out: torch.Tensor) -> None
         raise RuntimeError(f"tilemarlin::gather_columns runs on CUDA GPUs, but x is on {a.device}")
     if perm.data_ptr() % 16:     # the kernel reads the indices with 16-byte loads
         perm = perm.clone()
-    # at small M several blocks share each row (schedules/gather.py)
-    split = a.shape[0] <= SPLIT_ROWS and splits_for(a.shape[1]) > 1
-    kind = "gather_columns_split" if split else "gather_columns"
-    _activation_kernel(kind, a.device, a.shape[1], dtype_name(a.dtype))(a, perm, out)
+    _activation_kernel("gather_columns", a.device, a.shape[1], dtype_name(a.dtype))(a, perm, out)
 
 
 _GATHER_OP = _define("gather_columns", _gather_columns, _gather_columns_fake)

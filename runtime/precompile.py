@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from schedules.arch import Arch
-from schedules.gather import splits_for
 from schedules.problem import Problem
 from schedules.registry import Schedule
 
@@ -70,20 +69,14 @@ class Dispatch:
         return schedule, how
 
 
-def gather_kinds(k: int) -> tuple[str, ...]:
-    """The column gathers an act-order layer of K input features runs: one block per row, and where
-    the row splits (schedules.gather.splits_for), blocks that share a row at small M."""
-    return ("gather_columns", "gather_columns_split") if splits_for(k) > 1 else ("gather_columns",)
-
-
 def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = ()) -> list[tuple[str, int, str]]:
     """(kind, K, dtype) of each activation kernel (runtime.kernels.ACTIVATION_KERNELS) that layers of
     `problems` need, W4A8's quantizer and its rounding for every FP8 one (two small kernels per K:
     which one a bucket uses follows the tuned table, Dispatch.serving_problem, on the serving machine
     too), and that act-order layers of `gathered` need,
-    the column gathers (gather_kinds); one per kind, K and input dtype, sorted."""
+    the column gather; one per kind, K and input dtype, sorted."""
     wanted = {(kind, p.k, p.dtype) for p in problems if p.fp8 for kind in ("fp8_activations", "fp8_rounded")}
-    wanted |= {(kind, p.k, p.dtype) for p in gathered for kind in gather_kinds(p.k)}
+    wanted |= {("gather_columns", p.k, p.dtype) for p in gathered}
     return sorted(wanted)
 
 

@@ -7,16 +7,16 @@ import torch
 
 from runtime import op
 from schedules.arch import get_arch
-from schedules.gather import SPLIT_ROWS, build, build_split, splits_for
+from schedules.gather import build
 from tests.reference import poison_next_allocation
 
 SM90, SM80 = get_arch("sm_90a"), get_arch("sm_80")
 
 
-def compiled(k, dtype="float16", arch=SM90, builder=build):
+def compiled(k, dtype="float16", arch=SM90):
     import tilelang
 
-    return tilelang.compile(builder(k, dtype, arch), target=arch.target)
+    return tilelang.compile(build(k, dtype, arch), target=arch.target)
 
 
 def ptx_of(kernel, arch):
@@ -66,21 +66,10 @@ def test_whole_steps_need_no_guard():
     assert "if (" not in compiled(4096).get_kernel_source().split("gather_columns_kernel(", 2)[2]
 
 
-@pytest.mark.parametrize("k,splits", [(3584, 1), (4096, 2), (11008, 4), (14336, 4), (28672, 8)])
-def test_small_m_rows_split_into_parts_of_whole_chunks(k, splits):
-    assert splits_for(k) == splits and (k // 8) % splits == 0
-
-
-def test_the_split_kernel_gives_each_of_a_rows_blocks_its_own_part():
-    source = compiled(11008, builder=build_split).get_kernel_source()
-    assert "blockIdx.y) * 2752" in source       # part p writes (and loads the indices of) columns 2752 p ...
-
-
-@pytest.mark.parametrize("builder", [build, build_split])
 @pytest.mark.parametrize("k", [4096, 11008])
-def test_the_row_is_read_in_16_byte_chunks_at_every_width(builder, k):
+def test_the_row_is_read_in_16_byte_chunks_at_every_width(k):
     """At K = 11008 (256 threads, 43 elements a thread) a plain T.copy reads the row 2 bytes a load."""
-    ptx = ptx_of(compiled(k, builder=builder), SM90)
+    ptx = ptx_of(compiled(k), SM90)
     assert not re.search(r"\bld\.global(\.nc)?\.(u16|b16)\b", ptx)
     assert re.search(r"\bld\.global(\.nc)?\.v4\.u32\b", ptx)
 
@@ -108,11 +97,10 @@ def test_the_op_runs_on_cuda_gpus_only():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,dtype", [(m, 4096, torch.float16) for m in (1, 3, 17, 100, 257, 1024, 8192)]
                          + [(1, 11008, torch.float16), (17, 11008, torch.bfloat16), (3, 28672, torch.float16),
-                            (SPLIT_ROWS, 14336, torch.bfloat16), (1, 3584, torch.float16)])
+                            (16, 14336, torch.bfloat16), (1, 3584, torch.float16)])
 def test_the_op_matches_the_indexing(m, k, dtype):
-    """(M <= SPLIT_ROWS: the split kernel where the row splits; K = 11008: 256 threads, the last step
-    partial; K = 28672: a row of 56 KB in shared memory; K = 3584: no split.) The output block is
-    NaN before the call."""
+    """(K = 11008: 256 threads, the last step partial; K = 28672: a row of 56 KB in shared memory;
+    K = 3584: 448 chunks for 512 threads.) The output block is NaN before the call."""
     generator = torch.Generator(device="cuda").manual_seed(m + k)
     x = torch.randn(m, k, device="cuda", generator=generator).to(dtype)
     perm = torch.randperm(k, device="cuda", generator=generator).int()

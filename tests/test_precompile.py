@@ -405,12 +405,3 @@ def test_the_plan_of_a_w4a8_layer_names_the_twins_kernels_at_its_small_buckets(h
     assert {(problem.act, tuple(b for b, _ in served)) for (problem, _), served in planned.items()} == \
         {("dtype", (1,)), ("fp8", (4096,))}
 
-
-def test_act_order_layers_build_the_split_gather_where_their_rows_split():
-    """Both column gathers for widths that split into several blocks a row at small M, one otherwise."""
-    from runtime.precompile import activation_kernels
-
-    gathered = [Problem(n=4096, k=11008), Problem(n=4096, k=3584)]
-    assert activation_kernels([], gathered) == [("gather_columns", 3584, "float16"),
-                                                ("gather_columns", 11008, "float16"),
-                                                ("gather_columns_split", 11008, "float16")]
