@@ -3,6 +3,7 @@
 Where a test needs the op to compute on the CPU, it swaps the CUDA launch for the fp32 reference
 (`reference_launch`), so that everything around the kernel is checked: shapes, transposes, bias.
 """
+import contextlib
 import subprocess
 import sys
 import threading
@@ -271,6 +272,15 @@ def _op_args(m=3, k=256, n=128, group=128, dtype=torch.float16):
 def test_cpu_tensors_are_refused_naming_the_device():
     with pytest.raises(RuntimeError, match="runs on CUDA GPUs, but x is on cpu"):
         w4a16_gemm(*_op_args())
+
+
+def test_a_launch_makes_xs_gpu_current_and_a_cpu_tensor_gets_no_guard():
+    """Kernel libraries make their tensors' device current and leave it so: the op's launches run
+    under a guard that makes x's GPU current and gives the caller's back (tests/test_multi_gpu.py runs
+    it on two GPUs)."""
+    guard = op._current_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert isinstance(op._current_device(torch.device("cpu")), contextlib.nullcontext)
 
 
 @pytest.mark.parametrize("change, error, match", [
