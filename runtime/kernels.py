@@ -243,7 +243,7 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-# The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype), "module:function", and
+# The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype, arch), "module:function", and
 # how listings name them: W4A8's FP8 quantizer, its FP8 rounding for the buckets that W4A16's kernels
 # serve, and act-order's column gather.
 ACTIVATION_KERNELS = {"fp8_activations": ("schedules.fp8_activations:build", "FP8 activations"),

@@ -17,7 +17,6 @@ that threads running other shapes never wait for it.
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import threading
 import warnings
