@@ -565,6 +565,26 @@ def test_act_order_gathers_the_activations_by_a_permutation_in_each_timed_call(m
     assert bench.parse_kernels("tilemarlin,tilemarlin_act,fp16") == ["tilemarlin", "tilemarlin_act", "fp16"]
 
 
+def test_act_order_down_proj_runs_without_a_gather(monkeypatch):
+    """A gated MLP's down_proj is served act-order with its permutation in gate_proj's and up_proj's
+    output columns (runtime/checkpoint/fold.py): tilemarlin_act times its GEMM alone, checked against
+    the reference, and its bytes have no permutation and no gathered copy."""
+    import runtime.op
+    from gen import timing
+
+    gathered = []
+    monkeypatch.setattr(runtime.op, "w4a16_gemm", lambda x, qweight, scales, n, k, group: x)
+    monkeypatch.setattr(runtime.op, "_gather_into", lambda a, perm, out: gathered.append(perm))
+    monkeypatch.setattr(timing, "copies_for", lambda nbytes: 2)
+    t = _cpu_layer()
+    w = contenders.LayerWeights("down_proj", t.k, t.n, t.group, t.codes, t.scales)
+    x = torch.randn(3, 256).to(torch.float16)
+    contender = contenders.tilemarlin_act_order_contender(w)
+    assert contender.exact and all(call() is x for call in contender.calls(x)) and not gathered
+    assert report.bytes_moved("tilemarlin_act", 256, 64, 3, 128, "down_proj") == \
+        report.bytes_moved("tilemarlin", 256, 64, 3, 128)
+
+
 @pytest.mark.parametrize("kernels,expected", [
     ("tilemarlin,fp16", {False}), ("tilemarlin_zp,fp16", {True}), ("tilemarlin_act,fp16", {False}),
     ("tilemarlin,tilemarlin_zp,tilemarlin_act,fp16", {False, True})])

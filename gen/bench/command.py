@@ -274,7 +274,7 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
         if between:
             rows[kernel]["producer_us"] = statistics.median(producer)
         us = statistics.median(samples)
-        nbytes = report.bytes_moved(kernel, w.k, w.n, m, w.group)
+        nbytes = report.bytes_moved(kernel, w.k, w.n, m, w.group, w.name)
         rows[kernel].update(us=us, bytes=nbytes, gbps=nbytes / us / 1e3, tflops=report.flops(w.k, w.n, m) / us / 1e6)
         if rounds > 1:
             rows[kernel]["us_rounds"] = samples

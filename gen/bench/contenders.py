@@ -128,16 +128,21 @@ def tilemarlin_act_order_contender(w: LayerWeights) -> Contender:
     """tilemarlin serving an act-order layer as QuantLinear does: the weight rows stored sorted by group
     (the same codes and scales as tilemarlin), and each call gathers x's columns by the layer's
     permutation (a random one per layer, drawn from torch's generator as it stands) before the GEMM.
-    The gather is timed with the kernel. x[:, perm] @ W is not the reference's x @ W, so not checked
-    here (tests/test_checkpoint_gpu.py checks act-order layers against their dequantized weights)."""
+    The gather is timed with the kernel. A gated MLP's down_proj gathers nothing (report.gathers): the
+    checkpoint loader serves it with its input columns already in its order. x[:, perm] @ W is not the
+    reference's x @ W, so not checked here (tests/test_checkpoint_gpu.py checks act-order layers
+    against their dequantized weights)."""
     try:
         from runtime.op import gather_columns, w4a16_gemm
     except ImportError as exc:
         raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
     from schedules import marlin_mma
 
-    perm = torch.randperm(w.k, device=w.codes.device).int()
     copies = weight_copies(marlin_mma.pack(w.codes, w.scales))
+    if not report.gathers("tilemarlin_act", w.name):
+        return Contender(lambda x: [functools.partial(w4a16_gemm, x, qw, qs, w.n, w.k, w.group)
+                                    for qw, qs in copies], exact=True)
+    perm = torch.randperm(w.k, device=w.codes.device).int()
 
     def gathered_gemm(x, qweight, scales):
         return w4a16_gemm(gather_columns(x, perm), qweight, scales, w.n, w.k, w.group)

@@ -24,8 +24,19 @@ HELD = f"SM clock held, {BASELINE} / {OURS} (MHz)"   # ... of a --sustain run: t
 
 # --- the cost model: what one call must move and compute -------------------------------------
 
-def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
-    """Bytes of weights (and scales, zeros) one call must read, in the kernel's own storage format."""
+# The layer that reads a gated MLP's product: served act-order, it gathers nothing, since the checkpoint
+# loader moves its permutation into gate_proj's and up_proj's output columns (runtime/checkpoint/fold.py).
+ACT_ORDER_FOLDED = frozenset({"down_proj"})
+
+
+def gathers(kernel: str, layer: str) -> bool:
+    """Whether `kernel` gathers the activations' columns by a permutation before the GEMM at `layer`."""
+    return kernel == "tilemarlin_act" and layer not in ACT_ORDER_FOLDED
+
+
+def weight_bytes(kernel: str, k: int, n: int, group: int, layer: str = "") -> int:
+    """Bytes of weights (and scales, zeros; act-order's permutation) one call must read, in the kernel's
+    own storage format."""
     groups = 1 if group == -1 else k // group
     if kernel == BASELINE:
         return 2 * k * n
@@ -33,18 +44,18 @@ def weight_bytes(kernel: str, k: int, n: int, group: int) -> int:
         return k * n // 2 + 4 * groups * n
     if kernel == "tilemarlin_zp":   # a zero point beside each scale
         return k * n // 2 + 4 * groups * n
-    if kernel == "tilemarlin_act":   # and the permutation, int32 per input feature
+    if gathers(kernel, layer):   # and the permutation, int32 per input feature
         return k * n // 2 + 2 * groups * n + 4 * k
     if kernel == "fp8_w8a8":   # a byte per weight
         return k * n
     return k * n // 2 + 2 * groups * n   # INT4 codes + fp16 scales (tilemarlin, humming)
 
 
-def bytes_moved(kernel: str, k: int, n: int, m: int, group: int) -> int:
+def bytes_moved(kernel: str, k: int, n: int, m: int, group: int, layer: str = "") -> int:
     """Weights (+scales) read, activations read and output written, at 2 bytes per element (act-order:
-    the gathered copy of the activations written and read again)."""
-    gathered = 4 * m * k if kernel == "tilemarlin_act" else 0
-    return weight_bytes(kernel, k, n, group) + 2 * m * k + 2 * m * n + gathered
+    the gathered copy of the activations written and read again, at the layers that gather)."""
+    gathered = 4 * m * k if gathers(kernel, layer) else 0
+    return weight_bytes(kernel, k, n, group, layer) + 2 * m * k + 2 * m * n + gathered
 
 
 def flops(k: int, n: int, m: int) -> int:
@@ -372,7 +383,7 @@ def plot_roofline(data: dict, path: str | Path) -> Path:
     intensities = []
     for kernel in kernels(data):
         for li, (name, k, n) in enumerate(layers(data)):
-            pts = [(flops(k, n, r["m"]) / bytes_moved(kernel, k, n, r["m"], meta["group"]),
+            pts = [(flops(k, n, r["m"]) / bytes_moved(kernel, k, n, r["m"], meta["group"], name),
                     flops(k, n, r["m"]) / (r["us"] * 1e-6) / 1e12)
                    for r in data["rows"] if r["layer"] == name and r["kernel"] == kernel and r["us"] is not None]
             if pts:

@@ -11,8 +11,10 @@ served by tilemarlin's kernels.
    in the safetensors files becomes a QuantLinear: the format's tensors are read onto `device`,
    unpacked into a QuantizedLayer (runtime/checkpoint/layer.py) and repacked for the kernels
    (`QuantLinear.from_layer`). Which layers are quantized is read from the files, so lm_head,
-   `ignore` lists and `modules_to_not_convert` need no rules of their own. Once every layer is
-   read, the kernels of all their shapes are built in one parallel compile (runtime/precompile.py).
+   `ignore` lists and `modules_to_not_convert` need no rules of their own. An act-order down_proj
+   of a gated MLP hands its permutation to gate_proj's and up_proj's output columns and runs
+   without a gather (runtime/checkpoint/fold.py). Once every layer is read, the kernels of all
+   their shapes are built in one parallel compile (runtime/precompile.py).
 4. The other parameters are read from the files in `dtype`, tied parameters once.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..precompile import precompile_layers
 from .awq import AwqFormat
 from .compressed_tensors import CompressedTensorsFormat
 from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
+from .fold import GatherFolding
 from .gptq import GptqFormat
 
 FORMATS = {"gptq": GptqFormat, "awq": AwqFormat, "compressed-tensors": CompressedTensorsFormat}
@@ -112,17 +115,19 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
     of all of them at once (on a CUDA device, unless TILEMARLIN_PRECOMPILE is off); returns how many."""
     suffix = "." + fmt.marker
     pending = {name[:-len(suffix)] for name in files.names() if name.endswith(suffix)}
+    modules = dict(model.named_modules())
+    folding = GatherFolding(model, pending)
     replaced: list[QuantLinear] = []
-    for name, module in list(model.named_modules()):
-        if name not in pending:
-            continue
+    for name in folding.order([name for name in modules if name in pending]):
+        module = modules[name]
         pending.discard(name)
         t = LayerTensors(files, name, device)
         if not isinstance(module, nn.Linear):
             raise t.error(fmt.marker, f"quantized tensors for a {type(module).__name__}, not an nn.Linear")
         bias = _bias(t, module)
         try:
-            new = QuantLinear.from_layer(fmt.convert(t, module, bias, dtype), layout, precompile=False)
+            layer = folding.apply(name, fmt.convert(t, module, bias, dtype))
+            new = QuantLinear.from_layer(layer, layout, precompile=False)
         except CheckpointError:
             raise
         except (ValueError, TypeError) as exc:

@@ -1,0 +1,110 @@
+"""An act-order down_proj's permutation moved into gate_proj's and up_proj's output columns
+(runtime/checkpoint/fold.py), on the CPU: which modules qualify, the folded layers' weights against
+the checkpoint's, and the model's logits against the dense model."""
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from runtime import QuantLinear
+from runtime.checkpoint.fold import GatherFolding, feeds_columnwise, gated_mlps
+from runtime.checkpoint.loader import load_quantized
+from schedules.quant import dequantize
+from tests.checkpoint_writers import dense_model, write_checkpoint
+from tests.reference import assert_matches_reference
+from tests.test_checkpoint_math import MODEL_TOLERANCE, cpu_op  # noqa: F401 - the fixture
+
+MLP_LAYERS = ("gate_proj", "up_proj", "down_proj")
+
+
+def llama_mlp(**config) -> LlamaMLP:
+    return LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=96, **config))
+
+
+class MixesColumns(nn.Module):
+    """down_proj's input column j depends on column 95 - j of up_proj's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(64, 96), nn.Linear(64, 96), nn.Linear(96, 64)
+
+    def forward(self, x):
+        return self.down_proj(torch.sigmoid(self.gate_proj(x)) * self.up_proj(x).flip(-1))
+
+
+class ScalesColumns(MixesColumns):
+    """A learned scale per column of the product: columnwise, but not the same function for each."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.column_scale = nn.Parameter(torch.linspace(0.5, 2.0, 96, device=device))
+
+    def forward(self, x):
+        return self.down_proj(self.gate_proj(x) * self.up_proj(x) * self.column_scale)
+
+
+class ReadsWeights(MixesColumns):
+    """Slices its layers' weights itself (as tensor-parallel pretraining code does)."""
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(x @ self.gate_proj.weight.t()) * self.up_proj(x))
+
+
+def test_the_gated_mlps_of_transformers_feed_columnwise():
+    assert feeds_columnwise(llama_mlp())
+    assert feeds_columnwise(llama_mlp(hidden_act="gelu_pytorch_tanh"))
+
+
+@pytest.mark.parametrize("mlp", [MixesColumns(), ScalesColumns(), ScalesColumns(device="meta"), ReadsWeights()],
+                         ids=["mixes columns", "scales columns", "parameters on meta", "reads weights"])
+def test_other_mlps_are_not_folded(mlp):
+    layers = [getattr(mlp, name) for name in MLP_LAYERS]
+    assert not feeds_columnwise(mlp)
+    assert [getattr(mlp, name) for name in MLP_LAYERS] == layers   # the probe put the real layers back
+
+
+def test_only_mlps_whose_three_layers_are_quantized_fold():
+    model = nn.ModuleDict({"mlp": llama_mlp()})
+    all_three = {f"mlp.{name}" for name in MLP_LAYERS}
+    assert gated_mlps(model, all_three) == {"mlp.down_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    assert gated_mlps(model, all_three - {"mlp.up_proj"}) == {}
+
+
+def test_a_folded_down_proj_is_converted_before_its_gate_and_up():
+    model = nn.ModuleDict({"attn": nn.Linear(64, 64), "mlp": llama_mlp()})
+    folding = GatherFolding(model, {"attn", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
+    names = ["attn", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert folding.order(names) == ["attn", "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj"]
+
+
+def effective_weight(module: QuantLinear) -> torch.Tensor:
+    """fp32 W[K, N] with y = x @ W + bias, the gather by perm included."""
+    codes, scales = module.unpack()
+    zeros = module.zeros()
+    w = dequantize(codes, scales, zeros=None if zeros is None else zeros.long())
+    return w if module.perm is None else torch.empty_like(w).index_copy_(0, module.perm.long(), w)
+
+
+@pytest.mark.parametrize("fmt, symmetric, dtype", [("gptq", False, torch.float16),
+                                                   ("compressed-tensors", True, torch.bfloat16)])
+def test_down_proj_hands_its_permutation_to_gate_and_up(cpu_op, tmp_path, fmt, symmetric, dtype):  # noqa: F811
+    folder = tmp_path / "ckpt"
+    drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order=True, mlp_bias=True)
+    model = load_quantized(folder, dtype=dtype, device="cpu")
+    stored = dense_model(folder, drawn)
+    for i, block in enumerate(model.model.layers):
+        gate, up, down = (getattr(block.mlp, name) for name in MLP_LAYERS)
+        assert down.perm is None and gate.perm is not None and up.perm is not None
+        # The checkpoint's own order: down_proj's rows sorted by group, stably.
+        order = torch.sort(drawn[f"model.layers.{i}.mlp.down_proj"].g_idx, stable=True).indices
+        assert torch.equal(effective_weight(down), drawn[f"model.layers.{i}.mlp.down_proj"].weight[order])
+        for name, module in (("gate_proj", gate), ("up_proj", up)):
+            assert torch.equal(effective_weight(module), drawn[f"model.layers.{i}.mlp.{name}"].weight[:, order])
+            bias = stored.get_submodule(f"model.layers.{i}.mlp.{name}").bias
+            assert torch.equal(module.bias, bias[order].to(dtype))
+        assert block.self_attn.o_proj.perm is not None   # no gated layer before it: it gathers
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits, ref = model(tokens).logits, stored(tokens).logits
+    assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype} folded")
