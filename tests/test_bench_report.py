@@ -628,3 +628,15 @@ def test_tilemarlin_untuned_chooses_as_if_the_shape_had_no_entry(monkeypatch):
         schedule, how = dispatch.choose(o_proj, bucket, op.DEFAULT_LAYOUT)
         assert how is not None and "nearest" in how
         assert op.dispatch_for().choose(o_proj, bucket, op.DEFAULT_LAYOUT)[1] is None    # the op's own: tuned
+
+
+def test_the_report_names_the_act_order_layers_timed_without_a_gather():
+    row = dict(m=1, us=1.0)
+    rows = [dict(row, layer=layer, k=256, n=64, kernel=kernel)
+            for layer in ("o_proj", "down_proj") for kernel in ("fp16", "tilemarlin", "tilemarlin_act")]
+    data = {"meta": {"kernels": ["tilemarlin", "tilemarlin_act", "fp16"]}, "rows": rows}
+    assert report.act_order_notes(data) == [
+        "tilemarlin_act gathers x's columns before each layer's GEMM except down_proj, which a gated MLP serves "
+        "with its permutation in gate_proj's and up_proj's output columns (runtime/checkpoint/fold.py)."]
+    without = {**data, "rows": [r for r in rows if r["kernel"] != "tilemarlin_act"]}
+    assert report.act_order_notes(without) == []

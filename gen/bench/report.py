@@ -281,6 +281,16 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def act_order_notes(data: dict) -> list[str]:
+    """Which layers tilemarlin_act timed without a gather, where it ran."""
+    folded = [name for name, _, _ in layers(data) if not gathers("tilemarlin_act", name)]
+    if "tilemarlin_act" not in kernels(data) or not folded:
+        return []
+    return [f"tilemarlin_act gathers x's columns before each layer's GEMM except {', '.join(folded)}, which a "
+            "gated MLP serves with its permutation in gate_proj's and up_proj's output columns "
+            "(runtime/checkpoint/fold.py)."]
+
+
 def terminal_report(data: dict) -> str:
     meta = data["meta"]
     parts = [f"{meta.get('gpu', '?')}  {meta.get('model', '?')}  group {meta['group']}  "
@@ -289,7 +299,8 @@ def terminal_report(data: dict) -> str:
     for name, k, n in layers(data):
         parts.append(f"\n{name} (K={k}, N={n})\n" + text_table(*layer_table(data, name)))
     parts.append("\nall layers summed\n" + text_table(*summary_table(data)))
-    notes = [f"skipped {k}: {why}" for k, why in meta.get("skipped", {}).items()] + clock_notes(meta) + failures(data)
+    notes = ([f"skipped {k}: {why}" for k, why in meta.get("skipped", {}).items()] + clock_notes(meta)
+             + act_order_notes(data) + failures(data))
     if notes:
         parts.append("\n" + "\n".join(notes))
     return "\n".join(parts)
@@ -303,7 +314,7 @@ def markdown(data: dict) -> str:
                   clocks=CLOCK in header,
                   layers=[f"{name} {k}x{n}" for name, k, n in layers(data)],
                   notes=[f"{k} not measured: {why}" for k, why in data["meta"].get("skipped", {}).items()]
-                  + clock_notes(data["meta"]),
+                  + clock_notes(data["meta"]) + act_order_notes(data),
                   failures=failures(data))
 
 
