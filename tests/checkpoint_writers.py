@@ -60,16 +60,25 @@ def layer_of(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | No
     return Layer(codes, scales, zeros, g_idx, weight)
 
 
-def draw_layer(k: int, n: int, group: int, symmetric: bool, act_order: bool, dtype, gen) -> Layer:
+def draw_layer(k: int, n: int, group: int, symmetric: bool, act_order: bool, dtype, gen,
+               g_idx: torch.Tensor | None = None) -> Layer:
+    """Random codes, scales and zero points; with act-order a random g_idx unless one is given."""
     group = k if group == -1 else group
     groups = k // group
     codes = torch.randint(0, 16, (k, n), generator=gen)
     scales = (torch.rand(groups, n, generator=gen) * 0.004 + 0.002).to(dtype)
     zeros = torch.full((groups, n), 8) if symmetric else torch.randint(1, 16, (groups, n), generator=gen)
-    g_idx = torch.arange(k) // group
-    if act_order:   # what GPTQ's desc_act leaves: the groups of a permutation, in the original order
-        g_idx = g_idx[torch.randperm(k, generator=gen)]
+    if g_idx is None:
+        g_idx = torch.arange(k) // group
+        if act_order:   # what GPTQ's desc_act leaves: the groups of a permutation, in the original order
+            g_idx = g_idx[torch.randperm(k, generator=gen)]
     return layer_of(codes, scales, zeros, g_idx)
+
+
+# GPTQ's act-order permutation comes from the Hessian of a layer's input, so the layers that read one
+# tensor share it: each of these takes the g_idx of the layer named beside it.
+SAME_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj",
+              "mlp.up_proj": "mlp.gate_proj"}
 
 
 # --- the formats --------------------------------------------------------------------------------
@@ -118,10 +127,12 @@ def quantization_config(fmt: str, group: int, symmetric: bool, act_order: bool, 
 
 def write_checkpoint(folder: Path, fmt: str, dtype=torch.float16, group: int = 128, symmetric: bool = True,
                      act_order: bool = False, checkpoint_format: str = "gptq", shards: int = 1,
-                     packed_zeros: bool = True, seed: int = 0, **config_overrides) -> dict[str, Layer]:
+                     packed_zeros: bool = True, seed: int = 0, shared_orders: bool = True,
+                     **config_overrides) -> dict[str, Layer]:
     """A Llama checkpoint folder in `fmt` ("gptq", "awq", "compressed-tensors"); returns the layers
-    drawn, by module name. Dense parameters (biases too, e.g. with attention_bias=True in
-    `config_overrides`) are random, in `dtype`; lm_head stays dense."""
+    drawn, by module name. With act-order, layers that read one input share one g_idx as GPTQ's do
+    (SAME_INPUT), unless `shared_orders` is False. Dense parameters (biases too, e.g. with
+    attention_bias=True in `config_overrides`) are random, in `dtype`; lm_head stays dense."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     gen = torch.Generator().manual_seed(seed)
@@ -135,7 +146,9 @@ def write_checkpoint(folder: Path, fmt: str, dtype=torch.float16, group: int = 1
         for lin in LINEARS:
             name = f"model.layers.{i}.{lin}"
             n, k = dense[f"{name}.weight"].shape
-            layer = layers[name] = draw_layer(k, n, group, symmetric, act_order, dtype, gen)
+            same = layers.get(f"model.layers.{i}.{SAME_INPUT[lin]}") if shared_orders and lin in SAME_INPUT else None
+            layer = layers[name] = draw_layer(k, n, group, symmetric, act_order, dtype, gen,
+                                              None if same is None else same.g_idx)
             if fmt == "gptq":
                 parts = gptq_tensors(layer, checkpoint_format)
             elif fmt == "awq":

@@ -1,6 +1,7 @@
-"""An act-order down_proj's permutation moved into gate_proj's and up_proj's output columns
-(runtime/checkpoint/fold.py), on the CPU: which modules qualify, the folded layers' weights against
-the checkpoint's, and the model's logits against the dense model."""
+"""Act-order with fewer gathers, on the CPU: a down_proj's permutation moved into gate_proj's and
+up_proj's output columns (runtime/checkpoint/fold.py), and one gather of a module's input for the
+layers that share its permutation (runtime/checkpoint/input_gather.py): which modules qualify, the
+layers' weights against the checkpoint's, and the model's logits against the dense model."""
 import pytest
 import torch
 from torch import nn
@@ -8,7 +9,9 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from runtime import QuantLinear
+import runtime.op as op
 from runtime.checkpoint.fold import GatherFolding, feeds_columnwise, gated_mlps
+from runtime.checkpoint.input_gather import input_slot
 from runtime.checkpoint.loader import load_quantized
 from schedules.quant import dequantize
 from tests.checkpoint_writers import dense_model, write_checkpoint
@@ -90,12 +93,14 @@ def effective_weight(module: QuantLinear) -> torch.Tensor:
                                                    ("compressed-tensors", True, torch.bfloat16)])
 def test_down_proj_hands_its_permutation_to_gate_and_up(cpu_op, tmp_path, fmt, symmetric, dtype):  # noqa: F811
     folder = tmp_path / "ckpt"
-    drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order=True, mlp_bias=True)
+    # gate_proj and up_proj with permutations of their own, so that each keeps its gather
+    drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order=True, mlp_bias=True, shared_orders=False)
     model = load_quantized(folder, dtype=dtype, device="cpu")
     stored = dense_model(folder, drawn)
     for i, block in enumerate(model.model.layers):
         gate, up, down = (getattr(block.mlp, name) for name in MLP_LAYERS)
         assert down.perm is None and gate.perm is not None and up.perm is not None
+        assert not hasattr(block.mlp, "input_perm") and not hasattr(block.self_attn, "input_perm")
         # The checkpoint's own order: down_proj's rows sorted by group, stably.
         order = torch.sort(drawn[f"model.layers.{i}.mlp.down_proj"].g_idx, stable=True).indices
         assert torch.equal(effective_weight(down), drawn[f"model.layers.{i}.mlp.down_proj"].weight[order])
@@ -108,3 +113,73 @@ def test_down_proj_hands_its_permutation_to_gate_and_up(cpu_op, tmp_path, fmt, s
     with torch.no_grad():
         logits, ref = model(tokens).logits, stored(tokens).logits
     assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype} folded")
+
+
+def sorted_order(layer) -> torch.Tensor:
+    return torch.sort(layer.g_idx, stable=True).indices
+
+
+@pytest.mark.parametrize("fmt, symmetric, dtype", [("gptq", False, torch.bfloat16),
+                                                   ("compressed-tensors", True, torch.float16)])
+def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt, symmetric, dtype):  # noqa: F811
+    """q_proj, k_proj and v_proj (one permutation, as GPTQ gives them) are fed by one gather of the
+    attention's input, gate_proj and up_proj by one of the MLP's; o_proj keeps its own; down_proj's
+    went into gate_proj's and up_proj's columns: three gathers a decoder layer instead of seven."""
+    folder = tmp_path / "ckpt"
+    drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order=True)
+    model = load_quantized(folder, dtype=dtype, device="cpu")
+    for i, block in enumerate(model.model.layers):
+        layer = f"model.layers.{i}"
+        q_order, gate_order = sorted_order(drawn[f"{layer}.self_attn.q_proj"]), sorted_order(drawn[f"{layer}.mlp.gate_proj"])
+        assert torch.equal(block.self_attn.input_perm.long(), q_order)
+        assert torch.equal(block.mlp.input_perm.long(), gate_order)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            module = getattr(block.self_attn, name)
+            assert module.perm is None
+            assert torch.equal(effective_weight(module), drawn[f"{layer}.self_attn.{name}"].weight[q_order])
+        assert block.self_attn.o_proj.perm is not None
+        assert all(getattr(block.mlp, name).perm is None for name in MLP_LAYERS)
+    gathers = []
+    monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: (gathers.append(perm), out.copy_(a[:, perm.long()])))
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits, ref = model(tokens).logits, dense_model(folder, drawn)(tokens).logits
+    assert len(gathers) == 3 * len(model.model.layers)
+    assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype} shared gathers")
+
+
+def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, tmp_path):  # noqa: F811
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
+    mlp = load_quantized(folder, device="cpu").model.layers[0].mlp
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).half()
+    compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), mlp(x))
+
+
+class Reads(nn.Module):
+    """q and k read the input; `how` says what else the forward does with it."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.q, self.k, self.o = how, nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x=None, scale=1.0, hidden=None):
+        x = hidden if self.how == "keyword" else x
+        if self.how == "changes it":
+            x = x * 2
+        out = self.o(self.q(x) * self.k(x)) * scale
+        return out + x if self.how == "adds it" else out
+
+
+@pytest.mark.parametrize("how, call, slot", [
+    ("through q and k", ((torch.ones(2, 8),), {}), 0),
+    ("keyword", ((), {"hidden": torch.ones(2, 8)}), "hidden"),
+    ("adds it", ((torch.ones(2, 8),), {}), None),
+    ("changes it", ((torch.ones(2, 8),), {}), None),
+])
+def test_a_gather_moves_to_the_input_only_where_the_layers_alone_read_it(how, call, slot):
+    module = Reads(how)
+    layers = (module.q, module.k, module.o)
+    assert input_slot(module, ["q", "k"], *call) == slot
+    assert (module.q, module.k, module.o) == layers

@@ -39,7 +39,7 @@ def test_checkpoint_layer_in_a_cuda_graph(tmp_path):
     """The gather and the correction replay inside a CUDA graph (no host synchronization)."""
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
-    layer = load_quantized(folder, device="cuda").model.layers[0].mlp.up_proj   # down_proj has no gather
+    layer = load_quantized(folder, device="cuda").model.layers[0].self_attn.o_proj   # gathers for itself
     assert layer.perm is not None
     x = torch.randn(4, 256, device="cuda", dtype=torch.float16, generator=generator(11))
     expected = layer(x)   # the first call loads and checks the kernel, outside capture

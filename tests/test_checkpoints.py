@@ -113,8 +113,9 @@ def test_load_quantized_on_cpu(tmp_path, fmt, symmetric, act_order, shards):
     assert set(quantized) == set(drawn)
     for name, module in quantized.items():
         assert module.qweight.device.type == "cpu" and module.scales.dtype == torch.bfloat16
-        # An act-order down_proj hands its permutation to gate_proj and up_proj (tests/test_checkpoint_fold.py).
-        assert (module.perm is not None) == (act_order and not name.endswith("down_proj"))
+        # Act-order: only o_proj gathers for itself; the others' gathers moved to their modules' inputs or
+        # into gate_proj's and up_proj's columns (tests/test_checkpoint_fold.py).
+        assert (module.perm is not None) == (act_order and name.endswith("o_proj"))
         assert module.zero_points == (not symmetric) and (module.zeros() is not None) == (not symmetric)
     assert isinstance(model.lm_head, nn.Linear)
     assert torch.equal(model.lm_head.weight, stored["lm_head.weight"])
@@ -142,8 +143,8 @@ def test_state_dict_round_trip_keeps_perm_and_zero_points(tmp_path):
 
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, "gptq", symmetric=False, act_order=True)
-    layer = load_quantized(folder, device="cpu").model.layers[0].mlp.up_proj
-    fresh = QuantLinear(256, 512, group_size=128, act_order=True, zero_points=True)
+    layer = load_quantized(folder, device="cpu").model.layers[0].self_attn.o_proj
+    fresh = QuantLinear(256, 256, group_size=128, act_order=True, zero_points=True)
     fresh.load_state_dict(layer.state_dict())
     for name, tensor in layer.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name

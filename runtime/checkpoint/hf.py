@@ -19,6 +19,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..op import DEFAULT_LAYOUT
 from .files import TensorFiles
+from .input_gather import share_input_gathers
 from .loader import checkpoint_format, read_quantization_config, replace_quantized_linears
 
 METHOD = "tilemarlin"
@@ -85,6 +86,7 @@ class TileMarlinHfQuantizer(HfQuantizer):
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, linear)
         replace_quantized_linears(model, self.format, self.files, model.dtype, device, self.quantization_config.layout)
+        share_input_gathers(model)
         return model
 
     def is_serializable(self):

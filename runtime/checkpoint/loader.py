@@ -16,6 +16,9 @@ served by tilemarlin's kernels.
    without a gather (runtime/checkpoint/fold.py). Once every layer is read, the kernels of all
    their shapes are built in one parallel compile (runtime/precompile.py).
 4. The other parameters are read from the files in `dtype`, tied parameters once.
+5. Layers that read one input with one act-order permutation (q_proj, k_proj and v_proj; gate_proj
+   and up_proj) leave the gather to the module that calls them, once for all of them
+   (runtime/checkpoint/input_gather.py).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from .awq import AwqFormat
 from .compressed_tensors import CompressedTensorsFormat
 from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
 from .fold import GatherFolding
+from .input_gather import share_input_gathers
 from .gptq import GptqFormat
 
 FORMATS = {"gptq": GptqFormat, "awq": AwqFormat, "compressed-tensors": CompressedTensorsFormat}
@@ -89,6 +93,7 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     replace_quantized_linears(model, fmt, files, dtype, device, layout)
     load_dense_parameters(model, files, dtype, device)
     model.to(device)   # the buffers computed at construction
+    share_input_gathers(model)
     return model.eval()
 
 
