@@ -44,16 +44,25 @@ class InputGather:
 def share_input_gathers(model: nn.Module) -> list[str]:
     """For each module whose QuantLinear children share one act-order permutation and whose forward
     reads their input through them alone (see the module's docstring): the module gathers its input
-    once and the children drop their permutations. Returns the modules' names."""
+    once and the children drop their permutations. Returns the modules' names. The probes run in
+    eval mode (dropout would make equal calls differ); the model's mode is kept."""
     groups = sharing_groups(model)
-    calls = record_calls(model, groups) if groups else {}
+    if not groups:
+        return []
+    training = model.training
+    model.eval()
+    try:
+        calls = record_calls(model, groups)
+        slots = {name: input_slot(model.get_submodule(name), members, *calls[name])
+                 for name, members in groups.items() if name in calls}
+    finally:
+        model.train(training)
     shared = []
-    for name, members in groups.items():
-        parent = model.get_submodule(name)
-        slot = input_slot(parent, members, *calls[name]) if name in calls else None
+    for name, slot in slots.items():
         if slot is None:
             continue
-        children = [getattr(parent, member) for member in members]
+        parent = model.get_submodule(name)
+        children = [getattr(parent, member) for member in groups[name]]
         parent.register_buffer("input_perm", children[0].perm)
         for child in children:
             child.perm = None
