@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from runtime import QuantLinear
 import runtime.op as op
 from runtime.checkpoint.fold import GatherFolding, feeds_columnwise, gated_mlps
-from runtime.checkpoint.input_gather import input_slot
+from runtime.checkpoint.input_gather import input_argument
 from runtime.checkpoint.loader import load_quantized
 from schedules.quant import dequantize
 from tests.checkpoint_writers import dense_model, write_checkpoint
@@ -47,6 +47,14 @@ class ScalesColumns(MixesColumns):
         return self.down_proj(self.gate_proj(x) * self.up_proj(x) * self.column_scale)
 
 
+class UsesUp(MixesColumns):
+    """Columnwise into down_proj, but up_proj's output reaches the module's output as well."""
+
+    def forward(self, x):
+        up = self.up_proj(x)
+        return self.down_proj(torch.sigmoid(self.gate_proj(x)) * up) + up[..., :64]
+
+
 class ReadsWeights(MixesColumns):
     """Slices its layers' weights itself (as tensor-parallel pretraining code does)."""
 
@@ -59,8 +67,8 @@ def test_the_gated_mlps_of_transformers_feed_columnwise():
     assert feeds_columnwise(llama_mlp(hidden_act="gelu_pytorch_tanh"))
 
 
-@pytest.mark.parametrize("mlp", [MixesColumns(), ScalesColumns(), ScalesColumns(device="meta"), ReadsWeights()],
-                         ids=["mixes columns", "scales columns", "parameters on meta", "reads weights"])
+@pytest.mark.parametrize("mlp", [MixesColumns(), ScalesColumns(), ScalesColumns(device="meta"), ReadsWeights(), UsesUp()],
+                         ids=["mixes columns", "scales columns", "parameters on meta", "reads weights", "uses up"])
 def test_other_mlps_are_not_folded(mlp):
     layers = [getattr(mlp, name) for name in MLP_LAYERS]
     assert not feeds_columnwise(mlp)
@@ -72,6 +80,9 @@ def test_only_mlps_whose_three_layers_are_quantized_fold():
     all_three = {f"mlp.{name}" for name in MLP_LAYERS}
     assert gated_mlps(model, all_three) == {"mlp.down_proj": ("mlp.gate_proj", "mlp.up_proj")}
     assert gated_mlps(model, all_three - {"mlp.up_proj"}) == {}
+    # a gate_proj that another module calls too would change that module's output as well
+    model["other"] = nn.ModuleDict({"reuses": model["mlp"].gate_proj})
+    assert gated_mlps(model, all_three) == {}
 
 
 def test_a_folded_down_proj_is_converted_before_its_gate_and_up():
@@ -152,9 +163,11 @@ def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, tmp_path):  #
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
     mlp = load_quantized(folder, device="cpu").model.layers[0].mlp
+    assert hasattr(mlp, "input_perm")
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8)).half()
     compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), mlp(x))
+    assert torch.equal(mlp(x=x), mlp(x))   # the hook finds its argument however it is passed
 
 
 class Reads(nn.Module):
@@ -164,22 +177,31 @@ class Reads(nn.Module):
         super().__init__()
         self.how, self.q, self.k, self.o = how, nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
 
-    def forward(self, x=None, scale=1.0, hidden=None):
+    def forward(self, x=None, scale=1.0, hidden=None, other=None):
         x = hidden if self.how == "keyword" else x
         if self.how == "changes it":
             x = x * 2
-        out = self.o(self.q(x) * self.k(x)) * scale
+        q = self.q(x)
+        if self.how == "edits q's output":
+            q.add_(x)
+        k = self.k(other if self.how == "two inputs" else x)
+        out = self.o(q * k) * scale
         return out + x if self.how == "adds it" else out
 
 
-@pytest.mark.parametrize("how, call, slot", [
-    ("through q and k", ((torch.ones(2, 8),), {}), 0),
-    ("keyword", ((), {"hidden": torch.ones(2, 8)}), "hidden"),
-    ("adds it", ((torch.ones(2, 8),), {}), None),
-    ("changes it", ((torch.ones(2, 8),), {}), None),
+ONES = torch.ones(2, 8)
+
+
+@pytest.mark.parametrize("how, call, argument", [
+    ("through q and k", ((ONES,), {}), (0, "x")),
+    ("keyword", ((), {"hidden": ONES}), (2, "hidden")),
+    ("adds it", ((ONES,), {}), None),
+    ("changes it", ((ONES,), {}), None),
+    ("edits q's output", ((ONES,), {}), None),
+    ("two inputs", ((ONES,), {"other": ONES.clone()}), None),
 ])
-def test_a_gather_moves_to_the_input_only_where_the_layers_alone_read_it(how, call, slot):
+def test_a_gather_moves_to_the_input_only_where_the_layers_alone_read_it(how, call, argument):
     module = Reads(how)
     layers = (module.q, module.k, module.o)
-    assert input_slot(module, ["q", "k"], *call) == slot
-    assert (module.q, module.k, module.o) == layers
+    assert input_argument(module, ["q", "k"], *call) == argument
+    assert (module.q, module.k, module.o) == layers and module.training

@@ -51,6 +51,30 @@ def test_checkpoint_layer_in_a_cuda_graph(tmp_path):
     assert_matches_reference(out, expected.float(), context="replayed graph")   # split-K sums may add in any order
 
 
+def test_shared_gathers_in_a_cuda_graph(tmp_path):
+    """The attention's and the MLP's gathers of their inputs (forward pre-hooks) replay inside a CUDA
+    graph, and the replay gives the eager result."""
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
+    block = load_quantized(folder, device="cuda").model.layers[0]
+    assert hasattr(block.self_attn, "input_perm") and hasattr(block.mlp, "input_perm")
+    x = torch.randn(1, 5, 256, device="cuda", dtype=torch.float16, generator=generator(12))
+    cos, sin = torch.ones(1, 5, 64, device="cuda", dtype=torch.float16), torch.zeros(1, 5, 64, device="cuda", dtype=torch.float16)
+
+    def layer():
+        attended = block.self_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
+        return block.mlp(attended)
+
+    with torch.no_grad():
+        expected = layer()   # the first calls load and check the kernels, outside capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches_reference(out, expected.float(), context="replayed graph with shared gathers")
+
+
 LLAMA_2_7B = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}
 ODD_M = (1, 3, 17, 100, 257, 1024)
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .layer import QuantizedLayer
+from .probe import Fixed, Returns, copied, equal, random_like, single_owner, swapped
 
 GATED_MLP = ("gate_proj", "up_proj", "down_proj")
 _PROBE_ROWS = 3
@@ -30,18 +31,23 @@ class GatherFolding:
     """The folds of one model: down_proj's permutation moved into its gate_proj and up_proj.
 
     `order(names)` lists the quantized layers so that each folded down_proj comes before its
-    gate_proj and up_proj; `apply(name, layer)` then takes each converted layer in that order and
-    returns it as it is to be served."""
+    gate_proj and up_proj; `apply(name, layer)` must then see the converted layers in that order, and
+    returns each as it is to be served."""
 
     def __init__(self, model: nn.Module, quantized: set[str]):
         self.gates_of = gated_mlps(model, quantized)
         self._output_order: dict[str, torch.Tensor] = {}
 
     def order(self, names: list[str]) -> list[str]:
-        position = {name: float(i) for i, name in enumerate(names)}
-        for down, gates in self.gates_of.items():
-            position[down] = min(position[gate] for gate in gates) - 0.5
-        return sorted(names, key=position.__getitem__)
+        down_of = {gate: down for down, gates in self.gates_of.items() for gate in gates}
+        ordered: list[str] = []
+        for name in names:
+            down = down_of.get(name)
+            if down in names and down not in ordered:
+                ordered.append(down)
+            if name not in ordered:
+                ordered.append(name)
+        return ordered
 
     def apply(self, name: str, layer: QuantizedLayer) -> QuantizedLayer:
         if name in self.gates_of and layer.perm is not None:
@@ -65,11 +71,13 @@ def outputs_permuted(layer: QuantizedLayer, order: torch.Tensor) -> QuantizedLay
 
 def gated_mlps(model: nn.Module, quantized: set[str]) -> dict[str, tuple[str, str]]:
     """down_proj's name -> (gate_proj's, up_proj's) for every module of `model` with those three
-    nn.Linear children, all three in `quantized`, of matching widths, that feeds_columnwise."""
+    nn.Linear children, all three in `quantized`, of matching widths, used nowhere else in the model,
+    that feeds_columnwise."""
+    owned = single_owner(model)
     found = {}
     for name, module in model.named_modules():
         layers = [getattr(module, child, None) for child in GATED_MLP]
-        if not all(isinstance(layer, nn.Linear) for layer in layers):
+        if not all(isinstance(layer, nn.Linear) and id(layer) in owned for layer in layers):
             continue
         names = [f"{name}.{child}" if name else child for child in GATED_MLP]
         gate, up, down = layers
@@ -79,50 +87,26 @@ def gated_mlps(model: nn.Module, quantized: set[str]) -> dict[str, tuple[str, st
     return found
 
 
-class _Returns(nn.Module):
-    """A stand-in layer that returns a fixed tensor."""
-
-    def __init__(self, value: torch.Tensor):
-        super().__init__()
-        self.value = value
-
-    def forward(self, x):
-        return self.value
-
-
-class _Records(nn.Module):
-    """A stand-in layer that keeps its input and returns zeros of its output width."""
-
-    def __init__(self, out_features: int):
-        super().__init__()
-        self.out_features, self.seen = out_features, None
-
-    def forward(self, x):
-        self.seen = x
-        return x.new_zeros(*x.shape[:-1], self.out_features)
-
-
 def feeds_columnwise(mlp: nn.Module) -> bool:
     """Whether `mlp`'s forward gives down_proj a columnwise function of gate_proj's and up_proj's
-    outputs: run on the CPU in float32 with stand-ins for the three layers (restored afterwards),
-    permuting the columns that they return must permute down_proj's input the same way. Any error
-    of the probe (parameters on the meta device, another call pattern) answers False."""
-    gate, up, down = (getattr(mlp, child) for child in GATED_MLP)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, _PROBE_ROWS, gate.in_features, generator=gen)
-    g, u = (torch.randn(1, _PROBE_ROWS, gate.out_features, generator=gen) for _ in range(2))
-    order = torch.randperm(gate.out_features, generator=gen)
-    seen = []
+    outputs and uses them nowhere else: run on the CPU in float32 with stand-ins for the three layers
+    (probe.py), permuting the columns that gate_proj and up_proj return must permute down_proj's input
+    the same way and leave the module's output (down_proj's stand-in returns a fixed tensor) as it
+    was. Any error of the probe (parameters on the meta device, another call pattern) answers False."""
+    gate, down = mlp.gate_proj, mlp.down_proj
+    cpu = torch.empty(0)
+    x = random_like((1, _PROBE_ROWS, gate.in_features), cpu, seed=0)
+    g, u = (random_like((1, _PROBE_ROWS, gate.out_features), cpu, seed) for seed in (1, 2))
+    order = torch.randperm(gate.out_features, generator=torch.Generator().manual_seed(3))
+    seen, outputs = [], []
     try:
         for g_out, u_out in ((g, u), (g[..., order], u[..., order])):
-            recorder = _Records(down.out_features)
-            mlp.gate_proj, mlp.up_proj, mlp.down_proj = _Returns(g_out), _Returns(u_out), recorder
-            with torch.no_grad():
-                mlp(x)
+            recorder = Fixed(down.out_features)
+            with swapped(mlp, {"gate_proj": Returns(g_out), "up_proj": Returns(u_out), "down_proj": recorder}):
+                outputs.append(copied(mlp(x)))
             seen.append(recorder.seen)
         first, permuted = seen
-        return first.shape == g.shape and torch.allclose(permuted, first[..., order], rtol=1e-6, atol=0)
+        return (first.shape == g.shape and torch.allclose(permuted, first[..., order], rtol=1e-6, atol=0)
+                and equal(*outputs))
     except Exception:   # noqa: BLE001 - a forward the probe cannot run (or that skips a layer) is not folded
         return False
-    finally:
-        mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate, up, down

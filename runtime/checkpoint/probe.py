@@ -1,0 +1,123 @@
+"""Running a module's own forward with stand-ins for some of its layers: how the act-order folds
+(fold.py, input_gather.py) learn what a module does with its layers' inputs and outputs without
+knowing its class. Every probe runs in eval mode, puts the real layers back, and leaves the global
+random generators as they were."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def swapped(root: nn.Module, replacements: dict[str, nn.Module]):
+    """The named submodules of `root` replaced, every module of `root` in eval mode (dropout would
+    make two equal calls differ); the layers and each module's mode are put back afterwards."""
+    originals = {name: root.get_submodule(name) for name in replacements}
+    modes = {module: module.training for module in root.modules()}
+    for name, module in replacements.items():
+        _set(root, name, module)
+    root.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for name, module in originals.items():
+            _set(root, name, module)
+        for module, training in modes.items():
+            module.training = training
+
+
+def _set(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, attr, module)
+
+
+def random_like(shape, like: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """Seeded normal values in `like`'s dtype and device, from a generator of their own."""
+    gen = torch.Generator(device=like.device).manual_seed(seed)
+    return torch.randn(shape, generator=gen, device=like.device).to(like.dtype)
+
+
+def copied(value):
+    """`value` with every tensor in it cloned (tuples, lists and dicts followed), so that a later call
+    cannot change it in place."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: copied(v) for k, v in value.items()}
+    return value
+
+
+def equal(a, b) -> bool:
+    """Tensors equal element for element, followed through tuples, lists and dicts; anything else
+    compared with ==."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    return a is b or a == b
+
+
+def single_owner(model: nn.Module) -> set[int]:
+    """ids of the modules that appear once in `model`: a layer shared by two modules is not folded,
+    since a change made for one of them would reach the other."""
+    seen: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        seen[id(module)] = seen.get(id(module), 0) + 1
+    return {key for key, count in seen.items() if count == 1}
+
+
+class Fixed(nn.Module):
+    """A stand-in layer that keeps what it reads and returns a copy of the same random tensor whatever
+    that was."""
+
+    def __init__(self, out_features: int, seed: int = 0):
+        super().__init__()
+        self.out_features, self.seed, self.seen, self.value = out_features, seed, None, None
+
+    def forward(self, x):
+        self.seen = x
+        if self.value is None:
+            self.value = random_like((*x.shape[:-1], self.out_features), x, self.seed)
+        return self.value.clone()
+
+
+class Returns(nn.Module):
+    """A stand-in layer that returns a copy of a given tensor."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x):
+        return self.value.clone()
+
+
+class Zeros(nn.Module):
+    """A stand-in layer that returns zeros of its output width."""
+
+    def __init__(self, out_features: int):
+        super().__init__()
+        self.out_features = out_features
+
+    def forward(self, x):
+        return x.new_zeros(*x.shape[:-1], self.out_features)
+
+
+class LinearMap(nn.Module):
+    """A stand-in layer returning x @ R for a random R: an output that depends on every input column."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features, self.out_features, self.map = in_features, out_features, None
+
+    def forward(self, x):
+        if self.map is None:
+            self.map = random_like((self.in_features, self.out_features), x) / self.in_features ** 0.5
+        return x @ self.map
