@@ -67,7 +67,8 @@ def test_the_gated_mlps_of_transformers_feed_columnwise():
     assert feeds_columnwise(llama_mlp(hidden_act="gelu_pytorch_tanh"))
 
 
-@pytest.mark.parametrize("mlp", [MixesColumns(), ScalesColumns(), ScalesColumns(device="meta"), ReadsWeights(), UsesUp()],
+@pytest.mark.parametrize("mlp", [MixesColumns(), ScalesColumns(), ScalesColumns(device="meta"), ReadsWeights(),
+                                 UsesUp()],
                          ids=["mixes columns", "scales columns", "parameters on meta", "reads weights", "uses up"])
 def test_other_mlps_are_not_folded(mlp):
     layers = [getattr(mlp, name) for name in MLP_LAYERS]
@@ -141,7 +142,8 @@ def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt
     model = load_quantized(folder, dtype=dtype, device="cpu")
     for i, block in enumerate(model.model.layers):
         layer = f"model.layers.{i}"
-        q_order, gate_order = sorted_order(drawn[f"{layer}.self_attn.q_proj"]), sorted_order(drawn[f"{layer}.mlp.gate_proj"])
+        q_order = sorted_order(drawn[f"{layer}.self_attn.q_proj"])
+        gate_order = sorted_order(drawn[f"{layer}.mlp.gate_proj"])
         assert torch.equal(block.self_attn.input_perm.long(), q_order)
         assert torch.equal(block.mlp.input_perm.long(), gate_order)
         for name in ("q_proj", "k_proj", "v_proj"):

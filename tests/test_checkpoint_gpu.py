@@ -59,7 +59,8 @@ def test_shared_gathers_in_a_cuda_graph(tmp_path):
     block = load_quantized(folder, device="cuda").model.layers[0]
     assert hasattr(block.self_attn, "input_perm") and hasattr(block.mlp, "input_perm")
     x = torch.randn(1, 5, 256, device="cuda", dtype=torch.float16, generator=generator(12))
-    cos, sin = torch.ones(1, 5, 64, device="cuda", dtype=torch.float16), torch.zeros(1, 5, 64, device="cuda", dtype=torch.float16)
+    cos = torch.ones(1, 5, 64, device="cuda", dtype=torch.float16)   # the rotary embedding at angle 0
+    sin = torch.zeros_like(cos)
 
     def layer():
         attended = block.self_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
