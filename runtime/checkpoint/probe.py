@@ -17,21 +17,16 @@ def swapped(root: nn.Module, replacements: dict[str, nn.Module]):
     originals = {name: root.get_submodule(name) for name in replacements}
     modes = {module: module.training for module in root.modules()}
     for name, module in replacements.items():
-        _set(root, name, module)
+        root.set_submodule(name, module)
     root.eval()
     try:
         with torch.no_grad():
             yield
     finally:
         for name, module in originals.items():
-            _set(root, name, module)
+            root.set_submodule(name, module)
         for module, training in modes.items():
             module.training = training
-
-
-def _set(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, attr = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, attr, module)
 
 
 def random_like(shape, like: torch.Tensor, seed: int = 0) -> torch.Tensor:
