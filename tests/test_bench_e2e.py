@@ -58,7 +58,7 @@ def test_defaults():
     assert e2e.options(args) == e2e.Options(
         model="llama-2-7b", dtype="float16", batches=(1, 8, 32, 64, 128, 256), contexts=(512, 4096),
         prefill=(512, 2048, 4096), variants=("dense", "tilemarlin", "humming"), group=128, compile=False,
-        out="docs/bench", markdown=False)
+        checkpoint=None, out="docs/bench", markdown=False)
 
 
 def test_overrides():
@@ -94,7 +94,8 @@ def test_gemm_bench_flags_are_refused_with_e2e(flag, capsys):
     assert f"{flag[0]} belong to the GEMM bench" in err and "--e2e takes --model" in err
 
 
-@pytest.mark.parametrize("flag", [["--batches", "1"], ["--compile"], ["--variants", "dense"]])
+@pytest.mark.parametrize("flag", [["--batches", "1"], ["--compile"], ["--variants", "dense"],
+                                  ["--checkpoint", "some/folder"]])
 def test_e2e_flags_are_refused_without_e2e(flag, capsys):
     args = parse(flag)
     assert args.func(args) == 2
@@ -126,6 +127,27 @@ def test_an_unknown_model_is_named(monkeypatch, capsys):
     assert "unknown model 'gpt-17'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", [["--model", "llama-3-8b"], ["--group", "64"]])
+def test_a_checkpoint_brings_its_own_model_and_group(flag, capsys):
+    args = parse(["--e2e", "--checkpoint", "ckpt", *flag])
+    assert args.func(args) == 2
+    assert f"{flag[0]}: --checkpoint's config.json says which model it is" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_named_before_the_gpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    write_config(tmp_path, SMALL_LLAMA)   # a dense model's config.json: no quantization_config
+    args = parse(["--e2e", "--checkpoint", str(tmp_path)])
+    assert args.func(args) == 2
+    assert "config.json: quantization_config: missing: not a quantized checkpoint" in capsys.readouterr().err
+    write_config(tmp_path, {**SMALL_LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 3}})
+    assert args.func(args) == 2
+    assert "bits" in capsys.readouterr().err
+    args = parse(["--e2e", "--checkpoint", str(tmp_path / "absent")])
+    assert args.func(args) == 2
+    assert "absent/config.json" in capsys.readouterr().err
+
+
 # --- configs ---------------------------------------------------------------------------------------
 
 def test_a_registered_model_gets_its_architecture():
@@ -155,6 +177,7 @@ def test_a_config_file_drops_what_would_quantize_or_load_code(tmp_path):
     fields = models.config_fields(str(path))
     assert fields == SMALL_LLAMA
     assert e2e.model_label(str(path)) == tmp_path.name and e2e.model_label("llama-2-7b") == "llama-2-7b"
+    assert e2e.model_label("llama-2-7b", str(tmp_path / "ckpt" / "..")) == tmp_path.name
 
 
 # --- the report from the recorded sample -----------------------------------------------------------
@@ -221,6 +244,18 @@ def test_terminal_report_and_markdown(sample):
     assert "## End to end: llama-2-7b on NVIDIA H200" in md
     assert "| 512 | 1 | 8.000 | 125 | 2.500 | 400 | 3.20 |" in md
     assert "| fp16 | 13.00 | 0.00 | 1.00 |" in md and "- humming not measured" in md
+
+
+def test_a_checkpoint_run_says_what_its_layers_hold(sample):
+    sample["meta"].update(group=None, model="llama-2-7b-gptq", checkpoint={"path": "/m/llama-2-7b-gptq",
+                                                                           "quant_method": "gptq"})
+    sample["variants"]["tilemarlin"]["layers"] = {"int4_layers": 224, "zero_points": 224, "group_sizes": [128],
+                                                  "gathers": 96}
+    assert ("llama-2-7b-gptq (32 layers, hidden 4096), float16, gptq checkpoint (224 INT4 layers, group 128, "
+            "zero points in 224, 96 act-order gathers per forward)") in e2e_report.terminal_report(sample)
+    assert "The checkpoint's own weights" in e2e_report.markdown(sample)
+    del sample["variants"]["tilemarlin"]
+    assert "float16, gptq checkpoint; " in e2e_report.terminal_report(sample)
 
 
 def test_from_json_writes_the_plot_and_markdown_beside(tmp_path, capsys):
@@ -370,6 +405,61 @@ def test_the_dequantized_twin_holds_the_int4_weights():
         assert type(linear) is torch.nn.Linear and torch.equal(linear.weight, expected[name])
 
 
+@pytest.fixture(scope="module")
+def act_order_checkpoint(tmp_path_factory):
+    """A 2-layer Llama in GPTQ with zero points and act-order (q/k/v and gate/up sharing their
+    permutations, as GPTQ's do), with the layers as drawn."""
+    pytest.importorskip("transformers")
+    from tests.checkpoint_writers import write_checkpoint
+
+    folder = tmp_path_factory.mktemp("e2e") / "llama-gptq-act-order"
+    return folder, write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True, seed=3)
+
+
+@torch.no_grad()
+def test_a_checkpoints_dense_variant_holds_its_dequantized_weights(act_order_checkpoint):
+    """The dense variant of a checkpoint (loaded, then every INT4 layer dequantized, act-order rows put
+    back or left to the module that gathers them) computes the model the format's definition gives."""
+    from tests.checkpoint_writers import dense_model
+    from tests.test_checkpoint_math import MODEL_TOLERANCE
+    from tests.reference import assert_matches_reference
+
+    folder, drawn = act_order_checkpoint
+    model = models.checkpoint_variant("dense", folder, torch.float16, device="cpu")
+    assert not [name for name, m in model.named_modules() if type(m).__name__ == "QuantLinear"]
+    reference = dense_model(folder, drawn)
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert_matches_reference(model(tokens).logits.float(), reference(tokens).logits,
+                             **MODEL_TOLERANCE[torch.float16], context="dense variant of a GPTQ act-order checkpoint")
+
+
+def test_a_checkpoints_tilemarlin_layers_are_summarized(act_order_checkpoint):
+    folder, drawn = act_order_checkpoint
+    model = models.checkpoint_variant("tilemarlin", folder, torch.float16, device="cpu")
+    # per decoder layer: q/k/v's input gathered once by self_attn, o_proj its own, gate/up's once by the
+    # MLP, down_proj's folded into gate/up's columns
+    assert models.layer_summary(model) == {"int4_layers": len(drawn), "zero_points": len(drawn),
+                                           "group_sizes": [128], "gathers": 3 * 2}
+
+
+def test_the_dequantized_twin_undoes_a_layers_own_permutation():
+    from runtime import QuantLinear
+    from runtime.checkpoint.layer import build_layer
+
+    gen = torch.Generator().manual_seed(1)
+    codes = torch.randint(0, 16, (256, 64), generator=gen)
+    scales = torch.rand(2, 64, generator=gen).half() / 100
+    zeros = torch.randint(0, 16, (2, 64), generator=gen)
+    g_idx = (torch.arange(256) // 128)[torch.randperm(256, generator=gen)]
+    layer = QuantLinear.from_layer(build_layer(codes, scales, zeros, g_idx, 128, None, torch.float16), precompile=False)
+    assert layer.perm is not None and layer.zero_points
+    model = torch.nn.Sequential(layer)
+    models.to_dequantized(model)
+    # the format's definition: W[k, n] = s[g_idx[k], n] * (codes[k, n] - z[g_idx[k], n]) in the input's own order
+    expected = (scales.float()[g_idx] * (codes - zeros[g_idx]).float()).half()
+    assert torch.equal(model[0].weight.t(), expected)
+
+
 def test_humming_missing_is_a_reason_not_a_crash(monkeypatch):
     monkeypatch.setitem(sys.modules, "humming", None)
     monkeypatch.setitem(sys.modules, "humming.layer", None)
@@ -412,6 +502,37 @@ def test_a_small_llama_end_to_end(tmp_path):
     # 32 layers on the H200); a wrong kernel gives errors of order one
     assert check["same_history"]["logits_rel_error"] < 0.05
     assert (out / f"{path.stem}.png").exists() and (out / f"{path.stem}.md").exists()
+
+
+@pytest.mark.gpu
+def test_an_act_order_checkpoint_end_to_end(tmp_path):
+    """A GPTQ checkpoint with zero points and act-order as the loader serves it (gathers shared and
+    folded), against the same model with its dequantized weights, in one run."""
+    pytest.importorskip("transformers")
+    from tests.checkpoint_writers import write_checkpoint
+
+    folder = tmp_path / "llama-gptq"
+    drawn = write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True, seed=5,
+                             max_position_embeddings=256)
+    out = tmp_path / "out"
+    args = parse(["--e2e", "--checkpoint", str(folder), "--variants", "dense,tilemarlin", "--batches", "1,8",
+                  "--contexts", "64", "--prefill", "64", "--out", str(out)])
+    assert args.func(args) == 0
+    (path,) = out.glob("*-llama-gptq-e2e-float16.json")
+    data = e2e_report.load(path)
+    meta = data["meta"]
+    assert meta["complete"] and meta["checkpoint"]["quant_method"] == "gptq" and meta["group"] is None
+    for variant in ("dense", "tilemarlin"):
+        record = data["variants"][variant]
+        assert "error" not in record, record
+        for point in record["decode"] + record["prefill"]:
+            assert point["us"] is not None and point["us"] > 0, (variant, point)
+    assert data["variants"]["tilemarlin"]["layers"] == {"int4_layers": len(drawn), "zero_points": len(drawn),
+                                                        "group_sizes": [128], "gathers": 3 * 2}
+    assert data["variants"]["dense"]["quantized_bytes"] == 0
+    check = data["correctness"]
+    assert "error" not in check, check
+    assert check["same_history"]["logits_rel_error"] < 0.05
 
 
 def test_a_run_records_every_variant_and_rebuilds_its_report(tmp_path, monkeypatch, tiny_model):

@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from runtime import QuantLinear
 import runtime.op as op
 from runtime.checkpoint.fold import GatherFolding, feeds_columnwise, gated_mlps
-from runtime.checkpoint.input_gather import input_argument
+from runtime.checkpoint.input_gather import input_argument, unshare_input_gathers
 from runtime.checkpoint.loader import load_quantized
 from schedules.quant import dequantize
 from tests.checkpoint_writers import dense_model, write_checkpoint
@@ -159,6 +159,33 @@ def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt
         logits, ref = model(tokens).logits, dense_model(folder, drawn)(tokens).logits
     assert len(gathers) == 3 * len(model.model.layers)
     assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype} shared gathers")
+
+
+def test_unsharing_hands_each_layer_its_permutation_back(cpu_op, monkeypatch, tmp_path):  # noqa: F811
+    folder = tmp_path / "ckpt"
+    drawn = write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
+    model = load_quantized(folder, device="cpu")
+    tokens = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(2))
+    gathers = []
+    monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: (gathers.append(perm), out.copy_(a[:, perm.long()])))
+    with torch.no_grad():
+        shared = model(tokens).logits
+    blocks = len(model.model.layers)
+    modules = [f"model.layers.{i}.{m}" for i in range(blocks) for m in ("self_attn", "mlp")]
+    assert unshare_input_gathers(model) == modules
+    for i, block in enumerate(model.model.layers):
+        assert not hasattr(block.self_attn, "input_perm") and not hasattr(block.mlp, "input_perm")
+        assert not block.self_attn._forward_pre_hooks and not block.mlp._forward_pre_hooks
+        q_order = sorted_order(drawn[f"model.layers.{i}.self_attn.q_proj"])
+        for name in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(getattr(block.self_attn, name).perm.long(), q_order)
+        assert {"mlp.gate_proj.perm", "mlp.up_proj.perm"} < set(block.state_dict())
+        assert block.mlp.down_proj.perm is None      # folded, not shared: it stays without a gather
+    gathers.clear()
+    with torch.no_grad():
+        assert torch.equal(model(tokens).logits, shared)
+    assert len(gathers) == 6 * blocks                # q, k, v, o, gate and up each gather again
+    assert unshare_input_gathers(model) == []
 
 
 def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, tmp_path):  # noqa: F811

@@ -49,6 +49,8 @@ NO_GPU_EXIT = 2
 # (docs/performance.md, "How things are measured"): rounds in which every kernel takes its turn put
 # both under the same drift.
 DEFAULT_ROUNDS = 3
+DEFAULT_MODEL = "llama-2-7b"
+DEFAULT_GROUP = 128
 
 
 # --- command line ------------------------------------------------------------------------------------
@@ -109,14 +111,14 @@ def register(subparsers) -> None:
                     "importable, per layer and batch size, next to the measured ceilings. Needs a CUDA GPU, "
                     "except with --from-json.")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default="llama-2-7b",
+    source.add_argument("--model", default=DEFAULT_MODEL,
                         help="model name or config path (default: %(default)s); with --e2e, a config.json "
                              "needs its model_type")
     source.add_argument("--shapes", metavar="KxN,...",
                         help="layer shapes instead of a model's, e.g. 4096x12288,4096x4096")
     source.add_argument("--from-json", metavar="FILE",
                         help="rebuild the table, plots and markdown from a recorded run; no GPU needed")
-    parser.add_argument("--group", type=parse_group, default=128,
+    parser.add_argument("--group", type=parse_group, default=DEFAULT_GROUP,
                         help="rows per scale, -1 for channelwise (default: %(default)s)")
     parser.add_argument("--ms", type=parse_ms, default=list(DEFAULT_MS), metavar="M,...",
                         help="batch sizes (default: %s)" % ",".join(map(str, DEFAULT_MS)))

@@ -2,7 +2,9 @@
 
 Each variant (gen/bench/e2e_models.py: the dense model, tilemarlin's replace_linear, humming's
 layers) is built on the GPU from the model's config with the same random weights, measured, and freed
-before the next. Every variant is measured the same way: a static KV cache and one forward step
+before the next. With --checkpoint the model is a quantized checkpoint's (GPTQ, AWQ,
+compressed-tensors): tilemarlin serves it as runtime.load_quantized loads it, and the dense variant
+holds its dequantized weights. Every variant is measured the same way: a static KV cache and one forward step
 captured in a CUDA graph from fixed input buffers (gen/bench/e2e_steps.py), timed by the shared
 harness (gen.timing.time_calls: warm-up, then the median over replays timed with CUDA events).
 
@@ -55,6 +57,7 @@ class Options:
     prefill: tuple[int, ...]
     variants: tuple[str, ...]
     group: int
+    checkpoint: str | None
     compile: bool
     out: str
     markdown: bool
@@ -91,9 +94,13 @@ def add_arguments(parser) -> None:
                        help="variants to measure (default: %s)" % ",".join(models.VARIANTS))
     group.add_argument("--compile", action="store_true",
                        help="run every variant's steps through torch.compile before capturing them")
+    group.add_argument("--checkpoint", metavar="DIR",
+                       help="a quantized checkpoint folder (config.json with its quantization_config, safetensors: "
+                            "GPTQ, AWQ or compressed-tensors) instead of --model's random weights: tilemarlin "
+                            "serves it as runtime.load_quantized loads it, dense holds its dequantized weights")
 
 
-E2E_ONLY = ("batches", "contexts", "prefill", "variants", "compile")
+E2E_ONLY = ("batches", "contexts", "prefill", "variants", "compile", "checkpoint")
 
 
 def misplaced_e2e_flags(args) -> list[str]:
@@ -110,21 +117,50 @@ def _gemm_only_flags(args) -> list[str]:
 
 
 def options(args) -> Options:
-    """The run's options with their defaults; a GEMM-bench flag given with --e2e is a ValueError."""
+    """The run's options with their defaults; a GEMM-bench flag given with --e2e, or with --checkpoint a
+    model or group size of its own, is a ValueError."""
     wrong = _gemm_only_flags(args)
     if wrong:
         raise ValueError(f"{', '.join(wrong)} belong to the GEMM bench; --e2e takes --model, --dtype, --batches, "
-                         "--contexts, --prefill, --variants, --group, --compile")
+                         "--contexts, --prefill, --variants, --group, --compile, --checkpoint")
+    if args.checkpoint is not None:
+        given = [flag for flag, present in (("--model", args.model != command.DEFAULT_MODEL),
+                                            ("--group", args.group != command.DEFAULT_GROUP)) if present]
+        if given:
+            raise ValueError(f"{', '.join(given)}: --checkpoint's config.json says which model it is, and its "
+                             "layers carry their own group size")
     return Options(model=args.model, dtype=args.dtype or "float16",
                    batches=tuple(args.batches or DEFAULT_BATCHES), contexts=tuple(args.contexts or DEFAULT_CONTEXTS),
                    prefill=tuple(args.prefill or DEFAULT_PREFILL), variants=tuple(args.variants or models.VARIANTS),
-                   group=args.group, compile=args.compile, out=args.out, markdown=args.markdown)
+                   group=args.group, compile=args.compile, checkpoint=args.checkpoint, out=args.out,
+                   markdown=args.markdown)
 
 
-def model_label(name_or_path: str) -> str:
-    """A registered name as it is; a config.json's folder name (a checkpoint's name) for a path."""
+def model_label(name_or_path: str, checkpoint: str | None = None) -> str:
+    """A registered name as it is; a config.json's folder name for a path; a checkpoint's folder name."""
+    if checkpoint is not None:
+        return Path(checkpoint).resolve().name
     path = Path(name_or_path)
     return path.parent.name if path.is_file() else name_or_path
+
+
+def checkpoint_method(folder: str) -> str:
+    """The checkpoint's quant_method, once its quantization_config is read and checked as the loader
+    will (runtime.CheckpointError, naming the file and field, where it cannot be loaded)."""
+    from runtime.checkpoint.loader import checkpoint_format, read_quantization_config
+
+    qcfg = read_quantization_config(Path(folder))
+    checkpoint_format(qcfg)
+    return str(qcfg["quant_method"]).lower()
+
+
+def model_config(opts: Options):
+    """The transformers config of the run's model: --model's, or the checkpoint's config.json (with
+    its quantization_config checked)."""
+    if opts.checkpoint is None:
+        return models.hf_config(models.config_fields(opts.model))
+    checkpoint_method(opts.checkpoint)
+    return models.hf_config(models.config_fields(str(Path(opts.checkpoint) / "config.json")))
 
 
 def missing_requirement() -> str | None:
@@ -149,16 +185,22 @@ def run(args) -> int:
         return 2
     if args.from_json:
         return _report_from_json(args.from_json, opts)
+    try:
+        # a checkpoint that cannot be loaded is named before the GPU is asked for
+        method = None if opts.checkpoint is None else checkpoint_method(opts.checkpoint)
+    except ValueError as exc:
+        print(f"gen bench --e2e: {exc}", file=sys.stderr)
+        return 2
     why = missing_requirement()
     if why:
         print(why, file=sys.stderr)
         return command.NO_GPU_EXIT
     try:
-        config = models.hf_config(models.config_fields(opts.model))
+        config = model_config(opts)
     except (ValueError, OSError, KeyError) as exc:
         print(f"gen bench --e2e: {exc}", file=sys.stderr)
         return 2
-    return _measure_and_report(opts, config)
+    return _measure_and_report(opts, config, method)
 
 
 def _report_from_json(path: str, opts: Options) -> int:
@@ -281,9 +323,14 @@ def _build(variant: str, config, opts: Options):
     """The variant's model; tilemarlin's kernels are built with it (replace_linear builds those of
     every M bucket up to the largest M the run calls), before anything is timed."""
     max_m = max(*opts.batches, *opts.prefill, PROMPT_TOKENS)
+    dtype = models.DTYPES[opts.dtype]
+    if opts.checkpoint is not None:
+        if variant == "tilemarlin":
+            say("tilemarlin: loading the checkpoint and building its layers' kernels")
+        return models.checkpoint_variant(variant, opts.checkpoint, dtype)
     if variant == "tilemarlin":
         say(f"tilemarlin: converting the layers and building their kernels for M up to {max_m}")
-    return models.build_variant(variant, config, models.DTYPES[opts.dtype], opts.group, max_m)
+    return models.build_variant(variant, config, dtype, opts.group, max_m)
 
 
 def _check_tokens(model, config) -> dict:
@@ -346,6 +393,8 @@ def _measured(model, variant: str, config, opts: Options, data: dict) -> dict:
     import torch
 
     record = {"weight_bytes": models.weight_bytes(model), "quantized_bytes": models.quantized_bytes(model)}
+    if variant == "tilemarlin":
+        record["layers"] = models.layer_summary(model)
     say(f"{variant}: {record['weight_bytes'] / GIB:.2f} GiB of weights on the GPU")
     forward = _compiled(model) if opts.compile else None
     with torch.no_grad():
@@ -385,7 +434,7 @@ def _guarded(measure, *args) -> dict:
         return {"error": command._error_text(exc)}
 
 
-def _meta(opts: Options, config) -> dict:
+def _meta(opts: Options, config, method: str | None = None) -> dict:
     import torch
     import transformers
 
@@ -398,9 +447,10 @@ def _meta(opts: Options, config) -> dict:
         "versions": {**command._versions(), "transformers": transformers.__version__},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["gen", *sys.argv[1:]]),
-        "model": model_label(opts.model),
+        "model": model_label(opts.model, opts.checkpoint),
         "config": {field: getattr(config, field, None) for field in fields},
-        "dtype": opts.dtype, "group": opts.group, "compile": opts.compile,
+        "dtype": opts.dtype, "group": None if opts.checkpoint else opts.group, "compile": opts.compile,
+        "checkpoint": None if opts.checkpoint is None else {"path": str(opts.checkpoint), "quant_method": method},
         "batches": list(opts.batches), "contexts": list(opts.contexts), "prefill": list(opts.prefill),
         "variants": list(opts.variants),
         "replays": {"decode": DECODE_REPLAYS, "prefill": PREFILL_REPLAYS},
@@ -409,8 +459,8 @@ def _meta(opts: Options, config) -> dict:
     }
 
 
-def _measure_and_report(opts: Options, config) -> int:
-    data = {"meta": _meta(opts, config), "variants": {}, "correctness": None}
+def _measure_and_report(opts: Options, config, method: str | None = None) -> int:
+    data = {"meta": _meta(opts, config, method), "variants": {}, "correctness": None}
     stem = e2e_report.stem(data["meta"])
     json_path = e2e_report.output_paths(opts.out, stem)["json"]
     for variant in opts.variants:

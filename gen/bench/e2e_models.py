@@ -1,13 +1,22 @@
 """The models `gen bench --e2e` measures: a Hugging Face causal LM built from its config with random
-weights, and the same model with its linear layers converted.
+weights, and the same model with its linear layers converted; or a quantized checkpoint's own model.
 
-Variants (each built afresh from the same seed, so all hold the same weights before conversion):
+Variants of a config (each built afresh from the same seed, so all hold the same weights before
+conversion):
 
 - `dense`: the model as it is, in float16 or bfloat16;
 - `tilemarlin`: `runtime.replace_linear` (round-to-nearest INT4, one scale per `group` input rows;
   lm_head stays dense), served from the tuned table;
 - `humming`: every linear layer but lm_head as a humming-kernels `HummingLayer` (its own INT4
   quantization of the same weights, with the same group size), where humming is importable.
+
+Variants of a checkpoint folder (GPTQ, AWQ or compressed-tensors, read by runtime.load_quantized):
+
+- `tilemarlin`: the model as load_quantized serves it (zero points, act-order gathers and all);
+- `dense`: the same model with its INT4 layers dequantized into nn.Linear layers: the weights the
+  checkpoint stands for, at dense speed;
+- `humming`: humming's own INT4 quantization of those dequantized weights (symmetric, the
+  checkpoint's group size): the same work, though not the checkpoint's exact weights.
 
 `to_dequantized` turns a tilemarlin model back into plain linear layers holding exactly the weights
 the INT4 kernels compute with, the reference of the token check.
@@ -124,17 +133,25 @@ def to_tilemarlin(model: nn.Module, group: int, max_m: int | None = None) -> nn.
 
 
 def to_dequantized(model: nn.Module) -> nn.Module:
-    """Every QuantLinear of `model` as an nn.Linear holding dequantize(codes, scales), in place."""
+    """Every QuantLinear of `model` as an nn.Linear holding dequantize(codes, scales, zero points), in
+    place. An act-order layer's rows go back to the input features' order, so no gather is left: a
+    module that gathered the input of the layers it calls (runtime/checkpoint/input_gather.py) hands
+    its permutation back to them first. A dense model is then plain torch, its speed dense speed."""
     from runtime import QuantLinear
+    from runtime.checkpoint.input_gather import unshare_input_gathers
     from schedules.quant import dequantize
 
+    unshare_input_gathers(model)
     names = [name for name, module in model.named_modules() if isinstance(module, QuantLinear)]
     for name in names:
         quant = model.get_submodule(name)
         codes, scales = quant.unpack()
+        weight = dequantize(codes, scales, quant.bits, quant.zeros())
+        if quant.perm is not None:   # stored row i meets input feature perm[i]
+            weight = torch.empty_like(weight).index_copy_(0, quant.perm.long(), weight)
         linear = nn.utils.skip_init(nn.Linear, quant.in_features, quant.out_features, bias=quant.bias is not None,
                                     device=scales.device, dtype=scales.dtype)
-        linear.weight.data.copy_(dequantize(codes, scales).t())
+        linear.weight.data.copy_(weight.t())
         if quant.bias is not None:
             linear.bias.data.copy_(quant.bias)
         _swap(model, name, linear.requires_grad_(False))
@@ -176,6 +193,43 @@ def to_humming(model: nn.Module, group: int) -> nn.Module:
         bias = None if linear.bias is None else linear.bias.detach()
         _swap(model, name, HummingLinear(layer, bias))
     return model
+
+
+def load_checkpoint(folder, dtype: torch.dtype, device="cuda", precompile: bool = True) -> nn.Module:
+    """runtime.load_quantized of a checkpoint folder on `device` (its kernels built with `precompile`)."""
+    from runtime import load_quantized
+
+    return load_quantized(folder, dtype, device, precompile=precompile)
+
+
+def checkpoint_variant(variant: str, folder, dtype: torch.dtype, device="cuda") -> nn.Module:
+    """The checkpoint's model as `variant` (see the module's docstring) on `device`. Raises
+    VariantUnavailable where it cannot be built here."""
+    if variant == "humming":
+        _humming_layer_class()
+    model = load_checkpoint(folder, dtype, device, precompile=variant == "tilemarlin")
+    if variant == "tilemarlin":
+        return model
+    groups = layer_summary(model)["group_sizes"]
+    to_dequantized(model)
+    if variant == "dense":
+        return model
+    if len(groups) != 1:
+        raise VariantUnavailable(f"humming takes one group size per model; the checkpoint's layers have {groups}")
+    return to_humming(model, groups[0])
+
+
+def layer_summary(model: nn.Module) -> dict:
+    """What a tilemarlin model's INT4 layers hold: how many, how many with zero points of their own,
+    their group sizes (-1 for one group over K) and the act-order gathers of one forward (the layers'
+    own, and those of modules that gather for the layers they call)."""
+    from runtime import QuantLinear
+
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    shared = [m for m in model.modules() if isinstance(getattr(m, "input_perm", None), torch.Tensor)]
+    return {"int4_layers": len(layers), "zero_points": sum(m.zero_points for m in layers),
+            "group_sizes": sorted({-1 if m.group_size == m.in_features else m.group_size for m in layers}),
+            "gathers": sum(m.perm is not None for m in layers) + len(shared)}
 
 
 def build_variant(variant: str, config, dtype: torch.dtype, group: int, max_m: int | None = None) -> nn.Module:

@@ -171,11 +171,28 @@ def notes(data: dict) -> list[str]:
     return lines
 
 
+def layers_text(layers: dict) -> str:
+    """A tilemarlin model's INT4 layers in words (e2e_models.layer_summary's fields)."""
+    groups = ", ".join("one over K" if g == -1 else str(g) for g in layers["group_sizes"])
+    return (f"{layers['int4_layers']} INT4 layers, group {groups}, zero points in {layers['zero_points']}, "
+            f"{layers['gathers']} act-order gathers per forward")
+
+
+def _quantization(data: dict) -> str:
+    """How the model is quantized: --group's round-to-nearest, or the checkpoint's own layers."""
+    meta = data["meta"]
+    checkpoint = meta.get("checkpoint")
+    if not checkpoint:
+        return f"INT4 group {meta['group']}"
+    layers = data["variants"].get("tilemarlin", {}).get("layers")
+    return f"{checkpoint['quant_method']} checkpoint" + (f" ({layers_text(layers)})" if layers else "")
+
+
 def _heading(data: dict) -> str:
     meta, config = data["meta"], data["meta"]["config"]
     versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
     return (f"{meta['gpu']}, {meta['model']} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}), "
-            f"{meta['dtype']}, INT4 group {meta['group']}{', torch.compile' if meta.get('compile') else ''}; "
+            f"{meta['dtype']}, {_quantization(data)}{', torch.compile' if meta.get('compile') else ''}; "
             f"{meta['date']}; {versions}")
 
 
@@ -197,7 +214,11 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def markdown(data: dict) -> str:
     meta = data["meta"]
-    method = (f"The whole model with random weights, built from its config. Each step (one decode token per "
+    weights = ("The checkpoint's own weights, served as runtime.load_quantized loads them; the dense model holds "
+               "them dequantized, and humming quantizes those dequantized weights itself (symmetric, the "
+               "checkpoint's group size)." if meta.get("checkpoint") else
+               "The whole model with random weights, built from its config.")
+    method = (f"{weights} Each step (one decode token per "
               f"sequence at the end of a context-long static KV cache, or one prefill) is captured in a CUDA graph "
               f"from fixed input buffers; times are medians of {meta['replays']['decode']} (decode) and "
               f"{meta['replays']['prefill']} (prefill) replays timed with CUDA events, after warm-up.")

@@ -31,10 +31,12 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 
 class InputGather:
     """A forward pre-hook (registered with_kwargs): the module's argument `name` (at `position` where
-    it is passed positionally) replaced by its columns gathered by the module's `input_perm`."""
+    it is passed positionally) replaced by its columns gathered by the module's `input_perm`, for the
+    module's act-order layers `members` (attribute names). `handle` removes it."""
 
-    def __init__(self, position: int | None, name: str):
-        self.position, self.name = position, name
+    def __init__(self, position: int | None, name: str, members: tuple[str, ...]):
+        self.position, self.name, self.members = position, name, members
+        self.handle = None
 
     def __call__(self, module, args, kwargs):
         if self.name in kwargs:
@@ -67,7 +69,25 @@ def _share(parent: nn.Module, members: list[str], argument: tuple[int | None, st
     parent.register_buffer("input_perm", children[0].perm)
     for child in children:
         child.perm = None
-    parent.register_forward_pre_hook(InputGather(*argument), with_kwargs=True)
+    gather = InputGather(*argument, tuple(members))
+    gather.handle = parent.register_forward_pre_hook(gather, with_kwargs=True)
+
+
+def unshare_input_gathers(model: nn.Module) -> list[str]:
+    """The inverse of share_input_gathers: each module that gathers its layers' input hands its
+    permutation back to those layers (each gathers again) and drops its hook and `input_perm`.
+    Returns the modules' names."""
+    undone = []
+    for name, parent in model.named_modules():
+        gathers = [hook for hook in parent._forward_pre_hooks.values() if isinstance(hook, InputGather)]
+        for gather in gathers:
+            for member in gather.members:
+                getattr(parent, member).perm = parent.input_perm
+            gather.handle.remove()
+        if gathers:
+            del parent.input_perm
+            undone.append(name)
+    return undone
 
 
 def sharing_groups(model: nn.Module) -> dict[str, list[str]]:

@@ -64,7 +64,8 @@ def read_quantization_config(model_dir: Path) -> dict:
     return qcfg
 
 
-def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda", layout: str = DEFAULT_LAYOUT):
+def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda", layout: str = DEFAULT_LAYOUT,
+                   precompile: bool = True):
     """A transformers causal LM from a quantized checkpoint folder, its quantized linears on tilemarlin.
 
     Parameters
@@ -75,6 +76,9 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     device : where the model goes. On a machine without CUDA, "cpu" builds the same model (its
         QuantLinear layers hold the repacked weights), but running it needs a GPU.
     layout : the kernels' weight layout.
+    precompile : build the kernels of every layer's shape on a CUDA device before returning (as
+        TILEMARLIN_PRECOMPILE does, which also turns it off); False for a model that will not run
+        them (converted back to dense layers, say).
 
     Returns the model in eval mode. Raises CheckpointError (a ValueError) whose message starts with
     the file, the layer and the field at fault: another bit width or layout, a group size the kernels
@@ -90,7 +94,7 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
         del config.quantization_config   # the model is built dense; this module does the quantized part
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    replace_quantized_linears(model, fmt, files, dtype, device, layout)
+    replace_quantized_linears(model, fmt, files, dtype, device, layout, precompile)
     load_dense_parameters(model, files, dtype, device)
     model.to(device)   # the buffers computed at construction
     share_input_gathers(model)
@@ -115,9 +119,11 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout) -> int:
+def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout,
+                              precompile: bool = True) -> int:
     """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear, then build the kernels
-    of all of them at once (on a CUDA device, unless TILEMARLIN_PRECOMPILE is off); returns how many."""
+    of all of them at once (with `precompile`, on a CUDA device, unless TILEMARLIN_PRECOMPILE is off);
+    returns how many."""
     suffix = "." + fmt.marker
     pending = {name[:-len(suffix)] for name in files.names() if name.endswith(suffix)}
     modules = dict(model.named_modules())
@@ -148,8 +154,10 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
                               + (f" (and {len(pending) - 1} more)" if len(pending) > 1 else ""))
     if not replaced:
         raise CheckpointError(files.source, f"no quantized layer ({fmt.marker} tensors) in the checkpoint")
-    precompile_layers([(layer.problem, layer.qweight.device) for layer in replaced], layout=layout,
-                      gathered=[(layer.problem, layer.qweight.device) for layer in replaced if layer.perm is not None])
+    if precompile:
+        precompile_layers([(layer.problem, layer.qweight.device) for layer in replaced], layout=layout,
+                          gathered=[(layer.problem, layer.qweight.device) for layer in replaced
+                                    if layer.perm is not None])
     return len(replaced)
 
 
