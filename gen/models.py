@@ -40,7 +40,7 @@ UNFUSED_HELP = ("the --model layers as transformers' modules run them: q, k, v, 
 
 def add_layer_arguments(p, shapes_help: str = "extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096") -> None:
     """The flags that name the layers and their form, the same in every command that takes them:
-    --model, --tp, --unfused, --shapes, --group, --dtype, --zero-points, --act."""
+    --model, --tp, --unfused, --shapes, --group, --dtype, --zero-points, --checkpoint, --act."""
     from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES
 
     p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json; "
@@ -53,6 +53,10 @@ def add_layer_arguments(p, shapes_help: str = "extra KxN shapes, comma separated
     p.add_argument("--dtype", choices=SUPPORTED_DTYPES, default="float16", help="activation dtype")
     p.add_argument("--zero-points", action="store_true",
                    help="layers with zero points of their own (asymmetric checkpoints: GPTQ sym=false, AWQ)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="a quantized checkpoint folder (GPTQ, AWQ, compressed-tensors): its INT4 layers as "
+                        "runtime.load_quantized serves them (unfused shapes, their group sizes and zero points, "
+                        "the act-order gathers), in --dtype; instead of --model and --shapes")
     p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
                    help="the layers' activations: dtype (W4A16) or fp8 (W4A8: FP8 e4m3 per token on FP8 wgmma, "
                         "sm_90a, with its activation kernel for each K, whose time is the same for every "

@@ -76,6 +76,23 @@ def test_target_errors_name_the_layer():
         options.targets_from_args(parse("tune"))
 
 
+def test_a_checkpoint_names_the_layers_its_model_runs(tmp_path):
+    """gen tune --checkpoint: the problems of the checkpoint's INT4 layers as load_quantized serves them
+    (AWQ: zero points everywhere), unfused, in --dtype; no layer gathers without act-order."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from tests.checkpoint_writers import write_checkpoint
+
+    write_checkpoint(tmp_path, "awq", torch.float16, 128, symmetric=False)
+    targets = options.targets_from_args(parse("tune", "--checkpoint", str(tmp_path), "--dtype", "bfloat16"))
+    assert {(t.problem, t.label) for t in targets} == {
+        (Problem.make(n=n, k=k, dtype="bfloat16", zero_points=True), label) for n, k, label in (
+            (256, 256, "self_attn.q_proj,self_attn.o_proj"), (128, 256, "self_attn.k_proj,self_attn.v_proj"),
+            (512, 256, "mlp.gate_proj,mlp.up_proj"), (256, 512, "mlp.down_proj"))}
+    assert not any(t.gathered for t in targets)
+
+
 def test_parse_buckets():
     assert options.parse_buckets("16,1,16") == [1, 16]
     for bad in ("3", "1,x", ",", "8192"):

@@ -349,6 +349,40 @@ def test_act_order_layers_precompile_their_gather_when_asked(cache, capsys):
     assert "gather" not in capsys.readouterr().out
 
 
+def test_a_checkpoint_plans_its_own_layers_and_gathers(cache, capsys, tmp_path):
+    """--checkpoint: the problems of the INT4 layers load_quantized makes (unfused, zero points), named by
+    their layers, and the gathers the model runs: one width here, the hidden size, since q/k/v and
+    gate/up gather once per module and o_proj for itself, while down_proj's went into gate/up's columns."""
+    pytest.importorskip("transformers")
+    from tests.checkpoint_writers import write_checkpoint
+
+    folder = tmp_path / "llama-gptq"
+    write_checkpoint(folder, "gptq", torch.bfloat16, 128, symmetric=False, act_order=True)
+    assert gen_main(["precompile", "--arch", "sm_90a", "--checkpoint", str(folder), "--dtype", "bfloat16",
+                     "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("4 problems x 13 buckets on sm_90a") and "note:" not in captured.err
+    labels = {line.split("  ")[2] for line in captured.out.splitlines() if line.startswith("  to build  n")}
+    assert labels == {f"{Problem(n, k, dtype='bfloat16', zero_points=True).name} ({layers})" for n, k, layers in (
+        (256, 256, "self_attn.q_proj,self_attn.o_proj"), (128, 256, "self_attn.k_proj,self_attn.v_proj"),
+        (512, 256, "mlp.gate_proj,mlp.up_proj"), (256, 512, "mlp.down_proj"))}
+    gathers = [line.strip() for line in captured.out.splitlines() if "gather" in line]
+    assert gathers == ["to build  act-order gather, K = 256, bfloat16 input"]
+    assert gen_main(["precompile", "--arch", "sm_90a", "--checkpoint", str(folder), "--dry-run"]) == 0
+    assert "config.json says bfloat16; its layers are planned in --dtype float16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--zero-points"], ["--group", "64"], ["--shapes", "4096x4096"], ["--tp", "2"]])
+def test_a_checkpoint_decides_its_layers_itself(cache, capsys, flags):
+    assert gen_main(["precompile", "--arch", "sm_90a", "--checkpoint", "ckpt", *flags, "--dry-run"]) == 2
+    assert f"{flags[0]}: --checkpoint's layers come with their shapes" in capsys.readouterr().err
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_named(cache, capsys, tmp_path):
+    assert gen_main(["precompile", "--arch", "sm_90a", "--checkpoint", str(tmp_path), "--dry-run"]) == 2
+    assert f"{tmp_path}/config.json: cannot be read" in capsys.readouterr().err
+
+
 def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monkeypatch):
     """--act fp8: the FP8 problems' GEMMs (the committed table's fp8 entries), the W4A16 twins' at the
     buckets the table times them faster, and two activation kernels per K and input dtype (the FP8

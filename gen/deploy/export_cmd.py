@@ -60,7 +60,7 @@ def run(args) -> int:
     table = deployment.dispatch.table.subset(pairs)
     table.gpu = deployment.gpu
     about = {"model": args.model, "tp": args.tp, "shapes": args.shapes, "group": args.group, "dtype": args.dtype,
-             "act": args.act, "buckets": deployment.buckets}
+             "act": args.act, "checkpoint": args.checkpoint, "buckets": deployment.buckets}
     folders = [kernel_folder(p, s, arch) for p, s in planned]
     folders += [activation_kernel_folder(*kernel, arch) for kernel in activations]
     try:
@@ -77,9 +77,12 @@ def run(args) -> int:
 
 
 def _same_layers(args, with_target: bool = True) -> str:
-    """The flags that name the same layers (and target), for a command the user is told to run."""
-    names = ("model", "tp", "shapes", "group", "dtype", "act", "buckets") + (("arch", "gpu") if with_target else ())
+    """The flags that name the same layers (and, for `gen precompile`, target and gathers), for a command
+    the user is told to run."""
+    names = ("model", "tp", "shapes", "group", "dtype", "act", "checkpoint", "buckets") + (
+        ("arch", "gpu") if with_target else ())
     defaults = {"tp": 1, "group": 128, "dtype": "float16", "act": "dtype"}
     flags = [f"--{name} {getattr(args, name)}" for name in names
              if getattr(args, name) is not None and defaults.get(name) != getattr(args, name)]
-    return " ".join(flags + ["--zero-points"] * bool(args.zero_points))
+    return " ".join(flags + ["--zero-points"] * bool(args.zero_points)
+                    + ["--act-order"] * bool(with_target and args.act_order))

@@ -17,10 +17,12 @@ from schedules.problem import Problem
 
 @dataclass
 class Target:
-    """One problem to tune and the layers that share it."""
+    """One problem to tune and the layers that share it; `gathered`: some of them gather their input's
+    columns first (act-order), so the gather kernel of its K is built with them."""
 
     problem: Problem
     layers: list[str]
+    gathered: bool = False
 
     @property
     def label(self) -> str:
@@ -28,14 +30,18 @@ class Target:
 
 
 def targets_from_args(args) -> list[Target]:
-    """The distinct problems of --model and --shapes, each with the names of its layers. A layer the
-    kernels cannot run (N, K, the group size: runtime.op.problem_of) is a ValueError naming it."""
+    """The distinct problems of --model and --shapes, each with the names of its layers, or those of
+    --checkpoint's model. A layer the kernels cannot run (N, K, the group size: runtime.op.problem_of)
+    is a ValueError naming it."""
     from runtime.op import problem_of
 
     from gen.models import model_layers, parse_shapes
 
+    if getattr(args, "checkpoint", None):
+        return checkpoint_targets(args)
     if not args.model and not args.shapes:
-        raise ValueError("name the layers: --model NAME|PATH/config.json[,...] and/or --shapes KxN,...")
+        raise ValueError("name the layers: --model NAME|PATH/config.json[,...] and/or --shapes KxN,..., or "
+                         "--checkpoint DIR")
     models = [name.strip() for name in (args.model or "").split(",") if name.strip()]
     named = []      # (layer name, layer); with several models each name says its model
     for model in models:
@@ -51,6 +57,31 @@ def targets_from_args(args) -> list[Target]:
             raise ValueError(f"layer {name} ({layer.shape}): {exc}") from None
         targets.setdefault(problem, Target(problem, [])).layers.append(name)
     return list(targets.values())
+
+
+# The layer flags that --checkpoint decides itself, with their defaults.
+CHECKPOINT_DECIDES = {"model": None, "shapes": None, "tp": 1, "unfused": False, "group": 128, "zero_points": False,
+                      "act": "dtype"}
+
+
+def checkpoint_targets(args) -> list[Target]:
+    """The problems of --checkpoint's INT4 layers as load_quantized serves them (gen/checkpoints.py),
+    in --dtype; a flag that would name other layers or another form is a ValueError."""
+    import sys
+
+    from gen.checkpoints import checkpoint_layers, config_dtype
+
+    given = [f"--{name.replace('_', '-')}" for name, default in CHECKPOINT_DECIDES.items()
+             if getattr(args, name, default) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: --checkpoint's layers come with their shapes, group sizes and zero "
+                         "points; only --dtype applies to them")
+    wanted = config_dtype(args.checkpoint)
+    if wanted is not None and wanted != args.dtype:
+        print(f"note: {args.checkpoint}'s config.json says {wanted}; its layers are planned in --dtype {args.dtype}",
+              file=sys.stderr)
+    found = checkpoint_layers(args.checkpoint, args.dtype)
+    return [Target(problem, names, problem in found.gathered) for problem, names in found.layers.items()]
 
 
 def parse_families(text: str | None) -> list[str] | None:

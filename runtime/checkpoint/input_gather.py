@@ -79,7 +79,7 @@ def unshare_input_gathers(model: nn.Module) -> list[str]:
     Returns the modules' names."""
     undone = []
     for name, parent in model.named_modules():
-        gathers = [hook for hook in parent._forward_pre_hooks.values() if isinstance(hook, InputGather)]
+        gathers = input_gathers(parent)
         for gather in gathers:
             for member in gather.members:
                 getattr(parent, member).perm = parent.input_perm
@@ -88,6 +88,11 @@ def unshare_input_gathers(model: nn.Module) -> list[str]:
             del parent.input_perm
             undone.append(name)
     return undone
+
+
+def input_gathers(module: nn.Module) -> list[InputGather]:
+    """The InputGather hooks of `module` (one where share_input_gathers gave it one)."""
+    return [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, InputGather)]
 
 
 def sharing_groups(model: nn.Module) -> dict[str, list[str]]:

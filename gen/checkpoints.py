@@ -1,0 +1,83 @@
+"""The layers a quantized checkpoint's model runs, as runtime.load_quantized serves it: what `gen tune`,
+`gen precompile` and `gen export` act on with --checkpoint DIR.
+
+The checkpoint is loaded (on the GPU where there is one, else on the CPU; no kernel is built) and its
+QuantLinear layers are read off the model: each one's problem (shape, group size, zero points where
+its zero points are not all 8, the dtype asked for), and the act-order gathers the model runs (the
+layers that gather their own input, and the modules that gather for the layers they call; a gated
+MLP's down_proj gathers nothing: runtime/checkpoint/fold.py). Reading it from the loaded model rather
+than from config.json's fields keeps the plan to what serving will load, per-layer schemes and
+folds included. Transformers' modules run q, k, v, gate and up apart, so these are unfused shapes.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from schedules.problem import Problem
+
+DTYPES = ("float16", "bfloat16")
+
+
+@dataclass
+class CheckpointLayers:
+    """The problems of a checkpoint's INT4 layers, each with the (index-free) names of its layers, and
+    the problems whose input the model gathers first."""
+
+    layers: dict[Problem, list[str]] = field(default_factory=dict)
+    gathered: list[Problem] = field(default_factory=list)
+
+
+def config_dtype(folder: str) -> str | None:
+    """config.json's torch_dtype (or dtype) where it is float16 or bfloat16, else None."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None      # load_quantized names the problem
+    value = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
+    return value if value in DTYPES else None
+
+
+def checkpoint_layers(folder: str, dtype: str) -> CheckpointLayers:
+    """The checkpoint's INT4 layers in `dtype` ("float16" or "bfloat16"). Raises runtime's
+    CheckpointError (a ValueError naming file, layer and field) for a checkpoint load_quantized refuses."""
+    import torch
+
+    from runtime import load_quantized
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype}: a checkpoint's model runs in one of {', '.join(DTYPES)}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = load_quantized(folder, getattr(torch, dtype), device, precompile=False)
+    found = layers_of(model)
+    del model
+    return found
+
+
+def layers_of(model) -> CheckpointLayers:
+    """The INT4 layers of a loaded model (see CheckpointLayers)."""
+    from runtime import QuantLinear
+    from runtime.checkpoint.input_gather import input_gathers
+
+    found = CheckpointLayers()
+    modules = dict(model.named_modules())
+    gathered = {}
+    for name, module in modules.items():
+        if isinstance(module, QuantLinear):
+            names = found.layers.setdefault(module.problem, [])
+            if short_name(name) not in names:
+                names.append(short_name(name))
+            if module.perm is not None:
+                gathered[module.problem] = None
+        for gather in input_gathers(module):
+            gathered[getattr(module, gather.members[0]).problem] = None
+    found.gathered = list(gathered)
+    return found
+
+
+def short_name(module_name: str) -> str:
+    """A layer's name without its decoder layer's index: model.layers.3.self_attn.q_proj -> self_attn.q_proj."""
+    return re.sub(r"^.*\.\d+\.", "", module_name)
