@@ -21,11 +21,13 @@ DTYPES = ("float16", "bfloat16")
 
 @dataclass
 class CheckpointLayers:
-    """The problems of a checkpoint's INT4 layers, each with the (index-free) names of its layers, and
-    the problems whose input the model gathers first."""
+    """The problems of a checkpoint's INT4 layers, each with the (index-free) names of its layers, the
+    problems whose input the model gathers first, and those whose input an RMSNorm writes in their
+    order (runtime/checkpoint/norm_fold.py)."""
 
     layers: dict[Problem, list[str]] = field(default_factory=dict)
     gathered: list[Problem] = field(default_factory=list)
+    normed: list[Problem] = field(default_factory=list)
 
 
 def config_dtype(folder: str) -> str | None:
@@ -61,11 +63,14 @@ def layers_of(model) -> CheckpointLayers:
     """The INT4 layers of a loaded model (see CheckpointLayers)."""
     from runtime import QuantLinear
     from runtime.checkpoint.input_gather import input_gathers
+    from runtime.checkpoint.norm_fold import GatheredRMSNorm
 
     found = CheckpointLayers()
     modules = dict(model.named_modules())
-    gathered = {}
+    gathered, normed = {}, {}
     for name, module in modules.items():
+        if isinstance(module, GatheredRMSNorm):
+            normed[module.fed_problem] = None
         if isinstance(module, QuantLinear):
             names = found.layers.setdefault(module.problem, [])
             if short_name(name) not in names:
@@ -74,7 +79,7 @@ def layers_of(model) -> CheckpointLayers:
                 gathered[module.problem] = None
         for gather in input_gathers(module):
             gathered[getattr(module, gather.members[0]).problem] = None
-    found.gathered = list(gathered)
+    found.gathered, found.normed = list(gathered), list(normed)
     return found
 
 

@@ -245,10 +245,11 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
 
 # The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype, arch), "module:function", and
 # how listings name them: W4A8's FP8 quantizer, its FP8 rounding for the buckets that W4A16's kernels
-# serve, and act-order's column gather.
+# serve, act-order's column gather, and the RMSNorm that writes its output in act-order's order.
 ACTIVATION_KERNELS = {"fp8_activations": ("schedules.fp8_activations:build", "FP8 activations"),
                       "fp8_rounded": ("schedules.fp8_activations:build_rounded", "FP8-rounded activations"),
-                      "gather_columns": ("schedules.gather:build", "act-order gather")}
+                      "gather_columns": ("schedules.gather:build", "act-order gather"),
+                      "rms_norm_gather": ("schedules.norm_gather:build", "act-order RMSNorm")}
 
 
 def _activation_identity(kind: str, k: int, dtype: str, arch: Arch) -> dict:

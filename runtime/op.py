@@ -354,6 +354,60 @@ def gather_columns(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
     return _GATHER_OP(x, perm)
 
 
+# --- act-order's RMSNorm, written in the gathered order ------------------------------------------
+
+def _rms_norm_gather(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    _check_gather(x, perm)
+    _check_norm(x, weight, eps)
+    k = x.shape[-1]
+    a = _rows_for_kernels(x.reshape(-1, k))
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        with _current_device(x.device):
+            _norm_gather_into(a, weight, perm, eps, out.view(-1, k))
+    return out
+
+
+def _rms_norm_gather_fake(x, weight, perm, eps):
+    _check_gather(x, perm)
+    _check_norm(x, weight, eps)
+    return x.new_empty(x.shape)
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor) -> None:
+    k = x.shape[-1]
+    if weight.shape != (k,) or weight.dtype != x.dtype or weight.device != x.device or not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous {x.dtype} [{k}] on {x.device}, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    if eps.shape != (1,) or eps.dtype != torch.float32 or eps.device != x.device:
+        raise ValueError(f"eps must be float32 [1] on {x.device}, got {eps.dtype} {tuple(eps.shape)} on {eps.device}")
+
+
+def _norm_gather_into(a: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, eps: torch.Tensor,
+                      out: torch.Tensor) -> None:
+    """out[M, K] = the RMSNorm of a's rows in perm's order (schedules/norm_gather.py), on the current stream."""
+    if a.device.type != "cuda":
+        raise RuntimeError(f"tilemarlin::rms_norm_gather runs on CUDA GPUs, but x is on {a.device}")
+    # the kernel reads indices and weights with 16-byte loads
+    perm, weight = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (perm, weight))
+    _activation_kernel("rms_norm_gather", a.device, a.shape[1], dtype_name(a.dtype))(a, weight, perm, eps, out)
+
+
+_NORM_GATHER_OP = _define("rms_norm_gather", _rms_norm_gather, _rms_norm_gather_fake)
+
+
+def rms_norm_gather(x: torch.Tensor, weight: torch.Tensor, perm: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """(torch.ops.tilemarlin.rms_norm_gather) transformers' RMSNorm of x's last dimension, written in
+    act-order's order: out[..., j] = weight[j] * (x[..., perm[j]] / sqrt(mean(x^2) + eps)), `weight`
+    already in that order. One kernel of one block per row (schedules/norm_gather.py); CUDA-graph and
+    torch.compile safe like the other ops.
+
+    x : float16 or bfloat16 CUDA tensor [..., K]. weight : [K] in x's dtype. perm : int32 [K], a
+    permutation of range(K) (unchecked by the kernel). eps : float32 [1]; all on x's device.
+    Returns a new tensor of x's shape and dtype."""
+    return _NORM_GATHER_OP(x, weight, perm, eps)
+
+
 _ACTIVATION_KERNELS: dict[tuple, object] = {}
 
 

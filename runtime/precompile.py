@@ -69,14 +69,17 @@ class Dispatch:
         return schedule, how
 
 
-def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = ()) -> list[tuple[str, int, str]]:
+def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = (),
+                       normed: Iterable[Problem] = ()) -> list[tuple[str, int, str]]:
     """(kind, K, dtype) of each activation kernel (runtime.kernels.ACTIVATION_KERNELS) that layers of
     `problems` need, W4A8's quantizer and its rounding for every FP8 one (two small kernels per K:
     which one a bucket uses follows the tuned table, Dispatch.serving_problem, on the serving machine
-    too), and that act-order layers of `gathered` need,
-    the column gather; one per kind, K and input dtype, sorted."""
+    too), that act-order layers of `gathered` need, the column gather, and that act-order layers fed
+    by an RMSNorm in their order (`normed`, runtime/checkpoint/norm_fold.py) need, that norm; one per
+    kind, K and input dtype, sorted."""
     wanted = {(kind, p.k, p.dtype) for p in problems if p.fp8 for kind in ("fp8_activations", "fp8_rounded")}
     wanted |= {("gather_columns", p.k, p.dtype) for p in gathered}
+    wanted |= {("rms_norm_gather", p.k, p.dtype) for p in normed}
     return sorted(wanted)
 
 
@@ -128,12 +131,14 @@ def _on_cuda(device) -> bool:
 
 
 def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | None = None,
-                      layout: str | None = None, gathered: Iterable[tuple[Problem, object]] = ()) -> None:
+                      layout: str | None = None, gathered: Iterable[tuple[Problem, object]] = (),
+                      normed: Iterable[tuple[Problem, object]] = ()) -> None:
     """Build every kernel that layers of these (problem, torch device) pairs will run at M up to
-    `max_m` (all buckets for None), as the constructors and replace_linear do, and the column gather
-    of the act-order layers among them (`gathered`, the same pairs): nothing when TILEMARLIN_PRECOMPILE
-    is off, nothing for devices other than CUDA GPUs, one compile_many call per arch. Raises
-    RuntimeError naming the kernels that failed to build (their first calls would fail)."""
+    `max_m` (all buckets for None), as the constructors and replace_linear do, the column gather of the
+    act-order layers among them (`gathered`, the same pairs) and the RMSNorm that writes the input of
+    those in `normed` in their order: nothing when TILEMARLIN_PRECOMPILE is off, nothing for devices
+    other than CUDA GPUs, one compile_many call per arch. Raises RuntimeError naming the kernels that
+    failed to build (their first calls would fail)."""
     from . import kernels
     from .op import DEFAULT_LAYOUT, dispatch_for
 
@@ -141,19 +146,20 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
         return
     by_device: dict = {}
     gathers_by_device: dict = {}
-    for pairs, into in ((layers, by_device), (gathered, gathers_by_device)):
+    norms_by_device: dict = {}
+    for pairs, into in ((layers, by_device), (gathered, gathers_by_device), (normed, norms_by_device)):
         for problem, device in pairs:
             if _on_cuda(device):
                 into.setdefault(device, set()).add(problem)
     jobs_by_arch: dict[Arch, dict] = {}
     activations_by_arch: dict[Arch, set] = {}
-    for device in {**by_device, **gathers_by_device}:
+    for device in {**by_device, **gathers_by_device, **norms_by_device}:
         dispatch = dispatch_for(device)
         problems = by_device.get(device, set())
         planned = plan(problems, buckets_up_to(max_m), dispatch, layout or DEFAULT_LAYOUT)
         jobs_by_arch.setdefault(dispatch.arch, {}).update(dict.fromkeys(planned))
         activations_by_arch.setdefault(dispatch.arch, set()).update(
-            activation_kernels(problems, gathers_by_device.get(device, ())))
+            activation_kernels(problems, gathers_by_device.get(device, ()), norms_by_device.get(device, ())))
     failed = {}
     for arch, jobs in jobs_by_arch.items():
         failed.update((job, error) for job, error in build_missing(list(jobs), arch).items() if error)

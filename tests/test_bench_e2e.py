@@ -250,9 +250,10 @@ def test_a_checkpoint_run_says_what_its_layers_hold(sample):
     sample["meta"].update(group=None, model="llama-2-7b-gptq", checkpoint={"path": "/m/llama-2-7b-gptq",
                                                                            "quant_method": "gptq"})
     sample["variants"]["tilemarlin"]["layers"] = {"int4_layers": 224, "zero_points": 224, "group_sizes": [128],
-                                                  "gathers": 96}
+                                                  "gathers": 32, "gathering_norms": 64}
     assert ("llama-2-7b-gptq (32 layers, hidden 4096), float16, gptq checkpoint (224 INT4 layers, group 128, "
-            "zero points in 224, 96 act-order gathers per forward)") in e2e_report.terminal_report(sample)
+            "zero points in 224, 32 act-order gathers per forward, 64 norms writing act-order layers' input in "
+            "their order)") in e2e_report.terminal_report(sample)
     assert "The checkpoint's own weights" in e2e_report.markdown(sample)
     del sample["variants"]["tilemarlin"]
     assert "float16, gptq checkpoint; " in e2e_report.terminal_report(sample)
@@ -436,10 +437,10 @@ def test_a_checkpoints_dense_variant_holds_its_dequantized_weights(act_order_che
 def test_a_checkpoints_tilemarlin_layers_are_summarized(act_order_checkpoint):
     folder, drawn = act_order_checkpoint
     model = models.checkpoint_variant("tilemarlin", folder, torch.float16, device="cpu")
-    # per decoder layer: q/k/v's input gathered once by self_attn, o_proj its own, gate/up's once by the
-    # MLP, down_proj's folded into gate/up's columns
+    # per decoder layer: q/k/v's input and gate/up's written in their order by the two norms, o_proj
+    # gathering its own, down_proj's permutation folded into gate/up's columns
     assert models.layer_summary(model) == {"int4_layers": len(drawn), "zero_points": len(drawn),
-                                           "group_sizes": [128], "gathers": 3 * 2}
+                                           "group_sizes": [128], "gathers": 2, "gathering_norms": 2 * 2}
 
 
 def test_the_dequantized_twin_undoes_a_layers_own_permutation():
@@ -528,7 +529,7 @@ def test_an_act_order_checkpoint_end_to_end(tmp_path):
         for point in record["decode"] + record["prefill"]:
             assert point["us"] is not None and point["us"] > 0, (variant, point)
     assert data["variants"]["tilemarlin"]["layers"] == {"int4_layers": len(drawn), "zero_points": len(drawn),
-                                                        "group_sizes": [128], "gathers": 3 * 2}
+                                                        "group_sizes": [128], "gathers": 2, "gathering_norms": 4}
     assert data["variants"]["dense"]["quantized_bytes"] == 0
     check = data["correctness"]
     assert "error" not in check, check

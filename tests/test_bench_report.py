@@ -633,10 +633,14 @@ def test_tilemarlin_untuned_chooses_as_if_the_shape_had_no_entry(monkeypatch):
 def test_the_report_names_the_act_order_layers_timed_without_a_gather():
     row = dict(m=1, us=1.0)
     rows = [dict(row, layer=layer, k=256, n=64, kernel=kernel)
-            for layer in ("o_proj", "down_proj") for kernel in ("fp16", "tilemarlin", "tilemarlin_act")]
+            for layer in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+            for kernel in ("fp16", "tilemarlin", "tilemarlin_act")]
     data = {"meta": {"kernels": ["tilemarlin", "tilemarlin_act", "fp16"]}, "rows": rows}
     assert report.act_order_notes(data) == [
-        "tilemarlin_act gathers x's columns before each layer's GEMM except down_proj, which a gated MLP serves "
-        "with its permutation in gate_proj's and up_proj's output columns (runtime/checkpoint/fold.py)."]
+        "tilemarlin_act gathers x's columns before each layer's GEMM except qkv_proj, gate_up_proj, which take an "
+        "RMSNorm's output, written by the norm in their order (runtime/checkpoint/norm_fold.py); down_proj, "
+        "which a gated MLP serves with its permutation in gate_proj's and up_proj's output columns "
+        "(runtime/checkpoint/fold.py)."]
+    assert report.gathers("tilemarlin_act", "o_proj") and not report.gathers("tilemarlin", "o_proj")
     without = {**data, "rows": [r for r in rows if r["kernel"] != "tilemarlin_act"]}
     assert report.act_order_notes(without) == []

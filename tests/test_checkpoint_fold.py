@@ -1,7 +1,8 @@
 """Act-order with fewer gathers, on the CPU: a down_proj's permutation moved into gate_proj's and
-up_proj's output columns (runtime/checkpoint/fold.py), and one gather of a module's input for the
-layers that share its permutation (runtime/checkpoint/input_gather.py): which modules qualify, the
-layers' weights against the checkpoint's, and the model's logits against the dense model."""
+up_proj's output columns (runtime/checkpoint/fold.py), one gather of a module's input for the layers
+that share its permutation (runtime/checkpoint/input_gather.py), and that gather moved into the
+RMSNorm before the module (runtime/checkpoint/norm_fold.py): which modules qualify, the layers'
+weights against the checkpoint's, and the model's logits against the dense model."""
 import pytest
 import torch
 from torch import nn
@@ -11,8 +12,10 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from runtime import QuantLinear
 import runtime.op as op
 from runtime.checkpoint.fold import GatherFolding, feeds_columnwise, gated_mlps
-from runtime.checkpoint.input_gather import input_argument, unshare_input_gathers
+import runtime.checkpoint.loader as loader
+from runtime.checkpoint.input_gather import input_argument, input_gathers, unshare_input_gathers
 from runtime.checkpoint.loader import load_quantized
+from runtime.checkpoint.norm_fold import GatheredRMSNorm, unfold_gathered_norms
 from schedules.quant import dequantize
 from tests.checkpoint_writers import dense_model, write_checkpoint
 from tests.reference import assert_matches_reference
@@ -136,7 +139,9 @@ def sorted_order(layer) -> torch.Tensor:
 def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt, symmetric, dtype):  # noqa: F811
     """q_proj, k_proj and v_proj (one permutation, as GPTQ gives them) are fed by one gather of the
     attention's input, gate_proj and up_proj by one of the MLP's; o_proj keeps its own; down_proj's
-    went into gate_proj's and up_proj's columns: three gathers a decoder layer instead of seven."""
+    went into gate_proj's and up_proj's columns: three gathers a decoder layer instead of seven (before
+    the norms take two of them, which this test leaves out)."""
+    monkeypatch.setattr(loader, "fold_gathers_into_norms", lambda model: [])
     folder = tmp_path / "ckpt"
     drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order=True)
     model = load_quantized(folder, dtype=dtype, device="cpu")
@@ -161,7 +166,37 @@ def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt
     assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype} shared gathers")
 
 
-def test_unsharing_hands_each_layer_its_permutation_back(cpu_op, monkeypatch, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("fmt, symmetric, dtype", [("gptq", False, torch.float16),
+                                                   ("compressed-tensors", True, torch.bfloat16)])
+def test_the_norms_write_the_shared_inputs_in_the_gathered_order(cpu_op, monkeypatch, tmp_path, fmt, symmetric,
+                                                                 dtype):  # noqa: F811
+    """Each decoder layer's input_layernorm and post_attention_layernorm write their outputs in the
+    order of the layers they feed: a decoder layer gathers once (o_proj) and runs two norm kernels."""
+    folder = tmp_path / "ckpt"
+    drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order=True)
+    stored = dense_model(folder, drawn, dtype)
+    model = load_quantized(folder, dtype=dtype, device="cpu")
+    assert not any(input_gathers(m) or hasattr(m, "input_perm") for m in model.modules())
+    for i, block in enumerate(model.model.layers):
+        for norm_name, first in (("input_layernorm", "self_attn.q_proj"),
+                                 ("post_attention_layernorm", "mlp.gate_proj")):
+            norm = getattr(block, norm_name)
+            order = sorted_order(drawn[f"model.layers.{i}.{first}"])
+            assert isinstance(norm, GatheredRMSNorm) and torch.equal(norm.perm.long(), order)
+            assert torch.equal(norm.weight, getattr(stored.model.layers[i], norm_name).weight[order])
+        assert block.self_attn.o_proj.perm is not None
+    gathers, norms = [], []
+    monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: (gathers.append(perm), out.copy_(a[:, perm.long()])))
+    norm_gather = op._norm_gather_into
+    monkeypatch.setattr(op, "_norm_gather_into", lambda *args: (norms.append(args[2]), norm_gather(*args)))
+    tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        logits, ref = model(tokens).logits, dense_model(folder, drawn)(tokens).logits
+    assert (len(gathers), len(norms)) == (len(model.model.layers), 2 * len(model.model.layers))
+    assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype} norms gathering")
+
+
+def test_unfolding_and_unsharing_hand_each_layer_its_permutation_back(cpu_op, monkeypatch, tmp_path):  # noqa: F811
     folder = tmp_path / "ckpt"
     drawn = write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
     model = load_quantized(folder, device="cpu")
@@ -169,8 +204,16 @@ def test_unsharing_hands_each_layer_its_permutation_back(cpu_op, monkeypatch, tm
     gathers = []
     monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: (gathers.append(perm), out.copy_(a[:, perm.long()])))
     with torch.no_grad():
-        shared = model(tokens).logits
+        folded = model(tokens).logits
     blocks = len(model.model.layers)
+    norms = [f"model.layers.{i}.{m}" for i in range(blocks) for m in ("input_layernorm", "post_attention_layernorm")]
+    assert unfold_gathered_norms(model) == norms
+    assert not any(isinstance(m, GatheredRMSNorm) for m in model.modules())
+    gathers.clear()
+    with torch.no_grad():
+        shared = model(tokens).logits
+    assert len(gathers) == 3 * blocks                # self_attn, o_proj and mlp gather again
+    assert_matches_reference(shared, folded, **MODEL_TOLERANCE[torch.float16], context="unfolded norms")
     modules = [f"model.layers.{i}.{m}" for i in range(blocks) for m in ("self_attn", "mlp")]
     assert unshare_input_gathers(model) == modules
     for i, block in enumerate(model.model.layers):
@@ -188,7 +231,8 @@ def test_unsharing_hands_each_layer_its_permutation_back(cpu_op, monkeypatch, tm
     assert unshare_input_gathers(model) == []
 
 
-def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, tmp_path):  # noqa: F811
+def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, monkeypatch, tmp_path):  # noqa: F811
+    monkeypatch.setattr(loader, "fold_gathers_into_norms", lambda model: [])
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
     mlp = load_quantized(folder, device="cpu").model.layers[0].mlp
@@ -197,6 +241,16 @@ def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, tmp_path):  #
     compiled = torch.compile(mlp, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(x), mlp(x))
     assert torch.equal(mlp(x=x), mlp(x))   # the hook finds its argument however it is passed
+
+
+def test_a_gathered_norm_traces_in_one_graph(cpu_op, tmp_path):  # noqa: F811
+    folder = tmp_path / "ckpt"
+    write_checkpoint(folder, "gptq", torch.bfloat16, 128, symmetric=False, act_order=True)
+    norm = load_quantized(folder, dtype=torch.bfloat16, device="cpu").model.layers[1].post_attention_layernorm
+    assert isinstance(norm, GatheredRMSNorm)
+    x = torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(8)).bfloat16()
+    compiled = torch.compile(norm, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), norm(x))
 
 
 class Reads(nn.Module):
@@ -234,3 +288,95 @@ def test_a_gather_moves_to_the_input_only_where_the_layers_alone_read_it(how, ca
     layers = (module.q, module.k, module.o)
     assert input_argument(module, ["q", "k"], *call) == argument
     assert (module.q, module.k, module.o) == layers and module.training
+
+
+# --- which norms may write the gathered order --------------------------------------------------------
+
+class ScalesByOnePlusWeight(nn.Module):
+    """Gemma's form of RMSNorm, (1 + w) in fp32: another function than the kernel's."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.zeros(k)), 1e-6
+
+    def forward(self, x):
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def test_only_transformers_rms_norm_writes_the_gathered_order():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from runtime.checkpoint.norm_fold import rms_norm_eps
+
+    norm = LlamaRMSNorm(64, eps=1e-6)
+    nn.init.uniform_(norm.weight, 0.5, 1.5)
+    assert rms_norm_eps(norm, 64) == 1e-6 and rms_norm_eps(norm.half(), 64) == 1e-6
+    assert rms_norm_eps(norm, 128) is None
+    assert rms_norm_eps(ScalesByOnePlusWeight(64), 64) is None
+    assert rms_norm_eps(nn.LayerNorm(64), 64) is None
+    norm.shift = nn.Parameter(torch.zeros(64))      # a parameter of its own besides the weight
+    assert rms_norm_eps(norm, 64) is None
+
+
+class SharesItsInput(nn.Module):
+    """Two act-order layers reading one input, gathered once by the module (as self_attn's q and k)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = QuantLinear(64, 64, group_size=64, act_order=True, precompile=False)
+        self.k = QuantLinear(64, 64, group_size=64, act_order=True, precompile=False)
+
+    def forward(self, x):
+        return self.q(x) * self.k(x)
+
+
+class NormThenShared(nn.Module):
+    """norm -> attn, and `how` says what else reads the norm's output."""
+
+    def __init__(self, how: str):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        from runtime.checkpoint.input_gather import _share
+
+        super().__init__()
+        self.how, self.norm, self.attn, self.other = how, LlamaRMSNorm(64), SharesItsInput(), SharesItsInput()
+        for module in (self.attn, self.other):
+            _share(module, ["q", "k"], (0, "x"))
+
+    def forward(self, x):
+        h = self.norm(x)
+        out = x + self.attn(h)
+        if self.how == "adds it":
+            out = out + h
+        return out + self.other(h if self.how == "feeds two" else out)
+
+
+@pytest.mark.parametrize("how, fed", [("only attn", "attn"), ("adds it", None), ("feeds two", None)])
+def test_a_norm_writes_the_gathered_order_only_for_the_one_module_that_reads_its_output(how, fed):
+    from runtime.checkpoint.input_gather import gathers_skipped
+    from runtime.checkpoint.norm_fold import _fed_consumer
+
+    block = NormThenShared(how)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
+    with gathers_skipped(block):
+        assert _fed_consumer(block, "norm", ["attn", "other"], ((x,), {}), ((x,), {})) == fed
+    assert block.norm.__class__.__name__ == "LlamaRMSNorm" and input_gathers(block.attn)   # put back as it was
+
+
+class MultipliesBy(NormThenShared):
+    """The norm's output also scales the attention's: it reaches the output through more than attn."""
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.attn(h) * h + self.other(x)
+
+
+def test_a_norm_whose_output_meets_the_modules_output_is_not_folded():
+    from runtime.checkpoint.input_gather import gathers_skipped
+    from runtime.checkpoint.norm_fold import _fed_consumer
+
+    block = MultipliesBy("only attn")
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
+    with gathers_skipped(block):
+        assert _fed_consumer(block, "norm", ["attn", "other"], ((x,), {}), ((x,), {})) is None

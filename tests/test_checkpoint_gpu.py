@@ -51,20 +51,24 @@ def test_checkpoint_layer_in_a_cuda_graph(tmp_path):
     assert_matches_reference(out, expected.float(), context="replayed graph")   # split-K sums may add in any order
 
 
-def test_shared_gathers_in_a_cuda_graph(tmp_path):
-    """The attention's and the MLP's gathers of their inputs (forward pre-hooks) replay inside a CUDA
-    graph, and the replay gives the eager result."""
+def test_gathering_norms_in_a_cuda_graph(tmp_path):
+    """A decoder layer whose norms write the attention's and the MLP's inputs in their layers' order
+    (runtime/checkpoint/norm_fold.py) replays inside a CUDA graph, and the replay gives the eager
+    result."""
+    from runtime.checkpoint.norm_fold import GatheredRMSNorm
+
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
     block = load_quantized(folder, device="cuda").model.layers[0]
-    assert hasattr(block.self_attn, "input_perm") and hasattr(block.mlp, "input_perm")
+    assert isinstance(block.input_layernorm, GatheredRMSNorm) and isinstance(block.post_attention_layernorm,
+                                                                              GatheredRMSNorm)
     x = torch.randn(1, 5, 256, device="cuda", dtype=torch.float16, generator=generator(12))
     cos = torch.ones(1, 5, 64, device="cuda", dtype=torch.float16)   # the rotary embedding at angle 0
     sin = torch.zeros_like(cos)
 
     def layer():
-        attended = block.self_attn(hidden_states=x, position_embeddings=(cos, sin), attention_mask=None)[0]
-        return block.mlp(attended)
+        out = block(x, attention_mask=None, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
 
     with torch.no_grad():
         expected = layer()   # the first calls load and check the kernels, outside capture
@@ -73,7 +77,7 @@ def test_shared_gathers_in_a_cuda_graph(tmp_path):
             out = layer()
     graph.replay()
     torch.cuda.synchronize()
-    assert_matches_reference(out, expected.float(), context="replayed graph with shared gathers")
+    assert_matches_reference(out, expected.float(), context="replayed graph with gathering norms")
 
 
 LLAMA_2_7B = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}

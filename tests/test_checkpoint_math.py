@@ -31,6 +31,15 @@ def cpu_op(monkeypatch):
     monkeypatch.setattr(op, "_check_device", lambda *tensors: None)
     monkeypatch.setattr(op, "_launch", reference_launch)
     monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: out.copy_(a[:, perm.long()]))
+    monkeypatch.setattr(op, "_norm_gather_into", norm_gather_on_the_cpu)
+
+
+def norm_gather_on_the_cpu(a, weight, perm, eps, out):
+    """The RMSNorm kernel's definition (schedules/norm_gather.py), in torch: transformers' RMSNorm of
+    each row, its columns in perm's order, times the weight already in that order."""
+    h = a.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps.item())).to(a.dtype)
+    out.copy_(weight * h[:, perm.long()])
 
 
 def test_a_layer_with_zero_points_keeps_them_after_its_scale_rows():

@@ -219,9 +219,10 @@ def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_pa
     problems = {Problem(layer.codes.shape[1], layer.codes.shape[0], 128, zero_points=True) for layer in drawn.values()}
     assert len(problems) == 4 and arch == SM90 and len(jobs) == len(set(jobs))
     assert set(jobs) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
-    # act-order's column gather, once per input width and dtype, after the GEMMs: the hidden size alone,
-    # since down_proj's permutation went into gate_proj's and up_proj's output columns
-    assert sorted(gathers) == [(("gather_columns", 256, "float16"), SM90)]
+    # act-order's column gather (o_proj's) and the norm that writes q/k/v's and gate/up's input in their
+    # order, once per input width and dtype, after the GEMMs: the hidden size alone, since down_proj's
+    # permutation went into gate_proj's and up_proj's output columns
+    assert sorted(gathers) == [(("gather_columns", 256, "float16"), SM90), (("rms_norm_gather", 256, "float16"), SM90)]
 
 
 def test_an_act_order_layer_alone_builds_its_gather(compiler):
@@ -351,8 +352,9 @@ def test_act_order_layers_precompile_their_gather_when_asked(cache, capsys):
 
 def test_a_checkpoint_plans_its_own_layers_and_gathers(cache, capsys, tmp_path):
     """--checkpoint: the problems of the INT4 layers load_quantized makes (unfused, zero points), named by
-    their layers, and the gathers the model runs: one width here, the hidden size, since q/k/v and
-    gate/up gather once per module and o_proj for itself, while down_proj's went into gate/up's columns."""
+    their layers, and the act-order kernels the model runs: o_proj's gather and the norm that writes
+    q/k/v's and gate/up's input in their order, both of the hidden size; down_proj's permutation went
+    into gate/up's columns."""
     pytest.importorskip("transformers")
     from tests.checkpoint_writers import write_checkpoint
 
@@ -366,8 +368,9 @@ def test_a_checkpoint_plans_its_own_layers_and_gathers(cache, capsys, tmp_path):
     assert labels == {f"{Problem(n, k, dtype='bfloat16', zero_points=True).name} ({layers})" for n, k, layers in (
         (256, 256, "self_attn.q_proj,self_attn.o_proj"), (128, 256, "self_attn.k_proj,self_attn.v_proj"),
         (512, 256, "mlp.gate_proj,mlp.up_proj"), (256, 512, "mlp.down_proj"))}
-    gathers = [line.strip() for line in captured.out.splitlines() if "gather" in line]
-    assert gathers == ["to build  act-order gather, K = 256, bfloat16 input"]
+    gathers = [line.strip() for line in captured.out.splitlines() if "act-order" in line]
+    assert gathers == ["to build  act-order gather, K = 256, bfloat16 input",
+                       "to build  act-order RMSNorm, K = 256, bfloat16 input"]
     assert gen_main(["precompile", "--arch", "sm_90a", "--checkpoint", str(folder), "--dry-run"]) == 0
     assert "config.json says bfloat16; its layers are planned in --dtype float16" in capsys.readouterr().err
 

@@ -128,8 +128,9 @@ def tilemarlin_act_order_contender(w: LayerWeights) -> Contender:
     """tilemarlin serving an act-order layer as QuantLinear does: the weight rows stored sorted by group
     (the same codes and scales as tilemarlin), and each call gathers x's columns by the layer's
     permutation (a random one per layer, drawn from torch's generator as it stands) before the GEMM.
-    The gather is timed with the kernel. A gated MLP's down_proj gathers nothing (report.gathers): the
-    checkpoint loader serves it with its input columns already in its order. x[:, perm] @ W is not the
+    The gather is timed with the kernel. The layers a loaded checkpoint serves without one gather nothing
+    (report.gathers: a gated MLP's down_proj, whose input columns come in its order, and the layers fed
+    by an RMSNorm, which writes them in theirs). x[:, perm] @ W is not the
     reference's x @ W, so not checked here (tests/test_checkpoint_gpu.py checks act-order layers
     against their dequantized weights)."""
     try:

@@ -134,13 +134,17 @@ def to_tilemarlin(model: nn.Module, group: int, max_m: int | None = None) -> nn.
 
 def to_dequantized(model: nn.Module) -> nn.Module:
     """Every QuantLinear of `model` as an nn.Linear holding dequantize(codes, scales, zero points), in
-    place. An act-order layer's rows go back to the input features' order, so no gather is left: a
-    module that gathered the input of the layers it calls (runtime/checkpoint/input_gather.py) hands
-    its permutation back to them first. A dense model is then plain torch, its speed dense speed."""
+    place. An act-order layer's rows go back to the input features' order, so no gather is left: a norm
+    that wrote its output in the gathered order (runtime/checkpoint/norm_fold.py) gives way to the
+    norm it replaced, and a module that gathered the input of the layers it calls
+    (runtime/checkpoint/input_gather.py) hands its permutation back to them first. A dense model is
+    then plain torch, its speed dense speed."""
     from runtime import QuantLinear
     from runtime.checkpoint.input_gather import unshare_input_gathers
+    from runtime.checkpoint.norm_fold import unfold_gathered_norms
     from schedules.quant import dequantize
 
+    unfold_gathered_norms(model)
     unshare_input_gathers(model)
     names = [name for name, module in model.named_modules() if isinstance(module, QuantLinear)]
     for name in names:
@@ -221,15 +225,18 @@ def checkpoint_variant(variant: str, folder, dtype: torch.dtype, device="cuda") 
 
 def layer_summary(model: nn.Module) -> dict:
     """What a tilemarlin model's INT4 layers hold: how many, how many with zero points of their own,
-    their group sizes (-1 for one group over K) and the act-order gathers of one forward (the layers'
-    own, and those of modules that gather for the layers they call)."""
+    their group sizes (-1 for one group over K), the act-order gathers of one forward (the layers'
+    own, and those of modules that gather for the layers they call) and the norms that write act-order
+    layers' input in their order instead."""
     from runtime import QuantLinear
+    from runtime.checkpoint.norm_fold import GatheredRMSNorm
 
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     shared = [m for m in model.modules() if isinstance(getattr(m, "input_perm", None), torch.Tensor)]
     return {"int4_layers": len(layers), "zero_points": sum(m.zero_points for m in layers),
             "group_sizes": sorted({-1 if m.group_size == m.in_features else m.group_size for m in layers}),
-            "gathers": sum(m.perm is not None for m in layers) + len(shared)}
+            "gathers": sum(m.perm is not None for m in layers) + len(shared),
+            "gathering_norms": sum(isinstance(m, GatheredRMSNorm) for m in model.modules())}
 
 
 def build_variant(variant: str, config, dtype: torch.dtype, group: int, max_m: int | None = None) -> nn.Module:

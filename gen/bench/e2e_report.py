@@ -175,7 +175,8 @@ def layers_text(layers: dict) -> str:
     """A tilemarlin model's INT4 layers in words (e2e_models.layer_summary's fields)."""
     groups = ", ".join("one over K" if g == -1 else str(g) for g in layers["group_sizes"])
     return (f"{layers['int4_layers']} INT4 layers, group {groups}, zero points in {layers['zero_points']}, "
-            f"{layers['gathers']} act-order gathers per forward")
+            f"{layers['gathers']} act-order gathers per forward, {layers.get('gathering_norms', 0)} norms writing "
+            "act-order layers' input in their order")
 
 
 def _quantization(data: dict) -> str:

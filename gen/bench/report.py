@@ -24,9 +24,16 @@ HELD = f"SM clock held, {BASELINE} / {OURS} (MHz)"   # ... of a --sustain run: t
 
 # --- the cost model: what one call must move and compute -------------------------------------
 
-# The layer that reads a gated MLP's product: served act-order, it gathers nothing, since the checkpoint
-# loader moves its permutation into gate_proj's and up_proj's output columns (runtime/checkpoint/fold.py).
-ACT_ORDER_FOLDED = frozenset({"down_proj"})
+# Layers that a loaded act-order checkpoint serves without a gather, and why: the layer that reads a
+# gated MLP's product has its permutation in gate_proj's and up_proj's output columns
+# (runtime/checkpoint/fold.py); the layers that read an RMSNorm's output get it in their order from the
+# norm (runtime/checkpoint/norm_fold.py), fused or not.
+_FROM_GATED_MLP = "a gated MLP serves with its permutation in gate_proj's and up_proj's output columns " \
+                  "(runtime/checkpoint/fold.py)"
+_FROM_NORM = "take an RMSNorm's output, written by the norm in their order (runtime/checkpoint/norm_fold.py)"
+ACT_ORDER_FOLDED = {"down_proj": _FROM_GATED_MLP,
+                    **dict.fromkeys(("qkv_proj", "q_proj", "k_proj", "v_proj", "gate_up_proj", "gate_proj", "up_proj"),
+                                    _FROM_NORM)}
 
 
 def gathers(kernel: str, layer: str) -> bool:
@@ -282,13 +289,15 @@ def text_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def act_order_notes(data: dict) -> list[str]:
-    """Which layers tilemarlin_act timed without a gather, where it ran."""
+    """Which layers tilemarlin_act timed without a gather, and why, where it ran."""
     folded = [name for name, _, _ in layers(data) if not gathers("tilemarlin_act", name)]
     if "tilemarlin_act" not in kernels(data) or not folded:
         return []
-    return [f"tilemarlin_act gathers x's columns before each layer's GEMM except {', '.join(folded)}, which a "
-            "gated MLP serves with its permutation in gate_proj's and up_proj's output columns "
-            "(runtime/checkpoint/fold.py)."]
+    why = {}
+    for name in folded:
+        why.setdefault(ACT_ORDER_FOLDED[name], []).append(name)
+    reasons = "; ".join(f"{', '.join(names)}, which {reason}" for reason, names in why.items())
+    return [f"tilemarlin_act gathers x's columns before each layer's GEMM except {reasons}."]
 
 
 def terminal_report(data: dict) -> str:

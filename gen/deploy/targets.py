@@ -59,12 +59,14 @@ class Deployment:
     def activation_kernels(self) -> list[tuple[str, int, str]]:
         """(kind, K, dtype) of the activation kernels the layers run beside their GEMMs
         (runtime.precompile.activation_kernels): act-order's gather for every layer with --act-order,
-        else for those that gather (a checkpoint's)."""
+        else for those that gather, and the norms that write act-order layers' input in their order
+        (a checkpoint's)."""
         from runtime.precompile import activation_kernels
 
         problems = [t.problem for t in self.targets]
         gathered = [t.problem for t in self.targets if self.act_order or t.gathered]
-        return activation_kernels(problems, gathered=gathered)
+        normed = [t.problem for t in self.targets if t.normed]
+        return activation_kernels(problems, gathered=gathered, normed=normed)
 
     def describe(self) -> str:
         arch = self.dispatch.arch.name

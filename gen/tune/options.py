@@ -18,11 +18,13 @@ from schedules.problem import Problem
 @dataclass
 class Target:
     """One problem to tune and the layers that share it; `gathered`: some of them gather their input's
-    columns first (act-order), so the gather kernel of its K is built with them."""
+    columns first (act-order), so the gather kernel of its K is built with them; `normed`: some take
+    their input from an RMSNorm that writes it in their order, whose kernel is built with them."""
 
     problem: Problem
     layers: list[str]
     gathered: bool = False
+    normed: bool = False
 
     @property
     def label(self) -> str:
@@ -81,7 +83,8 @@ def checkpoint_targets(args) -> list[Target]:
         print(f"note: {args.checkpoint}'s config.json says {wanted}; its layers are planned in --dtype {args.dtype}",
               file=sys.stderr)
     found = checkpoint_layers(args.checkpoint, args.dtype)
-    return [Target(problem, names, problem in found.gathered) for problem, names in found.layers.items()]
+    return [Target(problem, names, problem in found.gathered, problem in found.normed)
+            for problem, names in found.layers.items()]
 
 
 def parse_families(text: str | None) -> list[str] | None:

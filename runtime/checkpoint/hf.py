@@ -19,8 +19,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..op import DEFAULT_LAYOUT
 from .files import TensorFiles
-from .input_gather import share_input_gathers
-from .loader import checkpoint_format, read_quantization_config, replace_quantized_linears
+from .loader import checkpoint_format, gather_once, read_quantization_config, replace_quantized_linears
 
 METHOD = "tilemarlin"
 
@@ -86,7 +85,7 @@ class TileMarlinHfQuantizer(HfQuantizer):
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, linear)
         replace_quantized_linears(model, self.format, self.files, model.dtype, device, self.quantization_config.layout)
-        share_input_gathers(model)
+        gather_once(model)
         return model
 
     def is_serializable(self):

@@ -16,6 +16,7 @@ layers must have received each input itself, and the module's outputs must be eq
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -32,13 +33,16 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 class InputGather:
     """A forward pre-hook (registered with_kwargs): the module's argument `name` (at `position` where
     it is passed positionally) replaced by its columns gathered by the module's `input_perm`, for the
-    module's act-order layers `members` (attribute names). `handle` removes it."""
+    module's act-order layers `members` (attribute names). `handle` removes it; `skip` (set by
+    gathers_skipped, for probes) passes the input on as it is."""
 
     def __init__(self, position: int | None, name: str, members: tuple[str, ...]):
         self.position, self.name, self.members = position, name, members
-        self.handle = None
+        self.handle, self.skip = None, False
 
     def __call__(self, module, args, kwargs):
+        if self.skip:
+            return None
         if self.name in kwargs:
             return args, {**kwargs, self.name: gather_columns(kwargs[self.name], module.input_perm)}
         if self.position is not None and self.position < len(args):
@@ -88,6 +92,19 @@ def unshare_input_gathers(model: nn.Module) -> list[str]:
             del parent.input_perm
             undone.append(name)
     return undone
+
+
+@contextlib.contextmanager
+def gathers_skipped(model: nn.Module):
+    """Every InputGather of `model` passing its input on ungathered (a probe's forward runs no kernel)."""
+    gathers = [gather for module in model.modules() for gather in input_gathers(module)]
+    for gather in gathers:
+        gather.skip = True
+    try:
+        yield
+    finally:
+        for gather in gathers:
+            gather.skip = False
 
 
 def input_gathers(module: nn.Module) -> list[InputGather]:

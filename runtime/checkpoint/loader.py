@@ -18,7 +18,8 @@ served by tilemarlin's kernels.
 4. The other parameters are read from the files in `dtype`, tied parameters once.
 5. Layers that read one input with one act-order permutation (q_proj, k_proj and v_proj; gate_proj
    and up_proj) leave the gather to the module that calls them, once for all of them
-   (runtime/checkpoint/input_gather.py).
+   (runtime/checkpoint/input_gather.py), and where that input is an RMSNorm's output read by nothing
+   else, the norm writes it in the gathered order and no gather runs (runtime/checkpoint/norm_fold.py).
 """
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ from .awq import AwqFormat
 from .compressed_tensors import CompressedTensorsFormat
 from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
 from .fold import GatherFolding
-from .input_gather import share_input_gathers
 from .gptq import GptqFormat
+from .input_gather import share_input_gathers
+from .norm_fold import GatheredRMSNorm, fold_gathers_into_norms
 
 FORMATS = {"gptq": GptqFormat, "awq": AwqFormat, "compressed-tensors": CompressedTensorsFormat}
 
@@ -97,8 +99,19 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     replace_quantized_linears(model, fmt, files, dtype, device, layout, precompile)
     load_dense_parameters(model, files, dtype, device)
     model.to(device)   # the buffers computed at construction
-    share_input_gathers(model)
+    gather_once(model, precompile)
     return model.eval()
+
+
+def gather_once(model: nn.Module, precompile: bool = True) -> None:
+    """Act-order's gathers after the layers are loaded: one per input that several layers share, and
+    none where an RMSNorm can write that input in the gathered order (those norms' kernels built with
+    `precompile`, as the layers' were)."""
+    share_input_gathers(model)
+    fold_gathers_into_norms(model)
+    norms = [(m.fed_problem, m.weight.device) for m in model.modules() if isinstance(m, GatheredRMSNorm)]
+    if precompile and norms:
+        precompile_layers((), normed=norms)
 
 
 @contextlib.contextmanager
