@@ -1,7 +1,8 @@
 """The layers a quantized checkpoint's model runs, as runtime.load_quantized serves it: what `gen tune`,
 `gen precompile` and `gen export` act on with --checkpoint DIR.
 
-The checkpoint is loaded (on the GPU where there is one, else on the CPU; no kernel is built) and its
+The checkpoint is loaded (on the GPU where its files take at most half of the free memory, else on
+the CPU, where repacking takes longer; no kernel is built) and its
 QuantLinear layers are read off the model: each one's problem (shape, group size, zero points where
 its zero points are not all 8, the dtype asked for), and the act-order gathers the model runs (the
 layers that gather their own input, and the modules that gather for the layers they call; a gated
@@ -52,11 +53,22 @@ def checkpoint_layers(folder: str, dtype: str) -> CheckpointLayers:
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype}: a checkpoint's model runs in one of {', '.join(DTYPES)}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = load_quantized(folder, getattr(torch, dtype), device, precompile=False)
+    model = load_quantized(folder, getattr(torch, dtype), loading_device(folder), precompile=False)
     found = layers_of(model)
     del model
     return found
+
+
+def loading_device(folder: str) -> str:
+    """"cuda" where a GPU is visible and the checkpoint's safetensors take at most half of its free
+    memory (the repacked layers and the dense parameters fit beside what is read), else "cpu"."""
+    import torch
+    from pathlib import Path
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    size = sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
+    return "cuda" if size <= torch.cuda.mem_get_info()[0] / 2 else "cpu"
 
 
 def layers_of(model) -> CheckpointLayers:

@@ -311,10 +311,11 @@ def test_only_transformers_rms_norm_writes_the_gathered_order():
 
     norm = LlamaRMSNorm(64, eps=1e-6)
     nn.init.uniform_(norm.weight, 0.5, 1.5)
-    assert rms_norm_eps(norm, 64) == 1e-6 and rms_norm_eps(norm.half(), 64) == 1e-6
+    assert rms_norm_eps(norm, 64) is None                 # an fp32 weight: the kernel's dtypes are 16-bit
+    assert rms_norm_eps(norm.half(), 64) == 1e-6 and rms_norm_eps(norm.bfloat16(), 64) == 1e-6
     assert rms_norm_eps(norm, 128) is None
-    assert rms_norm_eps(ScalesByOnePlusWeight(64), 64) is None
-    assert rms_norm_eps(nn.LayerNorm(64), 64) is None
+    assert rms_norm_eps(ScalesByOnePlusWeight(64).half(), 64) is None
+    assert rms_norm_eps(nn.LayerNorm(64).half(), 64) is None
     norm.shift = nn.Parameter(torch.zeros(64))      # a parameter of its own besides the weight
     assert rms_norm_eps(norm, 64) is None
 

@@ -93,6 +93,21 @@ def test_a_checkpoint_names_the_layers_its_model_runs(tmp_path):
     assert not any(t.gathered for t in targets)
 
 
+def test_a_checkpoint_loads_on_the_gpu_where_it_fits_easily(tmp_path, monkeypatch):
+    import torch
+
+    from gen.checkpoints import loading_device
+
+    (tmp_path / "model.safetensors").write_bytes(bytes(1000))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2000, 4000))
+    assert loading_device(str(tmp_path)) == "cuda"
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (1999, 4000))
+    assert loading_device(str(tmp_path)) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert loading_device(str(tmp_path)) == "cpu"
+
+
 def test_parse_buckets():
     assert options.parse_buckets("16,1,16") == [1, 16]
     for bad in ("3", "1,x", ",", "8192"):

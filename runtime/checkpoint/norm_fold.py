@@ -71,9 +71,11 @@ def fold_gathers_into_norms(model: nn.Module) -> list[str]:
         calls = record_calls(model, [*consumers, *norms]) if consumers else {}
         for name, children in consumers.items():
             parent = model.get_submodule(name)
+            widths = {getattr(parent, child).input_perm.numel() for child in children}
             for norm_name, norm in parent.named_children():
                 full = _joined(name, norm_name)
-                if name not in calls or full not in calls or id(norm) not in owned:
+                if (name not in calls or full not in calls or id(norm) not in owned
+                        or all(rms_norm_eps(norm, k) is None for k in widths)):    # the cheap test first
                     continue
                 consumer_name = _fed_consumer(parent, norm_name, children, calls[name], calls[full])
                 if consumer_name is None or any(f[4] is getattr(parent, consumer_name) for f in folds):
@@ -114,11 +116,13 @@ def unfold_gathered_norms(model: nn.Module) -> list[str]:
 
 
 def rms_norm_eps(norm: nn.Module, k: int) -> float | None:
-    """The norm's eps where its forward is transformers' RMSNorm over K features (weight [K], eps, and
-    no other parameter, buffer or submodule of its own), else None."""
+    """The norm's eps where its forward is transformers' RMSNorm over K features (a float16 or bfloat16
+    weight [K], the activations' dtype; eps; no other parameter, buffer or submodule of its own), else
+    None."""
     weight = getattr(norm, "weight", None)
     eps = next((getattr(norm, n) for n in _EPS_NAMES if isinstance(getattr(norm, n, None), float)), None)
     if (eps is None or not isinstance(weight, torch.Tensor) or weight.shape != (k,) or weight.device.type == "meta"
+            or weight.dtype not in (torch.float16, torch.bfloat16)
             or list(norm.children()) or list(norm.buffers()) or any(p is not weight for p in norm.parameters())):
         return None
     x = random_like((3, k), weight, seed=2) * 4
