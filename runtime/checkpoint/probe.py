@@ -106,13 +106,18 @@ class Zeros(nn.Module):
 
 
 class LinearMap(nn.Module):
-    """A stand-in layer returning x @ R for a random R: an output that depends on every input column."""
+    """A stand-in layer returning x @ U @ V for random U [in, RANK] and V [RANK, out]: an output that
+    depends on every input column, at a small fraction of a full map's cost (a probe of a 7B model's
+    layers on the CPU would otherwise draw gigabytes of random weights)."""
+
+    RANK = 8
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
-        self.in_features, self.out_features, self.map = in_features, out_features, None
+        self.in_features, self.out_features, self.maps = in_features, out_features, None
 
     def forward(self, x):
-        if self.map is None:
-            self.map = random_like((self.in_features, self.out_features), x) / self.in_features ** 0.5
-        return x @ self.map
+        if self.maps is None:
+            self.maps = (random_like((self.in_features, self.RANK), x) / self.in_features ** 0.5,
+                         random_like((self.RANK, self.out_features), x, seed=1) / self.RANK ** 0.5)
+        return x @ self.maps[0] @ self.maps[1]
