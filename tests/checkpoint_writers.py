@@ -4,7 +4,8 @@ Written from the formats' definitions, apart from runtime/checkpoint: every pack
 the eight slots of a word and names the row or column each slot holds, and every dequantization is
 the format's formula evaluated directly. The model is a small Llama (hidden 256, intermediate 512,
 2 layers, 4 heads of 64, 2 KV heads, vocab 128), so that every linear layer has K and N the kernels
-take: K in {256, 512}, N in {128, 256, 512}.
+take: K in {256, 512}, N in {128, 256, 512}; or another architecture of the same layer names and
+sizes (`model_type`: qwen2, mistral, gemma).
 """
 from __future__ import annotations
 
@@ -132,13 +133,12 @@ def write_checkpoint(folder: Path, fmt: str, dtype=torch.float16, group: int = 1
     """A Llama checkpoint folder in `fmt` ("gptq", "awq", "compressed-tensors"); returns the layers
     drawn, by module name. With act-order, layers that read one input share one g_idx as GPTQ's do
     (SAME_INPUT), unless `shared_orders` is False. Dense parameters (biases too, e.g. with
-    attention_bias=True in `config_overrides`) are random, in `dtype`; lm_head stays dense."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    attention_bias=True in `config_overrides`) are random, in `dtype`; lm_head stays dense. Another
+    architecture than Llama: model_type="qwen2" (say) in `config_overrides`."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    config = LlamaConfig(**{**LLAMA, **config_overrides})
-    dense = LlamaForCausalLM(config).to(dtype).state_dict()
+    config = _config({**LLAMA, **config_overrides})
+    dense = _model(config).to(dtype).state_dict()
     tensors = {name: t.contiguous() for name, t in dense.items()
                if not any(name.endswith(f".{lin}.weight") for lin in LINEARS)}
     layers = {}
@@ -195,14 +195,25 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def dense_model(folder: Path, drawn: dict[str, Layer], dtype=torch.float32):
     """The checkpoint's model with every quantized layer as an nn.Linear holding the weight the
     format's definition gives (the reference the loaded model is compared with)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config")
-    model = LlamaForCausalLM(LlamaConfig(**config))
+    model = _model(_config(config))
     state = {name: t.to(dtype) for name, t in read_tensors(folder).items() if name in model.state_dict()}
     state.update({f"{name}.weight": layer.weight.t().to(dtype) for name, layer in drawn.items()})
     model.load_state_dict(state, strict=False)
     missing = set(model.state_dict()) - set(state) - {"lm_head.weight"} if config["tie_word_embeddings"] else set()
     assert not {m for m in missing if not m.endswith("inv_freq")}, missing
     return model.to(dtype).eval()
+
+
+def _config(fields: dict):
+    from transformers import AutoConfig
+
+    fields = {"model_type": "llama", "head_dim": fields["hidden_size"] // fields["num_attention_heads"], **fields}
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _model(config):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)

@@ -381,3 +381,26 @@ def test_a_norm_whose_output_meets_the_modules_output_is_not_folded():
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
     with gathers_skipped(block):
         assert _fed_consumer(block, "norm", ["attn", "other"], ((x,), {}), ((x,), {})) is None
+
+
+@pytest.mark.parametrize("model_type, gathering_norms, gathers", [
+    ("qwen2", 2, 1),      # q/k/v with biases: the norms write their input, o_proj gathers
+    ("mistral", 2, 1),
+    ("gemma", 0, 3),      # its RMSNorm scales by (1 + w): the modules gather their inputs themselves
+])
+def test_other_architectures_fold_where_their_norms_are_transformers_rms_norm(cpu_op, monkeypatch, tmp_path,
+                                                                                model_type, gathering_norms,
+                                                                                gathers):  # noqa: F811
+    folder = tmp_path / "ckpt"
+    drawn = write_checkpoint(folder, "gptq", torch.bfloat16, 128, symmetric=False, act_order=True,
+                             model_type=model_type)
+    model = load_quantized(folder, dtype=torch.bfloat16, device="cpu")
+    blocks = len(model.model.layers)
+    assert sum(isinstance(m, GatheredRMSNorm) for m in model.modules()) == gathering_norms * blocks
+    calls = []
+    monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: (calls.append(perm), out.copy_(a[:, perm.long()])))
+    tokens = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, ref = model(tokens).logits, dense_model(folder, drawn)(tokens).logits
+    assert len(calls) == gathers * blocks
+    assert_matches_reference(logits, ref, **MODEL_TOLERANCE[torch.bfloat16], context=f"{model_type} act-order")
