@@ -12,12 +12,12 @@ folds included. Transformers' modules run q, k, v, gate and up apart, so these a
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from schedules.problem import Problem
-
-DTYPES = ("float16", "bfloat16")
+from schedules.problem import SUPPORTED_DTYPES, Problem
 
 
 @dataclass
@@ -33,15 +33,12 @@ class CheckpointLayers:
 
 def config_dtype(folder: str) -> str | None:
     """config.json's torch_dtype (or dtype) where it is float16 or bfloat16, else None."""
-    import json
-    from pathlib import Path
-
     try:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return None      # load_quantized names the problem
     value = config.get("torch_dtype", config.get("dtype")) if isinstance(config, dict) else None
-    return value if value in DTYPES else None
+    return value if value in SUPPORTED_DTYPES else None
 
 
 def checkpoint_layers(folder: str, dtype: str) -> CheckpointLayers:
@@ -51,11 +48,14 @@ def checkpoint_layers(folder: str, dtype: str) -> CheckpointLayers:
 
     from runtime import load_quantized
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype}: a checkpoint's model runs in one of {', '.join(DTYPES)}")
-    model = load_quantized(folder, getattr(torch, dtype), loading_device(folder), precompile=False)
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"--dtype {dtype}: a checkpoint's model runs in one of {', '.join(SUPPORTED_DTYPES)}")
+    device = loading_device(folder)
+    model = load_quantized(folder, getattr(torch, dtype), device, precompile=False)
     found = layers_of(model)
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()    # a tune's measuring processes come next
     return found
 
 
@@ -63,7 +63,6 @@ def loading_device(folder: str) -> str:
     """"cuda" where a GPU is visible and the checkpoint's safetensors take at most half of its free
     memory (the repacked layers and the dense parameters fit beside what is read), else "cpu"."""
     import torch
-    from pathlib import Path
 
     if not torch.cuda.is_available():
         return "cpu"

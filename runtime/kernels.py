@@ -272,9 +272,10 @@ def is_activation_kernel_stored(kind: str, k: int, dtype: str, arch: Arch) -> bo
 def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> CompiledKernel:
     """Activation kernel `kind` for K = k and `dtype` input: "fp8_activations" (schedules/fp8_activations.py;
     call it with x [M, K], fp8 out [M, K], token scales [M, 1] fp32), "fp8_rounded" (x [M, K], out
-    [M, K] in x's dtype) or "gather_columns" (schedules/gather.py; x [M, K], perm [K] int32, out
-    [M, K]). From this process's memory, else the store (`kernels/<arch>/<kind>/`), else built and
-    stored."""
+    [M, K] in x's dtype), "gather_columns" (schedules/gather.py; x [M, K], perm [K] int32, out
+    [M, K]) or "rms_norm_gather" (schedules/norm_gather.py; x [M, K], weight [K] in x's dtype, perm [K]
+    int32, eps [1] fp32, out [M, K]). From this process's memory, else the store
+    (`kernels/<arch>/<kind>/`), else built and stored."""
     if kind not in ACTIVATION_KERNELS:
         raise ValueError(f"unknown activation kernel {kind!r}; known: {sorted(ACTIVATION_KERNELS)}")
     key = (kind, k, dtype, arch.name)

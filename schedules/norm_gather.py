@@ -26,14 +26,21 @@ from .fp8_activations import row_into_shared, threads_for
 from .gather import CHUNK
 
 
+def supports(k: int) -> bool:
+    """Whether the kernel builds for rows of K: whole 16-byte stores, and a row that the block's threads
+    split evenly (the squares' fragment is laid over all of them)."""
+    return k % CHUNK == 0 and k % threads_for(k) == 0
+
+
 def build(k: int, dtype: str, arch: Arch):
     """The TileLang prim_func rms_norm_gather(X [M, K] `dtype`, W [K] `dtype`, P [K] int32, E [1] float32,
     Y [M, K] `dtype`), M dynamic, for `arch`; E holds eps. P must be a permutation of range(K)."""
     import tilelang.language as T
     from tilelang.cuda.language.pdl import pdl_sync
 
-    if k % CHUNK:
-        raise ValueError(f"K={k} must be a multiple of {CHUNK} (each thread writes {CHUNK} columns a store)")
+    if not supports(k):
+        raise ValueError(f"K={k} must be a multiple of {threads_for(k)}: each thread writes {CHUNK} columns a store, "
+                         f"and the block's {threads_for(k)} threads split the row's squares evenly")
     m = T.dynamic("m")
     threads = threads_for(k)
     steps = -(-k // (CHUNK * threads))

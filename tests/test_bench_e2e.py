@@ -134,6 +134,13 @@ def test_a_checkpoint_brings_its_own_model_and_group(flag, capsys):
     assert f"{flag[0]}: --checkpoint's config.json says which model it is" in capsys.readouterr().err
 
 
+def test_a_checkpoint_runs_in_its_own_dtype_unless_told(tmp_path):
+    write_config(tmp_path, {**SMALL_LLAMA, "torch_dtype": "bfloat16"})
+    assert e2e.options(parse(["--e2e", "--checkpoint", str(tmp_path)])).dtype == "bfloat16"
+    assert e2e.options(parse(["--e2e", "--checkpoint", str(tmp_path), "--dtype", "float16"])).dtype == "float16"
+    assert e2e.options(parse(["--e2e"])).dtype == "float16"
+
+
 def test_a_checkpoint_that_cannot_be_loaded_is_named_before_the_gpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     write_config(tmp_path, SMALL_LLAMA)   # a dense model's config.json: no quantization_config

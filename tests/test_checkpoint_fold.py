@@ -353,6 +353,70 @@ class NormThenShared(nn.Module):
         return out + self.other(h if self.how == "feeds two" else out)
 
 
+class ReadsItTwice(SharesItsInput):
+    """Takes a second tensor, which the probe must see depend on the norm's output."""
+
+    def forward(self, x, extra=None):
+        out = self.q(x) * self.k(x)
+        return out if extra is None else out + extra
+
+
+class Uses(nn.Module):
+    """norm -> attn as NormThenShared does, but `how` says what else happens to the norm's output."""
+
+    def __init__(self, how: str):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        from runtime.checkpoint.input_gather import _share
+
+        super().__init__()
+        self.how, self.norm, self.attn, self.other = how, LlamaRMSNorm(64), ReadsItTwice(), SharesItsInput()
+        for module in (self.attn, self.other):
+            _share(module, ["q", "k"], (0, "x"))
+
+    def forward(self, x):
+        h = self.norm(x)
+        if self.how == "calls attn on x too":
+            return self.attn(x) + self.attn(h) + self.other(x)
+        if self.how == "passes it twice":
+            return x + self.attn(h, h * 2) + self.other(x)
+        if self.how == "changes it in place":
+            h.mul_(torch.linspace(0.5, 2, 64))
+        return x + self.attn(h) + self.other(x)
+
+
+@pytest.mark.parametrize("how", ["calls attn on x too", "passes it twice", "changes it in place"])
+def test_a_norm_whose_output_the_module_does_not_take_as_it_is_is_not_folded(how):
+    from runtime.checkpoint.input_gather import gathers_skipped
+    from runtime.checkpoint.norm_fold import _fed_consumer
+
+    block = Uses(how)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(1))
+    with gathers_skipped(block):
+        assert _fed_consumer(block, "norm", ["attn", "other"], ((x,), {}), ((x,), {})) is None
+        block.how = "plain"
+        assert _fed_consumer(block, "norm", ["attn", "other"], ((x,), {}), ((x,), {})) == "attn"
+
+
+def test_a_norm_with_hooks_or_of_a_width_the_kernel_cannot_take_is_not_folded(cpu_op, tmp_path):  # noqa: F811
+    from runtime.checkpoint.norm_fold import _plain
+
+    folder = tmp_path / "ckpt"
+    # hidden size 576: a multiple of 64 that the norm kernel's 128 threads do not split
+    write_checkpoint(folder, "gptq", torch.float16, 64, symmetric=False, act_order=True, hidden_size=576,
+                     num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    model = load_quantized(folder, device="cpu")
+    assert not any(isinstance(m, GatheredRMSNorm) for m in model.modules())
+    assert all(hasattr(block.self_attn, "input_perm") and hasattr(block.mlp, "input_perm")
+               for block in model.model.layers)
+    norm, x = model.model.layers[0].input_layernorm, torch.zeros(1, 576, dtype=torch.float16)
+    assert not _plain(norm, ((x,), {}))
+    norm.weight.data = torch.ones(256, dtype=torch.float16)
+    assert _plain(norm, ((x[:, :256],), {})) and not _plain(norm, ((x[:, :256].float(),), {}))
+    norm.register_forward_hook(lambda module, args, out: None)
+    assert not _plain(norm, ((x[:, :256],), {}))
+
+
 @pytest.mark.parametrize("how, fed", [("only attn", "attn"), ("adds it", None), ("feeds two", None)])
 def test_a_norm_writes_the_gathered_order_only_for_the_one_module_that_reads_its_output(how, fed):
     from runtime.checkpoint.input_gather import gathers_skipped

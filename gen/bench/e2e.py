@@ -129,11 +129,18 @@ def options(args) -> Options:
         if given:
             raise ValueError(f"{', '.join(given)}: --checkpoint's config.json says which model it is, and its "
                              "layers carry their own group size")
-    return Options(model=args.model, dtype=args.dtype or "float16",
+    return Options(model=args.model, dtype=args.dtype or _checkpoint_dtype(args.checkpoint) or "float16",
                    batches=tuple(args.batches or DEFAULT_BATCHES), contexts=tuple(args.contexts or DEFAULT_CONTEXTS),
                    prefill=tuple(args.prefill or DEFAULT_PREFILL), variants=tuple(args.variants or models.VARIANTS),
                    group=args.group, compile=args.compile, checkpoint=args.checkpoint, out=args.out,
                    markdown=args.markdown)
+
+
+def _checkpoint_dtype(checkpoint: str | None) -> str | None:
+    """A checkpoint's own dtype (config.json's), the default of its run."""
+    from gen.checkpoints import config_dtype
+
+    return None if checkpoint is None else config_dtype(checkpoint)
 
 
 def model_label(name_or_path: str, checkpoint: str | None = None) -> str:
@@ -155,11 +162,9 @@ def checkpoint_method(folder: str) -> str:
 
 
 def model_config(opts: Options):
-    """The transformers config of the run's model: --model's, or the checkpoint's config.json (with
-    its quantization_config checked)."""
+    """The transformers config of the run's model: --model's, or the checkpoint's config.json."""
     if opts.checkpoint is None:
         return models.hf_config(models.config_fields(opts.model))
-    checkpoint_method(opts.checkpoint)
     return models.hf_config(models.config_fields(str(Path(opts.checkpoint) / "config.json")))
 
 

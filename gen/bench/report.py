@@ -28,8 +28,8 @@ HELD = f"SM clock held, {BASELINE} / {OURS} (MHz)"   # ... of a --sustain run: t
 # gated MLP's product has its permutation in gate_proj's and up_proj's output columns
 # (runtime/checkpoint/fold.py); the layers that read an RMSNorm's output get it in their order from the
 # norm (runtime/checkpoint/norm_fold.py), fused or not.
-_FROM_GATED_MLP = "a gated MLP serves with its permutation in gate_proj's and up_proj's output columns " \
-                  "(runtime/checkpoint/fold.py)"
+_FROM_GATED_MLP = ("a gated MLP serves with its permutation in gate_proj's and up_proj's output columns "
+                   "(runtime/checkpoint/fold.py)")
 _FROM_NORM = "take an RMSNorm's output, written by the norm in their order (runtime/checkpoint/norm_fold.py)"
 ACT_ORDER_FOLDED = {"down_proj": _FROM_GATED_MLP,
                     **dict.fromkeys(("qkv_proj", "q_proj", "k_proj", "v_proj", "gate_up_proj", "gate_proj", "up_proj"),

@@ -11,18 +11,26 @@ Which norm qualifies is probed, not read from class names:
 - the norm computes transformers' RMSNorm, weight * (x / sqrt(mean(x^2) + eps)) in its rounding (its
   own forward against that formula on a random row, exactly, with its weight and eps and nothing else
   of its own);
-- the module's gathered argument is the norm's output itself, and nothing else in their parent reads
-  it: the parent's forward (from a recorded call of a short prompt) runs twice with the norm returning
-  two different tensors and the gathering modules returning fixed outputs; the parent's outputs, and
-  what the parent's other gathering modules read, must be equal.
+- the module's gathered argument is the norm's output itself, unchanged, at each of its calls, and
+  nothing else in their parent reads it: the parent's forward (from a recorded call of a short prompt)
+  runs twice with the norm returning two different tensors and the gathering modules returning fixed
+  outputs; the parent's outputs, the module's other arguments and what the parent's other gathering
+  modules read must be equal;
+- the norm has no hooks of its own, takes rows of its weight's dtype, and its width is one the kernel
+  builds for (schedules/norm_gather.supports).
 Probes run in eval mode, with the gathers skipped and the INT4 layers replaced (probe.py), and put
 every module back. `unfold_gathered_norms` undoes the move (the dense twin of a model, say).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
+from schedules import norm_gather
+
+from ..linear import QuantLinear
 from ..op import rms_norm_gather
 from .input_gather import InputGather, gathers_skipped, input_gathers, record_calls
 from .probe import LinearMap, Zeros, copied, equal, random_like, single_owner, swapped
@@ -56,6 +64,15 @@ class GatheredRMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps.item():g}, act-order gathered"
 
 
+class _Fold(NamedTuple):
+    name: str               # the norm's, in the model
+    parent: nn.Module
+    attribute: str          # the norm's, in the parent
+    norm: nn.Module
+    consumer: nn.Module     # the gathering module it feeds
+    eps: float
+
+
 def fold_gathers_into_norms(model: nn.Module) -> list[str]:
     """For each module that gathers its input (input_gather.py) whose input is the output of an RMSNorm
     beside it that nothing else reads: the norm writes the gathered columns and the module's gather
@@ -64,7 +81,7 @@ def fold_gathers_into_norms(model: nn.Module) -> list[str]:
     consumers = {name: [child for child, module in parent.named_children() if input_gathers(module)]
                  for name, parent in model.named_modules()}
     consumers = {name: children for name, children in consumers.items() if children}
-    folds = []
+    folds: list[_Fold] = []
     with gathers_skipped(model):
         norms = [_joined(name, child) for name in consumers
                  for child, module in model.get_submodule(name).named_children() if id(module) in owned]
@@ -72,32 +89,42 @@ def fold_gathers_into_norms(model: nn.Module) -> list[str]:
         for name, children in consumers.items():
             parent = model.get_submodule(name)
             widths = {getattr(parent, child).input_perm.numel() for child in children}
-            for norm_name, norm in parent.named_children():
-                full = _joined(name, norm_name)
-                if (name not in calls or full not in calls or id(norm) not in owned
-                        or all(rms_norm_eps(norm, k) is None for k in widths)):    # the cheap test first
+            for attribute, norm in parent.named_children():
+                full = _joined(name, attribute)
+                if (name not in calls or full not in calls or id(norm) not in owned or not _plain(norm, calls[full])
+                        or all(rms_norm_eps(norm, k) is None for k in widths)):    # the cheap tests first
                     continue
-                consumer_name = _fed_consumer(parent, norm_name, children, calls[name], calls[full])
-                if consumer_name is None or any(f[4] is getattr(parent, consumer_name) for f in folds):
+                fed = _fed_consumer(parent, attribute, children, calls[name], calls[full])
+                consumer = None if fed is None else getattr(parent, fed)
+                if consumer is None or any(f.consumer is consumer for f in folds):
                     continue
-                consumer = getattr(parent, consumer_name)
                 eps = rms_norm_eps(norm, consumer.input_perm.numel())
                 if eps is not None:
-                    folds.append((full, parent, norm_name, norm, consumer, eps))
-    for full, parent, norm_name, norm, consumer, eps in folds:
-        _fold(parent, norm_name, norm, eps, consumer)
-    return [f[0] for f in folds]
+                    folds.append(_Fold(full, parent, attribute, norm, consumer, eps))
+    for fold in folds:
+        _fold(fold)
+    return [fold.name for fold in folds]
+
+
+def _plain(norm: nn.Module, call) -> bool:
+    """No hook of its own would be lost with the module, its kernel can be built for the row's width,
+    and it was called on a tensor of its weight's dtype (the kernel's one dtype)."""
+    args, _ = call
+    weight = getattr(norm, "weight", None)
+    return (not (norm._forward_hooks or norm._forward_pre_hooks) and isinstance(weight, torch.Tensor)
+            and weight.dim() == 1 and norm_gather.supports(weight.shape[0])
+            and bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype == weight.dtype)
 
 
 def _joined(parent: str, child: str) -> str:
     return f"{parent}.{child}" if parent else child
 
 
-def _fold(parent: nn.Module, norm_name: str, norm: nn.Module, eps: float, consumer: nn.Module) -> None:
-    (gather,) = input_gathers(consumer)
-    parent.set_submodule(norm_name, GatheredRMSNorm(norm, eps, consumer, gather))
+def _fold(fold: _Fold) -> None:
+    (gather,) = input_gathers(fold.consumer)
+    fold.parent.set_submodule(fold.attribute, GatheredRMSNorm(fold.norm, fold.eps, fold.consumer, gather))
     gather.handle.remove()
-    del consumer.input_perm
+    del fold.consumer.input_perm
 
 
 def unfold_gathered_norms(model: nn.Module) -> list[str]:
@@ -143,32 +170,44 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 class _Emits(nn.Module):
-    """A stand-in norm that returns a fresh copy of `value` and keeps the last one it returned."""
+    """A stand-in norm that returns a fresh copy of `value` at each call, and keeps each one it returned
+    with a copy of it (what it held then)."""
 
     def __init__(self, value: torch.Tensor):
         super().__init__()
-        self.value, self.last = value, None
+        self.value, self.emitted = value, []
 
     def forward(self, *args, **kwargs):
-        self.last = self.value.clone()
-        return self.last
+        out = self.value.clone()
+        self.emitted.append((out, out.clone()))
+        return out
+
+
+class _Call(NamedTuple):
+    gathered: object        # the tensor passed as the gathered argument (None where it was not passed)
+    gathered_then: object   # a copy of it, taken at the call
+    rest: object            # copies of the other arguments: (args, kwargs)
 
 
 class _Canned(nn.Module):
     """A stand-in for a gathering module: random tensors in the form of the real module's output (its
     first call's, with its INT4 layers returning zeros), returned again whatever later calls pass;
-    keeps the tensor each call passed as the gathered argument."""
+    keeps what each call passed (_Call)."""
 
     def __init__(self, real: nn.Module, gather: InputGather):
         super().__init__()
-        self.real, self.gather, self.output, self.seen = real, gather, None, None
+        self.real, self.gather, self.output, self.calls = real, gather, None, []
 
     def forward(self, *args, **kwargs):
-        self.seen = kwargs.get(self.gather.name, args[self.gather.position] if self.gather.position is not None
-                               and self.gather.position < len(args) else None)
+        name, position = self.gather.name, self.gather.position
+        if name in kwargs:
+            gathered, rest = kwargs[name], (args, {k: v for k, v in kwargs.items() if k != name})
+        elif position is not None and position < len(args):
+            gathered, rest = args[position], ((*args[:position], *args[position + 1:]), kwargs)
+        else:
+            gathered, rest = None, (args, kwargs)
+        self.calls.append(_Call(gathered, copied(gathered), copied(rest)))
         if self.output is None:
-            from ..linear import QuantLinear
-
             zeros = {n: Zeros(m.out_features) for n, m in self.real.named_modules() if isinstance(m, QuantLinear)}
             with swapped(self.real, zeros):
                 self.output = _randomized(self.real(*args, **kwargs))
@@ -187,31 +226,50 @@ def _randomized(value, seed: int = 5):
     return value
 
 
-def _fed_consumer(parent: nn.Module, norm_name: str, consumers: list[str], parent_call, norm_call) -> str | None:
-    """The one gathering child of `parent` whose gathered argument is the output of `norm_name`, where
-    nothing else in the parent's forward reads that output; None otherwise."""
-    from ..linear import QuantLinear
+class _Run(NamedTuple):
+    output: object
+    emitted: list                  # the norm stand-in's (tensor, copy) per call
+    calls: dict[str, list[_Call]]  # per gathering child
 
-    args, kwargs = norm_call
+
+def _fed_consumer(parent: nn.Module, norm_name: str, consumers: list[str], parent_call, norm_call) -> str | None:
+    """The one gathering child of `parent` that receives the output of `norm_name` as its gathered
+    argument (at every call, unchanged), where nothing else in the parent's forward reads that output:
+    not the child's other arguments, not the other children, not the parent's outputs. None otherwise."""
+    args, _ = norm_call
     if not args or not isinstance(args[0], torch.Tensor):
         return None
-    canned = {name: _Canned(getattr(parent, name), input_gathers(getattr(parent, name))[0]) for name in consumers}
     inside = tuple(f"{name}." for name in consumers)
     maps = {name: LinearMap(m.in_features, m.out_features) for name, m in parent.named_modules()
             if isinstance(m, QuantLinear) and not name.startswith(inside)}
     runs = []
     try:
         for seed in (3, 4):
+            canned = {name: _Canned(getattr(parent, name), input_gathers(getattr(parent, name))[0])
+                      for name in consumers}
             emits = _Emits(random_like(args[0].shape, args[0], seed=seed))
             with swapped(parent, {**maps, **canned, norm_name: emits}):
                 out = copied(parent(*parent_call[0], **parent_call[1]))
-            runs.append((out, emits.last, {name: copied(stand_in.seen) for name, stand_in in canned.items()},
-                         {name: stand_in.seen for name, stand_in in canned.items()}))
+            runs.append(_Run(out, emits.emitted, {name: stand_in.calls for name, stand_in in canned.items()}))
     except Exception:   # noqa: BLE001 - a call the probe cannot repeat folds nothing
         return None
-    (out1, emitted1, seen1, raw1), (out2, emitted2, seen2, raw2) = runs
-    fed = [name for name in consumers if raw1[name] is emitted1 and raw2[name] is emitted2]
-    if len(fed) != 1 or not equal(out1, out2):
+    first, second = runs
+    if len(first.emitted) != 1 or len(second.emitted) != 1 or not equal(first.output, second.output):
         return None
-    others_unchanged = all(equal(seen1[name], seen2[name]) for name in consumers if name != fed[0])
-    return fed[0] if others_unchanged else None
+    fed = [name for name in consumers if _receives(first.calls[name], first.emitted[0])
+           and _receives(second.calls[name], second.emitted[0])]
+    if len(fed) != 1:
+        return None
+    for name in consumers:
+        one, two = first.calls[name], second.calls[name]
+        if len(one) != len(two) or not all(equal(a.rest, b.rest) for a, b in zip(one, two)):
+            return None     # the norm's output reaches another argument, or changes how often it is called
+        if name != fed[0] and not all(equal(a.gathered_then, b.gathered_then) for a, b in zip(one, two)):
+            return None     # ... or another child's input
+    return fed[0]
+
+
+def _receives(calls: list[_Call], emitted) -> bool:
+    """Every call passed the emitted tensor itself as the gathered argument, as it was emitted."""
+    tensor, then = emitted
+    return bool(calls) and all(c.gathered is tensor and equal(c.gathered_then, then) for c in calls)
