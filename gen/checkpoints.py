@@ -73,24 +73,17 @@ def loading_device(folder: str) -> str:
 def layers_of(model) -> CheckpointLayers:
     """The INT4 layers of a loaded model (see CheckpointLayers)."""
     from runtime import QuantLinear
-    from runtime.checkpoint.input_gather import input_gathers
-    from runtime.checkpoint.norm_fold import GatheredRMSNorm
+    from runtime.checkpoint.loader import act_order_layers
 
     found = CheckpointLayers()
-    modules = dict(model.named_modules())
-    gathered, normed = {}, {}
-    for name, module in modules.items():
-        if isinstance(module, GatheredRMSNorm):
-            normed[module.fed_problem] = None
+    for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
             names = found.layers.setdefault(module.problem, [])
             if short_name(name) not in names:
                 names.append(short_name(name))
-            if module.perm is not None:
-                gathered[module.problem] = None
-        for gather in input_gathers(module):
-            gathered[getattr(module, gather.members[0]).problem] = None
-    found.gathered, found.normed = list(gathered), list(normed)
+    _, gathered, normed = act_order_layers(model)
+    found.gathered = list(dict.fromkeys(m.problem for m in gathered))
+    found.normed = list(dict.fromkeys(m.problem for m in normed))
     return found
 
 

@@ -2,7 +2,7 @@
 runtime.kernels.compile_many.
 
 It reads one job a line on stdin (JSON: problem, schedule and arch, each as the tuned table writes
-them) and answers each with a line on stdout, marked (kernels.REPLY) so that whatever else reaches
+them, or an activation kernel's kind, K and dtype and the arch) and answers each with a line on stdout, marked (kernels.REPLY) so that whatever else reaches
 stdout first (an import's print) is skipped: {"error": null} once the kernel is in the store, else
 the error. Everything printed after start-up (TileLang's warnings, nvcc) goes to stderr. A plain child process rather than a multiprocessing worker: those import the caller's main
 script first, so a serving script that converts a model at import time would run again, model and
@@ -28,13 +28,10 @@ def main() -> int:
         os.nice(10)   # a tune measures on the GPU while the next problem compiles: leave it a core
     except OSError:
         pass
-    from schedules.problem import Problem
-
     from .kernels import REPLY, _compile_job
 
     for line in sys.stdin:
-        job = json.loads(line)
-        error = _compile_job(Problem(**job["problem"]), job["schedule"], job["arch"])
+        error = _compile_job(json.loads(line))
         answers.write(REPLY + json.dumps({"error": error}) + "\n")
     return 0
 

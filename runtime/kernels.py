@@ -276,18 +276,41 @@ def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> Comp
     [M, K]) or "rms_norm_gather" (schedules/norm_gather.py; x [M, K], weight [K] in x's dtype, perm [K]
     int32, eps [1] fp32, out [M, K]). From this process's memory, else the store
     (`kernels/<arch>/<kind>/`), else built and stored."""
-    if kind not in ACTIVATION_KERNELS:
-        raise ValueError(f"unknown activation kernel {kind!r}; known: {sorted(ACTIVATION_KERNELS)}")
     key = (kind, k, dtype, arch.name)
     with _LOCK:
         kernel = _LOADED.get(key)
         if kernel is None:
-            folder = activation_kernel_folder(kind, k, dtype, arch)
-            if not _is_current(folder):
-                _store_entry(folder, _build_activation_kernel(kind, k, dtype, arch),
-                             _activation_identity(kind, k, dtype, arch))
+            folder = _stored_activation(ActivationJob(kind, k, dtype), arch)
             kernel = _LOADED[key] = CompiledKernel(folder, _load_library(folder / "kernel.so"))
         return kernel
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationJob:
+    """An activation kernel (ACTIVATION_KERNELS) as a job of compile_many, beside (problem, schedule)
+    jobs."""
+
+    kind: str
+    k: int
+    dtype: str
+
+
+def _stored_activation(job: ActivationJob, arch: Arch) -> Path:
+    """The activation kernel's folder in the store, built first if it is missing or stale."""
+    if job.kind not in ACTIVATION_KERNELS:
+        raise ValueError(f"unknown activation kernel {job.kind!r}; known: {sorted(ACTIVATION_KERNELS)}")
+    folder = activation_kernel_folder(job.kind, job.k, job.dtype, arch)
+    if not _is_current(folder):
+        _store_entry(folder, _build_activation_kernel(job.kind, job.k, job.dtype, arch),
+                     _activation_identity(job.kind, job.k, job.dtype, arch))
+    return folder
+
+
+def job_stored(job, arch: Arch) -> bool:
+    """Whether the store holds a compile_many job's kernel: a (problem, schedule) pair or an ActivationJob."""
+    if isinstance(job, ActivationJob):
+        return is_activation_kernel_stored(job.kind, job.k, job.dtype, arch)
+    return is_stored(*job, arch)
 
 
 def _build_activation_kernel(kind: str, k: int, dtype: str, arch: Arch):
@@ -324,24 +347,37 @@ def _load_library(path: Path):
 
 # --- many kernels at once ------------------------------------------------------------------------
 
-def _compile_job(problem: Problem, schedule_dict: dict, arch_name: str) -> str | None:
-    """Worker side of compile_many: fills the store; returns an error message or None."""
+def _compile_job(message: dict) -> str | None:
+    """Worker side of compile_many: fills the store with one job's kernel (_job_message's form);
+    returns an error message or None."""
     import logging
 
     logging.disable(logging.CRITICAL)  # failed candidates would otherwise print whole kernel sources
+    arch = get_arch(message["arch"])
     try:
-        _stored(problem, Schedule.from_dict(schedule_dict), get_arch(arch_name))
+        if "activation" in message:
+            _stored_activation(ActivationJob(*message["activation"]), arch)
+        else:
+            _stored(Problem(**message["problem"]), Schedule.from_dict(message["schedule"]), arch)
         return None
     except Exception as exc:  # a candidate that fails is a result, not a crash
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"[:500]
 
 
-def compile_many(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int | None = None,
-                 progress=None) -> dict[tuple[Problem, Schedule], str | None]:
-    """Build `jobs` into the store in worker processes (runtime/compile_worker.py; each nvcc run takes
-    seconds); returns job -> error or None, and calls progress(job, error) as each ends, one call at a
-    time. A caller's compile_schedule afterwards only loads. An exception of `progress` (or Ctrl-C)
-    stops the workers after their current jobs and is raised here."""
+def _job_message(job, arch: Arch) -> dict:
+    """A compile_many job as the worker reads it (JSON)."""
+    if isinstance(job, ActivationJob):
+        return {"activation": [job.kind, job.k, job.dtype], "arch": arch.name}
+    problem, schedule = job
+    return {"problem": dataclasses.asdict(problem), "schedule": schedule.to_dict(), "arch": arch.name}
+
+
+def compile_many(jobs: list, arch: Arch, workers: int | None = None, progress=None) -> dict:
+    """Build `jobs` ((problem, schedule) pairs, or ActivationJob) into the store in worker processes
+    (runtime/compile_worker.py; each nvcc run takes seconds); returns job -> error or None, and calls
+    progress(job, error) as each ends, one call at a time. A caller's compile_schedule (or
+    compile_activation_kernel) afterwards only loads. An exception of `progress` (or Ctrl-C) stops the
+    workers after their current jobs and is raised here."""
     if not jobs:
         return {}
     pending: queue.SimpleQueue = queue.SimpleQueue()
@@ -387,20 +423,19 @@ def _serve_jobs(pending: queue.SimpleQueue, arch: Arch, finish, stop: threading.
     try:
         while not stop.is_set():
             try:
-                problem, schedule = pending.get_nowait()
+                job = pending.get_nowait()
             except queue.Empty:
                 return
             try:
                 worker = worker or _start_worker()
             except OSError as exc:
-                finish((problem, schedule), f"cannot start a compile worker: {exc}")
+                finish(job, f"cannot start a compile worker: {exc}")
                 continue
-            answer = _ask(worker, {"problem": dataclasses.asdict(problem), "schedule": schedule.to_dict(),
-                                   "arch": arch.name})
+            answer = _ask(worker, _job_message(job, arch))
             if answer is not None:
-                finish((problem, schedule), answer["error"])
+                finish(job, answer["error"])
                 continue
-            finish((problem, schedule), _obituary(worker))
+            finish(job, _obituary(worker))
             worker = None
     finally:
         if worker is not None:

@@ -108,17 +108,26 @@ def buckets_up_to(max_m: int | None) -> tuple[int, ...]:
     return BUCKETS[:BUCKETS.index(bucket_of(max_m)) + 1]
 
 
-def build_missing(jobs: list[tuple[Problem, Schedule]], arch: Arch, workers: int | None = None,
-                  progress=None) -> dict[tuple[Problem, Schedule], str | None]:
-    """Build the jobs the store lacks, in one compile_many call (none when the store has them all);
-    returns job -> error or None for every job. `progress(job, error)` follows each build."""
+def build_missing(jobs: list, arch: Arch, workers: int | None = None, progress=None) -> dict:
+    """Build the jobs ((problem, schedule) pairs or kernels.ActivationJob) the store lacks, in one
+    compile_many call (none when the store has them all); returns job -> error or None for every job.
+    `progress(job, error)` follows each build."""
     from . import kernels
 
-    missing = [job for job in jobs if not kernels.is_stored(*job, arch)]
+    missing = [job for job in jobs if not kernels.job_stored(job, arch)]
     results = dict.fromkeys(jobs)
     if missing:
         results.update(kernels.compile_many(missing, arch, workers, progress))
     return results
+
+
+def job_name(job) -> str:
+    """How messages name a compile job: '<problem> <schedule>', or the activation kernel's kind, K and
+    dtype."""
+    if isinstance(job, tuple):
+        problem, schedule = job
+        return f"{problem.name} {schedule.name}"
+    return f"{job.kind} K={job.k} {job.dtype}"
 
 
 def enabled() -> bool:
@@ -137,8 +146,9 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     `max_m` (all buckets for None), as the constructors and replace_linear do, the column gather of the
     act-order layers among them (`gathered`, the same pairs) and the RMSNorm that writes the input of
     those in `normed` in their order: nothing when TILEMARLIN_PRECOMPILE is off, nothing for devices
-    other than CUDA GPUs, one compile_many call per arch. Raises RuntimeError naming the kernels that
-    failed to build (their first calls would fail)."""
+    other than CUDA GPUs, one compile_many call per arch for all of them (this process imports no
+    compiler). Raises RuntimeError naming the kernels that failed to build (their first calls would
+    fail)."""
     from . import kernels
     from .op import DEFAULT_LAYOUT, dispatch_for
 
@@ -162,10 +172,9 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
             activation_kernels(problems, gathers_by_device.get(device, ()), norms_by_device.get(device, ())))
     failed = {}
     for arch, jobs in jobs_by_arch.items():
-        failed.update((job, error) for job, error in build_missing(list(jobs), arch).items() if error)
-        for kind, k, dtype in sorted(activations_by_arch[arch]):
-            kernels.compile_activation_kernel(kind, k, dtype, arch)
+        activations = [kernels.ActivationJob(*kernel) for kernel in sorted(activations_by_arch[arch])]
+        failed.update((job, error) for job, error in build_missing([*jobs, *activations], arch).items() if error)
     if failed:
-        listed = "; ".join(f"{p.name} {s.name}: {error}" for (p, s), error in list(failed.items())[:5])
+        listed = "; ".join(f"{job_name(job)}: {error}" for job, error in list(failed.items())[:5])
         raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); their buckets' first calls would "
                            f"fail too. Serve smaller M with max_m=..., or build later with precompile=False")

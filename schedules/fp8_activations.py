@@ -21,16 +21,7 @@ from .arch import Arch
 from .epilogue import EARLY_START_HELPERS
 from .marlin_mma.layout import FP8_K_ORDER, TILE_K
 from .quant import FP8_E4M3_MAX
-
-# One block per row: at M = 1 a single SM reads the whole row twice, so the block is as wide as the
-# row's layout over the threads allows (TileLang spreads the row evenly: the count must divide K).
-# 128 threads took ~5 us of an 18 us down_proj call at M = 1 on the H200 (2026-12-03).
-THREAD_CHOICES = (512, 256, 128)
-
-
-def threads_for(k: int) -> int:
-    """The widest block whose threads split a row of K evenly (128 where none does)."""
-    return next((t for t in THREAD_CHOICES if k % t == 0), THREAD_CHOICES[-1])
+from .row_kernels import threads_for
 
 
 def _source_column(j):

@@ -15,9 +15,8 @@ waits for that kernel's writes only after its index loads. Building imports Tile
 # build()'s locals)
 from .arch import Arch
 from .epilogue import EARLY_START_HELPERS
-from .fp8_activations import row_into_shared, threads_for
-
-CHUNK = 8      # outputs per thread and step: one 16-byte store of 2-byte values
+from .fp8_activations import row_into_shared
+from .row_kernels import CHUNK, threads_for
 
 
 def build(k: int, dtype: str, arch: Arch):

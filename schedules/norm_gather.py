@@ -22,14 +22,8 @@ TileLang.
 # build()'s locals)
 from .arch import Arch
 from .epilogue import EARLY_START_HELPERS
-from .fp8_activations import row_into_shared, threads_for
-from .gather import CHUNK
-
-
-def supports(k: int) -> bool:
-    """Whether the kernel builds for rows of K: whole 16-byte stores, and a row that the block's threads
-    split evenly (the squares' fragment is laid over all of them)."""
-    return k % CHUNK == 0 and k % threads_for(k) == 0
+from .fp8_activations import row_into_shared
+from .row_kernels import CHUNK, norm_gather_supports as supports, threads_for
 
 
 def build(k: int, dtype: str, arch: Arch):

@@ -89,7 +89,7 @@ def test_the_kernel_matches_the_reference_in_the_fp8_k_order(m, k):
 
 
 def test_the_block_is_as_wide_as_the_row_splits_evenly():
-    from schedules.fp8_activations import threads_for
+    from schedules.row_kernels import threads_for
 
     assert [threads_for(k) for k in (4096, 3584, 11008, 14336, 4112)] == [512, 512, 256, 512, 128]
 

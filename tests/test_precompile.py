@@ -152,6 +152,7 @@ def compiler(monkeypatch):
     monkeypatch.setattr(precompile, "_on_cuda", lambda device: True)
     monkeypatch.setattr(op, "dispatch_for", lambda device=None: Dispatch(SM90, None, StubTable(), ()))
     monkeypatch.setattr(store, "is_stored", lambda problem, schedule, arch: False)
+    monkeypatch.setattr(store, "is_activation_kernel_stored", lambda kind, k, dtype, arch: False)
     monkeypatch.setattr(store, "compile_many", compile_many)
     monkeypatch.setattr(store, "compile_activation_kernel",
                         lambda kind, k, dtype, arch: calls.append(((kind, k, dtype), arch)))
@@ -215,21 +216,24 @@ def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_pa
 
     drawn = write_checkpoint(tmp_path / "ckpt", "gptq", symmetric=False, act_order=True)
     load_quantized(tmp_path / "ckpt", device="cpu")
-    (jobs, arch), *gathers = compiler
+    ((jobs, arch),) = compiler        # one call: nothing built serially, nothing in this process
     problems = {Problem(layer.codes.shape[1], layer.codes.shape[0], 128, zero_points=True) for layer in drawn.values()}
     assert len(problems) == 4 and arch == SM90 and len(jobs) == len(set(jobs))
-    assert set(jobs) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
+    gemms = [job for job in jobs if isinstance(job, tuple)]
+    assert set(gemms) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
     # act-order's column gather (o_proj's) and the norm that writes q/k/v's and gate/up's input in their
-    # order, once per input width and dtype, after the GEMMs: the hidden size alone, since down_proj's
-    # permutation went into gate_proj's and up_proj's output columns
-    assert sorted(gathers) == [(("gather_columns", 256, "float16"), SM90), (("rms_norm_gather", 256, "float16"), SM90)]
+    # order, once per input width and dtype: the hidden size alone, since down_proj's permutation went
+    # into gate_proj's and up_proj's output columns
+    assert jobs[len(gemms):] == [store.ActivationJob("gather_columns", 256, "float16"),
+                                 store.ActivationJob("rms_norm_gather", 256, "float16")]
 
 
 def test_an_act_order_layer_alone_builds_its_gather(compiler):
     """QuantLinear(act_order=True) and from_layer with a permutation build the gather beside the GEMMs."""
     QuantLinear(256, 128, group_size=64, act_order=True, max_m=1)
-    (jobs, arch), gather = compiler
-    assert {p for p, _ in jobs} == {Problem(128, 256, 64)} and gather == (("gather_columns", 256, "float16"), SM90)
+    ((jobs, arch),) = compiler
+    assert {job[0] for job in jobs[:-1]} == {Problem(128, 256, 64)}
+    assert jobs[-1] == store.ActivationJob("gather_columns", 256, "float16")
 
 
 def test_precompile_off_by_option_or_environment(compiler, monkeypatch):
@@ -324,7 +328,7 @@ def test_precompile_builds_what_is_missing_and_sums_up(cache, capsys, monkeypatc
     assert {s for _, s in jobs} == expected - {stored}
     assert f"[{len(jobs)}/{len(jobs)}]" in captured.out and "FAILED: ptxas: too many registers" in captured.out
     assert f"{len(jobs) - 1} built, 1 already in the store, 1 failed" in captured.out
-    assert f"failed: {problem.name} (4096x4096) {broken.name}: ptxas" in captured.err
+    assert f"failed: {problem.name} (4096x4096)  {broken.name}: ptxas" in captured.err
 
 
 def test_without_a_gpu_or_an_arch_the_command_says_what_to_name(cache, capsys):
@@ -389,7 +393,7 @@ def test_a_checkpoint_that_cannot_be_loaded_is_named(cache, capsys, tmp_path):
 def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monkeypatch):
     """--act fp8: the FP8 problems' GEMMs (the committed table's fp8 entries), the W4A16 twins' at the
     buckets the table times them faster, and two activation kernels per K and input dtype (the FP8
-    quantizer and its rounding), listed by --dry-run and built after the GEMMs."""
+    quantizer and its rounding), listed by --dry-run and built in the GEMMs' worker processes."""
     problem = Problem(4096, 4096, act="fp8")
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096,4096x12288", "--act", "fp8",
                      "--dry-run"]) == 0
@@ -399,12 +403,15 @@ def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monke
     assert f"{problem.name} (4096x4096)" in out
     assert f"{Problem(4096, 4096).name} (4096x4096, W4A8 on W4A16 kernels)" in out   # small M, by the table
     built = []
-    monkeypatch.setattr(store, "compile_many", lambda jobs, arch, workers=None, progress=None: {j: None for j in jobs})
-    monkeypatch.setattr(store, "compile_activation_kernel",
-                        lambda kind, k, dtype, arch: built.append((kind, k, dtype, arch.name)))
+
+    def compile_many(jobs, arch, workers=None, progress=None):
+        built.extend((job.kind, job.k, job.dtype, arch.name) for job in jobs if isinstance(job, store.ActivationJob))
+        return {job: None for job in jobs}
+
+    monkeypatch.setattr(store, "compile_many", compile_many)
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
     assert built == [("fp8_activations", 4096, "float16", "sm_90a"), ("fp8_rounded", 4096, "float16", "sm_90a")]
-    assert "building 2 activation kernels" in capsys.readouterr().out
+    assert "already in the store, 0 failed" in capsys.readouterr().out   # in the GEMMs' compile_many call
     for kind in ("fp8_activations", "fp8_rounded"):
         fake_activation_entry(kind, 4096, "float16")
     built.clear()

@@ -7,9 +7,9 @@
     gen precompile --model llama-2-7b --act fp8             # W4A8: its GEMMs and activation kernels
 
 The kernels are the op's own choices (runtime/precompile.py `plan`: the tuned table's winner of each
-(problem, bucket), else the fallback's pick), built into the compiled-kernel store in parallel worker
-processes, and for W4A8 layers the per-token FP8 activation kernel of each K; kernels already there
-are skipped. Serving then loads them without compiling, and
+(problem, bucket), else the fallback's pick), and the activation kernels beside them (W4A8's FP8
+quantizer and rounding, act-order's gather and gathering norm, per K), built into the compiled-kernel
+store in parallel worker processes; kernels already there are skipped. Serving then loads them without compiling, and
 `gen export` packs them for other machines.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from runtime.kernels import is_activation_kernel_stored, is_stored, kernel_dir
+    from runtime.kernels import ActivationJob, job_stored, kernel_dir
     from runtime.precompile import build_missing
 
     try:
@@ -43,45 +43,38 @@ def run(args) -> int:
     planned = deployment.plan()
     arch = deployment.dispatch.arch
     labels = deployment.labels()
-    stored = {job for job in planned if is_stored(*job, arch)}
-    activations = deployment.activation_kernels()
-    missing_activations = [kernel for kernel in activations if not is_activation_kernel_stored(*kernel, arch)]
+    jobs = [*planned, *(ActivationJob(*kernel) for kernel in deployment.activation_kernels())]
+    stored = {job for job in jobs if job_stored(job, arch)}
+
+    def label(job) -> str:
+        if isinstance(job, ActivationJob):
+            return activation_label((job.kind, job.k, job.dtype))
+        problem, schedule = job
+        return f"{labels[problem]}  {schedule.name}"
+
     print(summary_line(deployment, planned))
     if args.dry_run:
-        for (problem, schedule), served in planned.items():
-            status = "in store" if (problem, schedule) in stored else "to build"
-            print(f"  {status}  {labels[problem]}  {schedule.name}  {served_text(served)}")
-        for kernel in activations:
-            status = "to build" if kernel in missing_activations else "in store"
-            print(f"  {status}  {activation_label(kernel)}")
-        print(f"would build {len(planned) - len(stored) + len(missing_activations)}, "
-              f"{len(stored) + len(activations) - len(missing_activations)} already in the store ({kernel_dir()})")
+        for job in jobs:
+            status = "in store" if job in stored else "to build"
+            served = f"  {served_text(planned[job])}" if job in planned else ""
+            print(f"  {status}  {label(job)}{served}")
+        print(f"would build {len(jobs) - len(stored)}, {len(stored)} already in the store ({kernel_dir()})")
         return 0
 
     started, done = time.monotonic(), [0]
-    to_build = len(planned) - len(stored)
+    to_build = len(jobs) - len(stored)
 
     def progress(job, error) -> None:
         done[0] += 1
         status = "built" if error is None else f"FAILED: {error}"
-        print(f"[{done[0]}/{to_build}] {time.monotonic() - started:6.1f}s  {labels[job[0]]}  {job[1].name}  {status}",
-              flush=True)
+        print(f"[{done[0]}/{to_build}] {time.monotonic() - started:6.1f}s  {label(job)}  {status}", flush=True)
 
-    results = build_missing(list(planned), arch, args.workers, progress)
+    results = build_missing(jobs, arch, args.workers, progress)
     failed = {job: error for job, error in results.items() if error}
-    if missing_activations:
-        print(f"building {len(missing_activations)} activation kernels", flush=True)
-        activation_failures = build_activation_kernels(missing_activations, arch)
-    else:
-        activation_failures = {}
-    built = len(planned) - len(stored) - len(failed) + len(missing_activations) - len(activation_failures)
-    print(f"{built} built, {len(stored) + len(activations) - len(missing_activations)} already in the store, "
-          f"{len(failed) + len(activation_failures)} failed ({kernel_dir()})")
-    for (problem, schedule), error in failed.items():
-        print(f"  failed: {labels[problem]} {schedule.name}: {error}", file=sys.stderr)
-    for kernel, error in activation_failures.items():
-        print(f"  failed: {activation_label(kernel)}: {error}", file=sys.stderr)
-    return 1 if failed or activation_failures else 0
+    print(f"{to_build - len(failed)} built, {len(stored)} already in the store, {len(failed)} failed ({kernel_dir()})")
+    for job, error in failed.items():
+        print(f"  failed: {label(job)}: {error}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def activation_label(kernel: tuple[str, int, str]) -> str:
@@ -90,20 +83,6 @@ def activation_label(kernel: tuple[str, int, str]) -> str:
 
     kind, k, dtype = kernel
     return f"{ACTIVATION_KERNELS[kind][1]}, K = {k}, {dtype} input"
-
-
-def build_activation_kernels(wanted: list[tuple[str, int, str]], arch) -> dict:
-    """Build activation kernels (kind, K, dtype) into the store, one after another (a few, one per
-    kind and K); {(kind, K, dtype): error} for those that failed."""
-    from runtime.kernels import compile_activation_kernel
-
-    failed = {}
-    for kernel in wanted:
-        try:
-            compile_activation_kernel(*kernel, arch)
-        except Exception as exc:    # a compiler failure of any kind is reported, the rest still built
-            failed[kernel] = f"{type(exc).__name__}: {exc}"
-    return failed
 
 
 def summary_line(deployment, planned: dict) -> str:

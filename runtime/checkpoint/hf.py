@@ -19,7 +19,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..op import DEFAULT_LAYOUT
 from .files import TensorFiles
-from .loader import checkpoint_format, gather_once, read_quantization_config, replace_quantized_linears
+from .loader import (checkpoint_format, gather_once, precompile_model, read_quantization_config,
+                     replace_quantized_linears)
 
 METHOD = "tilemarlin"
 
@@ -84,8 +85,10 @@ class TileMarlinHfQuantizer(HfQuantizer):
                 linear = nn.Linear(module.in_features, module.out_features, bias=module.has_bias, device="meta")
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent) if parent else model, attr, linear)
-        replace_quantized_linears(model, self.format, self.files, model.dtype, device, self.quantization_config.layout)
+        layout = self.quantization_config.layout
+        replace_quantized_linears(model, self.format, self.files, model.dtype, device, layout)
         gather_once(model)
+        precompile_model(model, layout)
         return model
 
     def is_serializable(self):

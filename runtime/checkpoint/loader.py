@@ -13,13 +13,14 @@ served by tilemarlin's kernels.
    (`QuantLinear.from_layer`). Which layers are quantized is read from the files, so lm_head,
    `ignore` lists and `modules_to_not_convert` need no rules of their own. An act-order down_proj
    of a gated MLP hands its permutation to gate_proj's and up_proj's output columns and runs
-   without a gather (runtime/checkpoint/fold.py). Once every layer is read, the kernels of all
-   their shapes are built in one parallel compile (runtime/precompile.py).
+   without a gather (runtime/checkpoint/fold.py).
 4. The other parameters are read from the files in `dtype`, tied parameters once.
 5. Layers that read one input with one act-order permutation (q_proj, k_proj and v_proj; gate_proj
    and up_proj) leave the gather to the module that calls them, once for all of them
    (runtime/checkpoint/input_gather.py), and where that input is an RMSNorm's output read by nothing
    else, the norm writes it in the gathered order and no gather runs (runtime/checkpoint/norm_fold.py).
+6. Every kernel the model will run (the GEMMs of every layer and bucket, the gathers left, the
+   gathering norms) is built in one parallel compile (runtime/precompile.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from .compressed_tensors import CompressedTensorsFormat
 from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
 from .fold import GatherFolding
 from .gptq import GptqFormat
-from .input_gather import share_input_gathers
+from .input_gather import input_gathers, share_input_gathers
 from .norm_fold import GatheredRMSNorm, fold_gathers_into_norms
 
 FORMATS = {"gptq": GptqFormat, "awq": AwqFormat, "compressed-tensors": CompressedTensorsFormat}
@@ -96,22 +97,38 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
         del config.quantization_config   # the model is built dense; this module does the quantized part
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    replace_quantized_linears(model, fmt, files, dtype, device, layout, precompile)
+    replace_quantized_linears(model, fmt, files, dtype, device, layout)
     load_dense_parameters(model, files, dtype, device)
     model.to(device)   # the buffers computed at construction
-    gather_once(model, precompile)
+    gather_once(model)
+    if precompile:
+        precompile_model(model, layout)
     return model.eval()
 
 
-def gather_once(model: nn.Module, precompile: bool = True) -> None:
+def gather_once(model: nn.Module) -> None:
     """Act-order's gathers after the layers are loaded: one per input that several layers share, and
-    none where an RMSNorm can write that input in the gathered order (those norms' kernels built with
-    `precompile`, as the layers' were)."""
+    none where an RMSNorm can write that input in the gathered order."""
     share_input_gathers(model)
     fold_gathers_into_norms(model)
-    norms = [(m.fed_problem, m.weight.device) for m in model.modules() if isinstance(m, GatheredRMSNorm)]
-    if precompile and norms:
-        precompile_layers((), normed=norms)
+
+
+def act_order_layers(model: nn.Module) -> tuple[list[QuantLinear], list[QuantLinear], list[QuantLinear]]:
+    """(the model's QuantLinear layers, those whose input is gathered first (by the layer or by the
+    module that calls it), those whose input a GatheredRMSNorm writes): what its kernels are planned
+    from."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    gathered = [m for m in layers if m.perm is not None]
+    gathered += [getattr(m, gather.members[0]) for m in model.modules() for gather in input_gathers(m)]
+    normed = [m.fed_layer for m in model.modules() if isinstance(m, GatheredRMSNorm)]
+    return layers, gathered, normed
+
+
+def precompile_model(model: nn.Module, layout: str = DEFAULT_LAYOUT) -> None:
+    """Build every kernel a loaded model will run, in one parallel compile (runtime/precompile.py)."""
+    layers, gathered, normed = act_order_layers(model)
+    pairs = lambda modules: [(m.problem, m.qweight.device) for m in modules]   # noqa: E731
+    precompile_layers(pairs(layers), layout=layout, gathered=pairs(gathered), normed=pairs(normed))
 
 
 @contextlib.contextmanager
@@ -132,11 +149,9 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout,
-                              precompile: bool = True) -> int:
-    """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear, then build the kernels
-    of all of them at once (with `precompile`, on a CUDA device, unless TILEMARLIN_PRECOMPILE is off);
-    returns how many."""
+def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout) -> int:
+    """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear (their kernels are not
+    built here: precompile_model); returns how many."""
     suffix = "." + fmt.marker
     pending = {name[:-len(suffix)] for name in files.names() if name.endswith(suffix)}
     modules = dict(model.named_modules())
@@ -167,10 +182,6 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
                               + (f" (and {len(pending) - 1} more)" if len(pending) > 1 else ""))
     if not replaced:
         raise CheckpointError(files.source, f"no quantized layer ({fmt.marker} tensors) in the checkpoint")
-    if precompile:
-        precompile_layers([(layer.problem, layer.qweight.device) for layer in replaced], layout=layout,
-                          gathered=[(layer.problem, layer.qweight.device) for layer in replaced
-                                    if layer.perm is not None])
     return len(replaced)
 
 

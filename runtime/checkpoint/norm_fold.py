@@ -17,7 +17,7 @@ Which norm qualifies is probed, not read from class names:
   outputs; the parent's outputs, the module's other arguments and what the parent's other gathering
   modules read must be equal;
 - the norm has no hooks of its own, takes rows of its weight's dtype, and its width is one the kernel
-  builds for (schedules/norm_gather.supports).
+  builds for (schedules/row_kernels.py).
 Probes run in eval mode, with the gathers skipped and the INT4 layers replaced (probe.py), and put
 every module back. `unfold_gathered_norms` undoes the move (the dense twin of a model, say).
 """
@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from schedules import norm_gather
+from schedules.row_kernels import norm_gather_supports
 
 from ..linear import QuantLinear
 from ..op import rms_norm_gather
@@ -55,10 +55,10 @@ class GatheredRMSNorm(nn.Module):
         return rms_norm_gather(x, self.weight, self.perm, self.eps)
 
     @property
-    def fed_problem(self):
-        """The problem of the first act-order layer its output feeds (its K and dtype are the norm's)."""
+    def fed_layer(self) -> QuantLinear:
+        """The first act-order layer its output feeds (its K and dtype are the norm's)."""
         _, consumer, gather = self._replaced
-        return getattr(consumer, gather.members[0]).problem
+        return getattr(consumer, gather.members[0])
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps.item():g}, act-order gathered"
@@ -112,7 +112,7 @@ def _plain(norm: nn.Module, call) -> bool:
     args, _ = call
     weight = getattr(norm, "weight", None)
     return (not (norm._forward_hooks or norm._forward_pre_hooks) and isinstance(weight, torch.Tensor)
-            and weight.dim() == 1 and norm_gather.supports(weight.shape[0])
+            and weight.dim() == 1 and norm_gather_supports(weight.shape[0])
             and bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype == weight.dtype)
 
 
