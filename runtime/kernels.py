@@ -353,8 +353,8 @@ def _compile_job(message: dict) -> str | None:
     import logging
 
     logging.disable(logging.CRITICAL)  # failed candidates would otherwise print whole kernel sources
-    arch = get_arch(message["arch"])
     try:
+        arch = get_arch(message["arch"])
         if "activation" in message:
             _stored_activation(ActivationJob(*message["activation"]), arch)
         else:

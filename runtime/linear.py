@@ -136,11 +136,12 @@ class QuantLinear(nn.Module):
         zero points). With act-order the module keeps the layer's `perm` and gathers x's columns by it
         first. Raises ValueError as from_codes does, before any kernel is built.
         """
-        module = cls.from_codes(layer.codes, layer.scales, layer.bias, layout, precompile, max_m, layer.zeros)
+        module = cls.from_codes(layer.codes, layer.scales, layer.bias, layout, False, max_m, layer.zeros)
         if layer.perm is not None:
             module.perm = layer.perm.to(device=layer.codes.device, dtype=torch.int32)
-            if precompile:
-                precompile_layers((), gathered=[(module.problem, module.qweight.device)])
+        if precompile:    # the GEMMs and the gather in one parallel build
+            pair = [(module.problem, module.qweight.device)]
+            precompile_layers(pair, max_m, layout, gathered=pair if layer.perm is not None else ())
         return module
 
     @classmethod

@@ -176,5 +176,7 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
         failed.update((job, error) for job, error in build_missing([*jobs, *activations], arch).items() if error)
     if failed:
         listed = "; ".join(f"{job_name(job)}: {error}" for job, error in list(failed.items())[:5])
-        raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); their buckets' first calls would "
-                           f"fail too. Serve smaller M with max_m=..., or build later with precompile=False")
+        advice = ("their buckets' first calls would fail too. Serve smaller M with max_m=..., or build later with "
+                  "precompile=False" if any(isinstance(job, tuple) for job in failed) else
+                  "the layers' calls would fail too")
+        raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); {advice}")

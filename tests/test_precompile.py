@@ -229,11 +229,18 @@ def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_pa
 
 
 def test_an_act_order_layer_alone_builds_its_gather(compiler):
-    """QuantLinear(act_order=True) and from_layer with a permutation build the gather beside the GEMMs."""
+    """QuantLinear(act_order=True) and from_layer with a permutation build the gather in the GEMMs'
+    compile_many call."""
+    from runtime.checkpoint.layer import build_layer
+    from tests.checkpoint_writers import draw_layer
+
     QuantLinear(256, 128, group_size=64, act_order=True, max_m=1)
-    ((jobs, arch),) = compiler
-    assert {job[0] for job in jobs[:-1]} == {Problem(128, 256, 64)}
-    assert jobs[-1] == store.ActivationJob("gather_columns", 256, "float16")
+    drawn = draw_layer(256, 128, 64, True, True, torch.float16, torch.Generator().manual_seed(0))
+    QuantLinear.from_layer(build_layer(drawn.codes, drawn.scales, None, drawn.g_idx, 64, None, torch.float16), max_m=1)
+    assert len(compiler) == 2
+    for jobs, arch in compiler:
+        assert {job[0] for job in jobs[:-1]} == {Problem(128, 256, 64)}
+        assert jobs[-1] == store.ActivationJob("gather_columns", 256, "float16")
 
 
 def test_precompile_off_by_option_or_environment(compiler, monkeypatch):

@@ -90,9 +90,10 @@ def summary_line(deployment, planned: dict) -> str:
     pairs = [how for served in planned.values() for _, how in served]
     untuned = sum(how is not None for how in pairs)
     problems = len(deployment.targets)
+    activations = len(deployment.activation_kernels())
     return (f"{problems} problem{'s' * (problems != 1)} x {len(deployment.buckets)} buckets on "
             f"{deployment.describe()}: {len(planned)} kernels ({len(pairs) - untuned} pairs tuned, "
-            f"{untuned} chosen by the fallback)")
+            f"{untuned} chosen by the fallback)" + (f" and {activations} activation kernels" if activations else ""))
 
 
 def served_text(served: list) -> str:
