@@ -569,12 +569,17 @@ def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule, ho
 def precompile(problems: Iterable[Problem], ms: Iterable[int], device=None, layout: str = DEFAULT_LAYOUT,
                workers: int | None = None) -> dict:
     """Compile, in parallel, every kernel the op will run for `problems` at the M values `ms`
-    (runtime.precompile.plan), so that first calls only load them from the store; kernels already
-    there are not rebuilt. Returns {(problem, schedule): error or None}."""
-    from .precompile import build_missing, plan
+    (runtime.precompile.plan) and the activation kernels their layers run beside them (W4A8's:
+    runtime.precompile.activation_kernels), so that first calls only load them from the store; kernels
+    already there are not rebuilt. Returns {job: error or None}, a job being a (problem, schedule) pair
+    or a runtime.kernels.ActivationJob."""
+    from .kernels import ActivationJob
+    from .precompile import activation_kernels, build_missing, plan
 
+    problems = list(problems)
     dispatch = dispatch_for(device)
-    return build_missing(list(plan(problems, ms, dispatch, layout)), dispatch.arch, workers)
+    jobs = [*plan(problems, ms, dispatch, layout), *(ActivationJob(*kernel) for kernel in activation_kernels(problems))]
+    return build_missing(jobs, dispatch.arch, workers)
 
 
 def _cuda_device(device) -> torch.device:

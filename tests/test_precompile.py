@@ -428,6 +428,21 @@ def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monke
     assert built == []                                                   # W4A16 layers need none
 
 
+def test_the_ops_precompile_builds_w4a8s_activation_kernels_with_the_gemms(h200, monkeypatch):
+    dispatch, _ = h200
+    calls = []
+    monkeypatch.setattr(op, "dispatch_for", lambda device=None: dispatch)
+    monkeypatch.setattr(store, "is_stored", lambda problem, schedule, arch: False)
+    monkeypatch.setattr(store, "is_activation_kernel_stored", lambda kind, k, dtype, arch: False)
+    monkeypatch.setattr(store, "compile_many",
+                        lambda jobs, arch, workers=None, progress=None: calls.append(jobs) or dict.fromkeys(jobs))
+    results = op.precompile([Problem(4096, 4096, act="fp8")], [1, 4096])
+    (jobs,) = calls
+    assert set(results) == set(jobs) and all(isinstance(job, tuple) for job in jobs[:-2])
+    assert jobs[-2:] == [store.ActivationJob("fp8_activations", 4096, "float16"),
+                         store.ActivationJob("fp8_rounded", 4096, "float16")]
+
+
 def test_w4a8_runs_on_its_w4a16_twin_where_the_table_times_the_twin_faster():
     """Dispatch.serving_problem compares the two tuned entries of a bucket; without both, the FP8 kernel."""
     from types import SimpleNamespace

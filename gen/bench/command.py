@@ -401,8 +401,10 @@ def _precompile_tilemarlin(layers: list, args) -> None:
     except Exception as exc:   # the first calls compile instead, and record any failure per point
         print(f"precompiling failed ({_error_text(exc)}); kernels compile at first call", file=sys.stderr)
         return
-    for (problem, schedule), error in failed.items():
-        print(f"  {problem.name} {schedule.name}: {error}", file=sys.stderr)
+    from runtime.precompile import job_name
+
+    for job, error in failed.items():
+        print(f"  {job_name(job)}: {error}", file=sys.stderr)
 
 
 def _precompile_untuned(layers: list, args) -> dict:
