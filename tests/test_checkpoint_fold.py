@@ -335,13 +335,13 @@ class SharesItsInput(nn.Module):
 class NormThenShared(nn.Module):
     """norm -> attn, and `how` says what else reads the norm's output."""
 
-    def __init__(self, how: str):
+    def __init__(self, how: str, attn: nn.Module | None = None):
         from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
         from runtime.checkpoint.input_gather import _share
 
         super().__init__()
-        self.how, self.norm, self.attn, self.other = how, LlamaRMSNorm(64), SharesItsInput(), SharesItsInput()
+        self.how, self.norm, self.attn, self.other = how, LlamaRMSNorm(64), attn or SharesItsInput(), SharesItsInput()
         for module in (self.attn, self.other):
             _share(module, ["q", "k"], (0, "x"))
 
@@ -361,18 +361,11 @@ class ReadsItTwice(SharesItsInput):
         return out if extra is None else out + extra
 
 
-class Uses(nn.Module):
+class Uses(NormThenShared):
     """norm -> attn as NormThenShared does, but `how` says what else happens to the norm's output."""
 
     def __init__(self, how: str):
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        from runtime.checkpoint.input_gather import _share
-
-        super().__init__()
-        self.how, self.norm, self.attn, self.other = how, LlamaRMSNorm(64), ReadsItTwice(), SharesItsInput()
-        for module in (self.attn, self.other):
-            _share(module, ["q", "k"], (0, "x"))
+        super().__init__(how, ReadsItTwice())
 
     def forward(self, x):
         h = self.norm(x)
