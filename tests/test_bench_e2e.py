@@ -262,6 +262,10 @@ def test_a_checkpoint_run_says_what_its_layers_hold(sample):
             "zero points in 224, 32 act-order gathers per forward, 64 norms writing act-order layers' input in "
             "their order)") in e2e_report.terminal_report(sample)
     assert "The checkpoint's own weights" in e2e_report.markdown(sample)
+    assert "tilemarlin runs its 64 gathering norms as one kernel each" in e2e_report.terminal_report(sample)
+    sample["meta"]["compile"] = True
+    assert "gathering norms as one kernel" not in e2e_report.terminal_report(sample)
+    sample["meta"]["compile"] = False
     del sample["variants"]["tilemarlin"]
     assert "float16, gptq checkpoint; " in e2e_report.terminal_report(sample)
 

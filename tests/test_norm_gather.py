@@ -105,9 +105,9 @@ def test_the_op_matches_the_norm_then_the_gather(m, k, dtype):
     """Within one rounding of the output: the block's sum of squares is not torch's order of summation.
     The output block is NaN before the call."""
     x, weight, perm = drawn(m, k, dtype, m + k)
-    eps = torch.tensor([1e-5], device="cuda")
-    poisoned = poison_next_allocation((m, k), dtype, "cuda")
-    out = op.rms_norm_gather(x, weight[perm.long()].contiguous(), perm, eps)
+    ordered, eps = weight[perm.long()].contiguous(), torch.tensor([1e-5], device="cuda")
+    poisoned = poison_next_allocation((m, k), dtype, "cuda")     # after every other allocation
+    out = op.rms_norm_gather(x, ordered, perm, eps)
     want = reference(x, weight, perm, 1e-5)
     assert out.data_ptr() == poisoned and not out.isnan().any()
     ulp = torch.finfo(dtype).eps

@@ -154,8 +154,21 @@ def _same_history_text(agreement: dict | None, steps: int) -> str:
     return text
 
 
+def norm_note(data: dict) -> list[str]:
+    """Where tilemarlin's norms write act-order's gathered order, each is one kernel, while the other
+    variants run the model's own RMSNorm (eager: several kernels a norm): part of the difference is the
+    norms', not the GEMMs'. torch.compile fuses every variant's norms."""
+    layers = data["variants"].get("tilemarlin", {}).get("layers") or {}
+    norms = layers.get("gathering_norms", 0)
+    if not norms or data["meta"].get("compile"):
+        return []
+    return [f"tilemarlin runs its {norms} gathering norms as one kernel each, the other variants the model's "
+            "RMSNorm in eager mode (several kernels each): part of tilemarlin's lead is the norms' "
+            "(--compile fuses every variant's norms)"]
+
+
 def notes(data: dict) -> list[str]:
-    """Skipped variants, variants that failed, points not timed, the runtime's warnings."""
+    """Skipped variants, variants that failed, points not timed, the runtime's warnings, the norms."""
     lines = [f"{v} not measured: {why}" for v, why in data["meta"].get("skipped", {}).items()]
     for v in data["meta"]["variants"]:
         record = data["variants"].get(v, {})
@@ -168,7 +181,7 @@ def notes(data: dict) -> list[str]:
                          else f"prefill {point['tokens']}")
                 lines.append(f"{v} {where}: {point.get('skipped') or 'failed: ' + point.get('error', '?')}")
         lines += [f"{v}: {note}" for note in record.get("notes", [])]
-    return lines
+    return lines + norm_note(data)
 
 
 def layers_text(layers: dict) -> str:
