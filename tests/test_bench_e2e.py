@@ -366,6 +366,31 @@ def test_a_step_runs_through_a_compiled_model(tiny_model):
 
 
 @torch.no_grad()
+def test_a_compiled_step_compiles_nothing_inside_the_capture(tiny_model, monkeypatch):
+    """time_calls runs the step once, then captures it: a compile during the capture fails on the GPU.
+    The static cache allocates on its first update, and a compiled forward recompiles for that."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    compiled = torch.compile(tiny_model, backend="eager")
+    graphs_at_capture = []
+
+    def warm_then_capture(calls, replays):
+        calls[0]()                                           # time_calls' call before the capture
+        graphs_at_capture.append(counters["stats"]["unique_graphs"])
+        calls[0]()                                           # the captured call
+        graphs_at_capture.append(counters["stats"]["unique_graphs"])
+        return 1.0
+
+    monkeypatch.setattr("gen.timing.time_calls", warm_then_capture)
+    for batch in (2, 3):
+        point = e2e._timed_point({"batch": batch}, lambda: steps.decode_step(tiny_model, batch, 16, compiled), 1, batch)
+        assert point["us"] == 1.0, point
+    assert graphs_at_capture[0] == graphs_at_capture[1] and graphs_at_capture[2] == graphs_at_capture[3], \
+        graphs_at_capture
+
+
+@torch.no_grad()
 def test_a_step_run_again_writes_the_same_positions(tiny_model):
     step = steps.decode_step(tiny_model, batch=3, context=16)
     step.tokens.copy_(torch.tensor([[1], [2], [3]]))

@@ -266,7 +266,12 @@ def _timed_point(point: dict, make_step, replays: int, tokens: int) -> dict:
     from gen.timing import time_calls
 
     try:
-        us = time_calls([make_step()], replays=replays)
+        step = make_step()
+        # The static cache's layers allocate themselves on their first update and a compiled forward
+        # guards on that: this call compiles for the empty cache, time_calls' first for the allocated
+        # one, so that nothing compiles inside the capture (a CUDA error there).
+        step()
+        us = time_calls([step], replays=replays)
     except Exception as exc:
         return {**point, "us": None, "error": command._error_text(exc)}
     finally:
