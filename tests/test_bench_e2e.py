@@ -368,7 +368,8 @@ def test_a_step_runs_through_a_compiled_model(tiny_model):
 @torch.no_grad()
 def test_a_compiled_step_compiles_nothing_inside_the_capture(tiny_model, monkeypatch):
     """time_calls runs the step once, then captures it: a compile during the capture fails on the GPU.
-    The static cache allocates on its first update, and a compiled forward recompiles for that."""
+    The static cache allocates on its first update, and a compiled forward recompiles for that, so the
+    point primes the cache through the eager model first: one compile a point, before the capture."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -383,11 +384,13 @@ def test_a_compiled_step_compiles_nothing_inside_the_capture(tiny_model, monkeyp
         return 1.0
 
     monkeypatch.setattr("gen.timing.time_calls", warm_then_capture)
+    before = counters["stats"]["unique_graphs"]
     for batch in (2, 3):
         point = e2e._timed_point({"batch": batch}, lambda: steps.decode_step(tiny_model, batch, 16, compiled), 1, batch)
         assert point["us"] == 1.0, point
     assert graphs_at_capture[0] == graphs_at_capture[1] and graphs_at_capture[2] == graphs_at_capture[3], \
         graphs_at_capture
+    assert graphs_at_capture[-1] - before == 2, "one compile a point: the eager priming call allocates the cache"
 
 
 @torch.no_grad()

@@ -267,10 +267,7 @@ def _timed_point(point: dict, make_step, replays: int, tokens: int) -> dict:
 
     try:
         step = make_step()
-        # The static cache's layers allocate themselves on their first update and a compiled forward
-        # guards on that: this call compiles for the empty cache, time_calls' first for the allocated
-        # one, so that nothing compiles inside the capture (a CUDA error there).
-        step()
+        step.prime()    # else a compiled forward would compile again inside the capture (a CUDA error)
         us = time_calls([step], replays=replays)
     except Exception as exc:
         return {**point, "us": None, "error": command._error_text(exc)}

@@ -91,6 +91,15 @@ class CachedForward:
         self.keywords = _forward_keywords(model)
 
     def __call__(self) -> None:
+        self._run(self.forward)
+
+    def prime(self) -> None:
+        """One step through the eager model: the StaticCache allocates its layers on their first
+        update, and a compiled forward guards on that, so a compiled step primed this way compiles
+        once, for the allocated cache (and a capture after one compiled call compiles nothing)."""
+        self._run(self.model)
+
+    def _run(self, forward) -> None:
         batch, q = self.tokens.shape
         positions = self.start + self.offsets
         pin_write_position(self.cache, self.start)
@@ -102,7 +111,7 @@ class CachedForward:
             kwargs["cache_position"] = positions
         if self.keywords["logits"]:
             kwargs[self.keywords["logits"]] = 1
-        logits = self.forward(input_ids=self.tokens, **kwargs).logits
+        logits = forward(input_ids=self.tokens, **kwargs).logits
         self.next_tokens.copy_(logits[:, -1].argmax(-1))
         if self.logits is not None:
             self.logits.copy_(logits[:, -1])
