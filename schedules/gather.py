@@ -19,6 +19,32 @@ from .fp8_activations import row_into_shared
 from .row_kernels import CHUNK, threads_for
 
 
+def own_chunks_into_local(k: int):
+    """A T.macro(V, local) that loads this thread's chunks of the vector V [K] into `local`
+    [steps * CHUNK] (steps = own_chunk_steps(k)): at step s the CHUNK elements from
+    (s * threads + thread) * CHUNK, one 16-byte load of int32 indices or two of 2-byte weights. The
+    same chunks the thread later writes (`each_own_chunk`)."""
+    import tilelang.language as T
+
+    threads = threads_for(k)
+
+    @T.macro
+    def load(V, local):
+        tx = T.get_thread_binding()
+        for step in T.unroll(own_chunk_steps(k)):
+            first = (step * threads + tx) * CHUNK
+            if first < k:
+                for v in T.vectorized(CHUNK):
+                    local[step * CHUNK + v] = V[first + v]
+
+    return load
+
+
+def own_chunk_steps(k: int) -> int:
+    """How many chunks of CHUNK columns each thread of a row's block takes (the last may be short of threads)."""
+    return -(-k // (CHUNK * threads_for(k)))
+
+
 def build(k: int, dtype: str, arch: Arch):
     """The TileLang prim_func gather_columns(X [M, K] `dtype`, P [K] int32, Y [M, K] `dtype`), M dynamic,
     for `arch`. P must be a permutation of range(K); an index outside the row reads shared memory out
@@ -30,8 +56,9 @@ def build(k: int, dtype: str, arch: Arch):
         raise ValueError(f"K={k} must be a multiple of {CHUNK} (each thread writes {CHUNK} columns a store)")
     m = T.dynamic("m")
     threads = threads_for(k)
-    steps = -(-k // (CHUNK * threads))
+    steps = own_chunk_steps(k)
     copy_row = row_into_shared(k)
+    load_indices = own_chunks_into_local(k)
 
     @T.prim_func
     def gather_columns(X: T.Tensor((m, k), dtype), P: T.Tensor((k,), "int32"), Y: T.Tensor((m, k), dtype)):
@@ -41,11 +68,7 @@ def build(k: int, dtype: str, arch: Arch):
             index = T.alloc_local((steps * CHUNK,), "int32")
             value = T.alloc_local((CHUNK,), dtype)
             tx = T.get_thread_binding()
-            for step in T.unroll(steps):
-                first = (step * threads + tx) * CHUNK
-                if first < k:
-                    for v in T.vectorized(CHUNK):
-                        index[step * CHUNK + v] = P[first + v]
+            load_indices(P, index)
             if arch.hopper:
                 pdl_sync()       # X is the previous kernel's output; P is not written by any kernel
             copy_row(X, row, x_s)

@@ -23,6 +23,7 @@ TileLang.
 from .arch import Arch
 from .epilogue import EARLY_START_HELPERS
 from .fp8_activations import row_into_shared
+from .gather import own_chunk_steps, own_chunks_into_local
 from .row_kernels import CHUNK, norm_gather_supports as supports, threads_for
 
 
@@ -37,8 +38,9 @@ def build(k: int, dtype: str, arch: Arch):
                          f"and the block's {threads_for(k)} threads split the row's squares evenly")
     m = T.dynamic("m")
     threads = threads_for(k)
-    steps = -(-k // (CHUNK * threads))
+    steps = own_chunk_steps(k)
     copy_row = row_into_shared(k)
+    load_own = own_chunks_into_local(k)
 
     @T.prim_func
     def rms_norm_gather(X: T.Tensor((m, k), dtype), W: T.Tensor((k,), dtype), P: T.Tensor((k,), "int32"),
@@ -52,13 +54,8 @@ def build(k: int, dtype: str, arch: Arch):
             weight = T.alloc_local((steps * CHUNK,), dtype)
             value = T.alloc_local((CHUNK,), dtype)
             tx = T.get_thread_binding()
-            for step in T.unroll(steps):
-                first = (step * threads + tx) * CHUNK
-                if first < k:
-                    for v in T.vectorized(CHUNK):
-                        index[step * CHUNK + v] = P[first + v]
-                    for v in T.vectorized(CHUNK):
-                        weight[step * CHUNK + v] = W[first + v]
+            load_own(P, index)
+            load_own(W, weight)
             if arch.hopper:
                 pdl_sync()       # X is the previous kernel's output; W, P and E are no kernel's
             copy_row(X, row, x_s)
