@@ -18,7 +18,7 @@ from schedules.quant import quantize_rtn, quantize_rtn_asymmetric
 
 from .op import (DEFAULT_LAYOUT, dtype_name, gather_columns, layout_family, packed_shapes, problem_of, w4a8_gemm,
                  w4a16_gemm)
-from .precompile import precompile_layers
+from .precompile import precompile_layers, start_precompile
 
 if TYPE_CHECKING:
     from .checkpoint.layer import QuantizedLayer
@@ -112,8 +112,7 @@ class QuantLinear(nn.Module):
         or infinite).
         """
         weight = linear.weight.detach()
-        problem_of(linear.out_features, linear.in_features, group_size, dtype_name(weight.dtype), DEFAULT_LAYOUT,
-                   zero_points, act)
+        cls.problem_of_linear(linear, group_size, zero_points, act)
         bad = _first_false(torch.isfinite(weight))
         if bad is not None:
             row, column = bad
@@ -126,6 +125,14 @@ class QuantLinear(nn.Module):
             (codes, scales), zeros = quantize_rtn(weight.t(), group_size, cls.bits, dtype_name(weight.dtype)), None
         bias = None if linear.bias is None else linear.bias.detach()
         return cls._packed(codes, scales, bias, DEFAULT_LAYOUT, precompile, max_m, zeros, act)
+
+    @staticmethod
+    def problem_of_linear(linear: nn.Linear, group_size: int = 128, zero_points: bool = False,
+                          act: str = "dtype") -> Problem:
+        """The Problem that from_linear(linear, ...) will run, before quantizing anything; ValueError for
+        shapes or a group size the kernels cannot run."""
+        return problem_of(linear.out_features, linear.in_features, group_size, dtype_name(linear.weight.dtype),
+                          DEFAULT_LAYOUT, zero_points, act)
 
     @classmethod
     def from_layer(cls, layer: QuantizedLayer, layout: str = DEFAULT_LAYOUT, precompile: bool = True,
@@ -223,38 +230,58 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
     skip : name substrings never converted; the default keeps the (often tied) lm_head in fp16.
     zero_points : a zero point per group and column (QuantLinear.from_linear); symmetric by default.
     act : "fp8" runs the layers as W4A8 (FP8 activations per token, Hopper; see QuantLinear).
-    precompile, max_m : after converting, build every kernel the converted layers will run for M up
-        to `max_m` (all buckets for None), each distinct shape once, in one parallel compile; skipped
-        with precompile=False, TILEMARLIN_PRECOMPILE=0, or weights not on a CUDA device.
+    precompile, max_m : build every kernel the converted layers will run for M up to `max_m` (all
+        buckets for None), each distinct shape once, in one parallel compile that runs in worker
+        processes while the layers are quantized; returns once both are done. Skipped with
+        precompile=False, TILEMARLIN_PRECOMPILE=0, or weights not on a CUDA device.
 
     Returns the model. Raises ValueError, naming the layer, for a layer the kernels cannot run (its N
-    must be a multiple of 64, K of 16, the group size a multiple of 64 dividing K or -1; every weight
-    finite), and when no layer matched; the model is then left as it was, and no kernel is built.
+    must be a multiple of 64, K of 16, the group size a multiple of 64 dividing K or -1: before
+    anything is built; every weight finite: the build then stops after its current kernels), and
+    when no layer matched; the model is then left as it was.
     """
     wanted = _name_filter(filter)
     skip = (skip,) if isinstance(skip, str) else tuple(skip)
-    converted: dict[int, QuantLinear] = {}   # a module shared under two names is converted once
-    places: list[tuple[str, int]] = []
+    places: list[tuple[str, nn.Linear]] = []
+    problems: dict[int, Problem] = {}   # a module shared under two names is converted once
     for name, module in list(model.named_modules(remove_duplicate=False)):
         if not isinstance(module, nn.Linear) or any(s in name for s in skip) or not wanted(name, module):
             continue
-        if id(module) not in converted:
-            try:
-                converted[id(module)] = QuantLinear.from_linear(module, group_size, precompile=False,
-                                                                zero_points=zero_points, act=act)
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"cannot convert {name!r} ({module}): {exc}. Leave it out with "
-                                 f"skip=(..., {name!r}) or a filter") from None
-        places.append((name, id(module)))
-    if not converted:
+        try:
+            problems.setdefault(id(module), QuantLinear.problem_of_linear(module, group_size, zero_points, act))
+        except (ValueError, TypeError) as exc:
+            raise _refusal(name, module, exc) from None
+        places.append((name, module))
+    if not places:
         raise ValueError("replace_linear found no nn.Linear to convert (already converted, or the filter "
                          "and skip left none)")
-    for name, key in places:     # only once every layer converted: a refusal leaves the model whole
+    # The kernels build in worker processes while the layers are quantized here.
+    modules = {id(module): module for _, module in places}
+    build = start_precompile([(problems[key], module.weight.device) for key, module in modules.items()], max_m) \
+        if precompile else None
+    converted: dict[int, QuantLinear] = {}
+    try:
+        for name, module in places:
+            if id(module) not in converted:
+                try:
+                    converted[id(module)] = QuantLinear.from_linear(module, group_size, precompile=False,
+                                                                    zero_points=zero_points, act=act)
+                except (ValueError, TypeError) as exc:
+                    raise _refusal(name, module, exc) from None
+    except BaseException:
+        if build is not None:
+            build.cancel()
+        raise
+    for name, module in places:     # only once every layer converted: a refusal leaves the model whole
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[key])
-    if precompile:
-        precompile_layers([(layer.problem, layer.qweight.device) for layer in converted.values()], max_m)
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(module)])
+    if build is not None:
+        build.wait()
     return model
+
+
+def _refusal(name: str, module: nn.Module, exc: Exception) -> ValueError:
+    return ValueError(f"cannot convert {name!r} ({module}): {exc}. Leave it out with skip=(..., {name!r}) or a filter")
 
 
 def _first_false(ok: torch.Tensor) -> tuple[int, ...] | None:

@@ -12,7 +12,8 @@ could not foresee (runtime/selfcheck.py).
 Converting a model (`replace_linear`) and constructing a `QuantLinear` on a GPU call
 `precompile_layers`: every kernel of every bucket up to `max_m`, each distinct problem once, kernels
 already in the store skipped, the rest in one `kernels.compile_many` call per arch (worker processes),
-so that serving only loads. `precompile=False` or TILEMARLIN_PRECOMPILE=0 turns it off; weights that
+so that serving only loads. `replace_linear` plans from the layers' shapes before it quantizes any
+(`start_precompile`), so that the workers compile while this process quantizes. `precompile=False` or TILEMARLIN_PRECOMPILE=0 turns it off; weights that
 are not on a CUDA device skip it (the arch to build for is the GPU's).
 """
 from __future__ import annotations
@@ -149,11 +150,25 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     other than CUDA GPUs, one compile_many call per arch for all of them (this process imports no
     compiler). Raises RuntimeError naming the kernels that failed to build (their first calls would
     fail)."""
+    start_precompile(layers, max_m, layout, gathered, normed).wait()
+
+
+def start_precompile(layers: Iterable[tuple[Problem, object]], max_m: int | None = None,
+                     layout: str | None = None, gathered: Iterable[tuple[Problem, object]] = (),
+                     normed: Iterable[tuple[Problem, object]] = ()) -> "PendingBuild":
+    """precompile_layers' build, planned now and run in a background thread: the caller goes on (a
+    model's layers are quantized meanwhile) and calls wait() before the kernels are needed."""
+    return PendingBuild(_planned_jobs(layers, max_m, layout, gathered, normed))
+
+
+def _planned_jobs(layers, max_m, layout, gathered, normed) -> dict[Arch, list]:
+    """arch -> the jobs (compile_many's) that the layers' kernels need: none when TILEMARLIN_PRECOMPILE
+    is off or no layer is on a CUDA GPU."""
     from . import kernels
     from .op import DEFAULT_LAYOUT, dispatch_for
 
     if not enabled():
-        return
+        return {}
     by_device: dict = {}
     gathers_by_device: dict = {}
     norms_by_device: dict = {}
@@ -170,13 +185,63 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
         jobs_by_arch.setdefault(dispatch.arch, {}).update(dict.fromkeys(planned))
         activations_by_arch.setdefault(dispatch.arch, set()).update(
             activation_kernels(problems, gathers_by_device.get(device, ()), norms_by_device.get(device, ())))
-    failed = {}
-    for arch, jobs in jobs_by_arch.items():
-        activations = [kernels.ActivationJob(*kernel) for kernel in sorted(activations_by_arch[arch])]
-        failed.update((job, error) for job, error in build_missing([*jobs, *activations], arch).items() if error)
-    if failed:
-        listed = "; ".join(f"{job_name(job)}: {error}" for job, error in list(failed.items())[:5])
-        advice = ("their buckets' first calls would fail too. Serve smaller M with max_m=..., or build later with "
-                  "precompile=False" if any(isinstance(job, tuple) for job in failed) else
-                  "the layers' calls would fail too")
-        raise RuntimeError(f"{len(failed)} kernels failed to build ({listed}); {advice}")
+    return {arch: [*jobs, *(kernels.ActivationJob(*kernel) for kernel in sorted(activations_by_arch[arch]))]
+            for arch, jobs in jobs_by_arch.items()}
+
+
+class _Cancelled(Exception):
+    """Raised through compile_many's progress callback to stop a cancelled build's workers."""
+
+
+class PendingBuild:
+    """Planned kernels being built by build_missing in a background thread (start_precompile)."""
+
+    def __init__(self, jobs_by_arch: dict[Arch, list]):
+        self._jobs_by_arch = jobs_by_arch
+        self._failed: dict = {}
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._thread = None
+        if any(jobs_by_arch.values()):
+            import threading
+
+            self._thread = threading.Thread(target=self._build, name="tilemarlin-precompile", daemon=True)
+            self._thread.start()
+
+    def _build(self) -> None:
+        try:
+            for arch, jobs in self._jobs_by_arch.items():
+                results = build_missing(jobs, arch, progress=self._progress)
+                self._failed.update((job, error) for job, error in results.items() if error)
+        except _Cancelled:
+            pass
+        except BaseException as exc:     # raised in the caller's thread by wait()
+            self._error = exc
+
+    def _progress(self, job, error) -> None:
+        if self._cancelled:
+            raise _Cancelled
+
+    def cancel(self) -> None:
+        """Stop the workers after their current jobs (the caller's conversion failed) and wait for them."""
+        self._cancelled = True
+        if self._thread is not None:
+            self._thread.join()
+
+    def wait(self) -> None:
+        """Return once every kernel is built. Raises RuntimeError naming the kernels that failed to
+        build (their first calls would fail), and what the build itself raised."""
+        if self._thread is not None:
+            try:
+                self._thread.join()
+            except BaseException:       # Ctrl-C: the workers stop after their current jobs
+                self.cancel()
+                raise
+        if self._error is not None:
+            raise self._error
+        if self._failed:
+            listed = "; ".join(f"{job_name(job)}: {error}" for job, error in list(self._failed.items())[:5])
+            advice = ("their buckets' first calls would fail too. Serve smaller M with max_m=..., or build later "
+                      "with precompile=False" if any(isinstance(job, tuple) for job in self._failed) else
+                      "the layers' calls would fail too")
+            raise RuntimeError(f"{len(self._failed)} kernels failed to build ({listed}); {advice}")

@@ -4,6 +4,7 @@ turned off), and `gen precompile` lists, builds and sums up."""
 import json
 import random
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import runtime.kernels as store
 import runtime.op as op
 import runtime.precompile as precompile
 from gen.cli import main as gen_main
+import runtime.linear as linear_module
 from runtime import QuantLinear, replace_linear
 from runtime.precompile import PRECOMPILE_ENV, Dispatch, buckets_up_to, plan
 from runtime.table import BUCKETS, TunedTable, winners_for_arch
@@ -22,6 +24,7 @@ from schedules import marlin_mma
 from schedules.arch import get_arch
 from schedules.cost import GpuSpec
 from schedules.problem import Problem
+from schedules.quant import quantize_rtn
 from schedules.registry import Schedule
 
 SM90 = get_arch("sm_90a")
@@ -180,6 +183,61 @@ def test_replace_linear_builds_every_layers_kernels_in_one_call(compiler):
     problems = {Problem(128, 128, 64), Problem(256, 128, 64), Problem(128, 256, 64)}
     assert arch == SM90 and len(jobs) == len(set(jobs))
     assert set(jobs) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
+
+
+def test_replace_linear_builds_while_it_quantizes(compiler, monkeypatch):
+    """The kernels' build starts before the first layer is quantized: quantizing waits (here) until
+    the build has begun, which it could not if the build followed the conversion."""
+    started = threading.Event()
+    record = store.compile_many
+
+    def compile_many(jobs, arch, workers=None, progress=None):
+        started.set()
+        return record(jobs, arch, workers, progress)
+
+    def quantize(*args, **kwargs):
+        assert started.wait(timeout=30), "the build had not started when the first layer was quantized"
+        return quantize_rtn(*args, **kwargs)
+
+    monkeypatch.setattr(store, "compile_many", compile_many)
+    monkeypatch.setattr(linear_module, "quantize_rtn", quantize)
+    replace_linear(_model(), group_size=64)
+    assert len(compiler) == 1 and isinstance(replace_linear(_model(), group_size=64, precompile=False), nn.Module)
+
+
+def test_a_layer_refused_while_quantizing_stops_the_build(compiler, monkeypatch):
+    cancelling, stopped = threading.Event(), []
+
+    def compile_many(jobs, arch, workers=None, progress=None):
+        assert cancelling.wait(timeout=30)
+        try:
+            progress(jobs[0], None)          # the build's next job ends: the workers stop
+        except BaseException as exc:
+            stopped.append(exc)
+            raise
+        return dict.fromkeys(jobs)
+
+    cancel = precompile.PendingBuild.cancel
+
+    def signalled_cancel(self):
+        cancelling.set()
+        cancel(self)
+
+    monkeypatch.setattr(store, "compile_many", compile_many)
+    monkeypatch.setattr(precompile.PendingBuild, "cancel", signalled_cancel)
+    model = _model()
+    with torch.no_grad():
+        model[2].down_proj.weight[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="weight nan at row 1, column 2"):
+        replace_linear(model, group_size=64)
+    assert len(stopped) == 1 and all(isinstance(m, nn.Linear) for m in model[2].children())
+
+
+def test_a_failed_build_is_raised_by_wait(compiler, monkeypatch):
+    monkeypatch.setattr(store, "compile_many", lambda jobs, arch, workers=None, progress=None:
+                        {job: "nvcc said no" for job in jobs})
+    with pytest.raises(RuntimeError, match="6 kernels failed to build .*nvcc said no"):
+        replace_linear(_model(), group_size=64)
 
 
 def test_max_m_limits_the_buckets(compiler):
