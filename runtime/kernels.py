@@ -380,51 +380,82 @@ def compile_many(jobs: list, arch: Arch, workers: int | None = None, progress=No
     workers after their current jobs and is raised here."""
     if not jobs:
         return {}
-    pending: queue.SimpleQueue = queue.SimpleQueue()
-    for job in jobs:
-        pending.put(job)
-    results: dict = {}
-    done = threading.Lock()
-    stop = threading.Event()
-    raised: list[BaseException] = []
+    pool = CompilePool(arch, workers or min(len(jobs), os.cpu_count() or 2), progress)
+    pool.submit(jobs)
+    return pool.close()
 
-    def finish(job, error) -> None:
-        with done:
-            results[job] = error
+
+class CompilePool:
+    """compile_many's workers, fed jobs as they come: a model's build starts with its first layers
+    and takes the rest as the loader reaches them (runtime/precompile.py). Up to `workers` threads
+    (one per core by default), each owning a worker process, start as jobs arrive and take them in
+    order; progress(job, error) follows each job, one call at a time. An exception of `progress`, or
+    cancel(), stops the workers after their current jobs, and close() raises the exception."""
+
+    def __init__(self, arch: Arch, workers: int | None = None, progress=None):
+        self.arch = arch
+        self._limit = max(1, workers or os.cpu_count() or 2)
+        self._progress = progress
+        self._pending: queue.SimpleQueue = queue.SimpleQueue()
+        self._submitted = 0
+        self._threads: list[threading.Thread] = []
+        self._results: dict = {}
+        self._done = threading.Lock()
+        self._stop = threading.Event()
+        self._raised: list[BaseException] = []
+
+    def submit(self, jobs) -> None:
+        """Queue jobs behind those submitted before; a worker starts for each up to the limit."""
+        for job in jobs:
+            self._pending.put(job)
+            self._submitted += 1
+        while len(self._threads) < min(self._limit, self._submitted):
+            thread = threading.Thread(target=_serve_jobs, args=(self._pending, self.arch, self._finish, self._stop),
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _finish(self, job, error) -> None:
+        with self._done:
+            self._results[job] = error
             try:
-                if progress is not None:
-                    progress(job, error)
+                if self._progress is not None:
+                    self._progress(job, error)
             except BaseException as exc:    # the caller's: stop, and raise it in the caller's thread
-                raised.append(exc)
-                stop.set()
+                self._raised.append(exc)
+                self._stop.set()
 
-    threads = [threading.Thread(target=_serve_jobs, args=(pending, arch, finish, stop), daemon=True)
-               for _ in range(workers or max(1, min(len(jobs), os.cpu_count() or 2)))]
-    for thread in threads:
-        thread.start()
-    try:
-        for thread in threads:
-            thread.join()
-    finally:
-        stop.set()      # Ctrl-C: no worker takes another job, each exits after its current one
-    if raised:
-        raise raised[0]
-    return results
+    def cancel(self) -> None:
+        """No worker takes another job; close() still waits for their current ones."""
+        self._stop.set()
+
+    def close(self) -> dict:
+        """Wait for every submitted job (or, once stopped, for the current ones); job -> error or None.
+        Raises what `progress` raised."""
+        for _ in self._threads:
+            self._pending.put(None)      # one end mark per worker thread, behind every job
+        try:
+            for thread in self._threads:
+                thread.join()
+        finally:
+            self._stop.set()      # Ctrl-C: no worker takes another job, each exits after its current one
+        if self._raised:
+            raise self._raised[0]
+        return self._results
 
 
 REPLY = "tilemarlin-compile-worker:"   # marks the answers among anything else a worker may print
 
 
 def _serve_jobs(pending: queue.SimpleQueue, arch: Arch, finish, stop: threading.Event) -> None:
-    """One worker process's share: jobs off the queue until none is left (or `stop`). A worker that
+    """One worker process's share: jobs off the queue until its end mark (None) or `stop`. A worker that
     dies (killed for memory, say) fails its job with its exit code and last words; the next job
     starts another."""
     worker = None
     try:
         while not stop.is_set():
-            try:
-                job = pending.get_nowait()
-            except queue.Empty:
+            job = pending.get()
+            if job is None or stop.is_set():      # the pool's end mark, or stopped while waiting
                 return
             try:
                 worker = worker or _start_worker()

@@ -11,9 +11,10 @@ could not foresee (runtime/selfcheck.py).
 
 Converting a model (`replace_linear`) and constructing a `QuantLinear` on a GPU call
 `precompile_layers`: every kernel of every bucket up to `max_m`, each distinct problem once, kernels
-already in the store skipped, the rest in one `kernels.compile_many` call per arch (worker processes),
-so that serving only loads. `replace_linear` plans from the layers' shapes before it quantizes any
-(`start_precompile`), so that the workers compile while this process quantizes. `precompile=False` or TILEMARLIN_PRECOMPILE=0 turns it off; weights that
+already in the store skipped, the rest by one pool of worker processes per arch,
+so that serving only loads. The workers build while the model is being made (`PendingBuild`, on
+`kernels.CompilePool`): `replace_linear` plans from the layers' shapes before it quantizes any
+(`start_precompile`), and the checkpoint loader queues each layer's kernels as it reads the layer. `precompile=False` or TILEMARLIN_PRECOMPILE=0 turns it off; weights that
 are not on a CUDA device skip it (the arch to build for is the GPU's).
 """
 from __future__ import annotations
@@ -147,8 +148,8 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     `max_m` (all buckets for None), as the constructors and replace_linear do, the column gather of the
     act-order layers among them (`gathered`, the same pairs) and the RMSNorm that writes the input of
     those in `normed` in their order: nothing when TILEMARLIN_PRECOMPILE is off, nothing for devices
-    other than CUDA GPUs, one compile_many call per arch for all of them (this process imports no
-    compiler). Raises RuntimeError naming the kernels that failed to build (their first calls would
+    other than CUDA GPUs, one pool of worker processes per arch for all of them (this process imports
+    no compiler). Raises RuntimeError naming the kernels that failed to build (their first calls would
     fail)."""
     start_precompile(layers, max_m, layout, gathered, normed).wait()
 
@@ -156,26 +157,84 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
 def start_precompile(layers: Iterable[tuple[Problem, object]], max_m: int | None = None,
                      layout: str | None = None, gathered: Iterable[tuple[Problem, object]] = (),
                      normed: Iterable[tuple[Problem, object]] = ()) -> "PendingBuild":
-    """precompile_layers' build, planned now and run in a background thread: the caller goes on (a
-    model's layers are quantized meanwhile) and calls wait() before the kernels are needed."""
-    return PendingBuild(_planned_jobs(layers, max_m, layout, gathered, normed))
+    """precompile_layers' build, planned now and running in worker processes while the caller goes on
+    (replace_linear quantizes meanwhile); wait() before the kernels are needed."""
+    build = PendingBuild(max_m, layout)
+    build.add(layers, gathered, normed)
+    return build
 
 
-def _planned_jobs(layers, max_m, layout, gathered, normed) -> dict[Arch, list]:
-    """arch -> the jobs (compile_many's) that the layers' kernels need: none when TILEMARLIN_PRECOMPILE
-    is off or no layer is on a CUDA GPU."""
+class PendingBuild:
+    """A model's kernels, built in worker processes (kernels.CompilePool, one per arch) while its
+    layers are still being made: add() plans the kernels of layers not seen before and queues those
+    the store lacks, wait() returns once all are built. Nothing is planned or built when
+    TILEMARLIN_PRECOMPILE is off or for layers not on a CUDA GPU."""
+
+    def __init__(self, max_m: int | None = None, layout: str | None = None):
+        self._max_m, self._layout = max_m, layout
+        self._seen: set = set()          # (kind, problem, device) already planned
+        self._queued: set = set()        # (arch, job)
+        self._pools: dict = {}           # arch -> kernels.CompilePool
+        self._failed: dict = {}
+
+    def add(self, layers: Iterable[tuple[Problem, object]] = (), gathered: Iterable[tuple[Problem, object]] = (),
+            normed: Iterable[tuple[Problem, object]] = ()) -> None:
+        """Plan and queue the kernels of these layers (precompile_layers' arguments) not planned before."""
+        from . import kernels
+
+        if not enabled():
+            return
+        fresh = [[pair for pair in pairs if _on_cuda(pair[1]) and (kind, *pair) not in self._seen]
+                 for kind, pairs in (("gemm", layers), ("gather", gathered), ("norm", normed))]
+        self._seen.update((kind, *pair) for kind, pairs in zip(("gemm", "gather", "norm"), fresh) for pair in pairs)
+        for arch, jobs in _planned_jobs(*fresh, self._max_m, self._layout).items():
+            missing = [job for job in jobs if (arch, job) not in self._queued and not kernels.job_stored(job, arch)]
+            self._queued.update((arch, job) for job in missing)
+            if missing:
+                if arch not in self._pools:
+                    self._pools[arch] = kernels.CompilePool(arch, progress=self._note)
+                self._pools[arch].submit(missing)
+
+    def _note(self, job, error) -> None:
+        if error:
+            self._failed[job] = error
+
+    def cancel(self) -> None:
+        """Stop the workers after their current jobs (the caller's conversion failed) and wait for them."""
+        for pool in self._pools.values():
+            pool.cancel()
+        for pool in self._pools.values():
+            pool.close()
+
+    def wait(self) -> None:
+        """Return once every queued kernel is built. Raises RuntimeError naming the kernels that failed
+        to build (their first calls would fail)."""
+        try:
+            for pool in self._pools.values():
+                pool.close()
+        except BaseException:       # Ctrl-C: the workers stop after their current jobs
+            self.cancel()
+            raise
+        if self._failed:
+            listed = "; ".join(f"{job_name(job)}: {error}" for job, error in list(self._failed.items())[:5])
+            advice = ("their buckets' first calls would fail too. Serve smaller M with max_m=..., or build later "
+                      "with precompile=False" if any(isinstance(job, tuple) for job in self._failed) else
+                      "the layers' calls would fail too")
+            raise RuntimeError(f"{len(self._failed)} kernels failed to build ({listed}); {advice}")
+
+
+def _planned_jobs(layers, gathered, normed, max_m, layout) -> dict[Arch, list]:
+    """arch -> the jobs (compile_many's) that the layers' kernels need, in plan's order, the activation
+    kernels last."""
     from . import kernels
     from .op import DEFAULT_LAYOUT, dispatch_for
 
-    if not enabled():
-        return {}
     by_device: dict = {}
     gathers_by_device: dict = {}
     norms_by_device: dict = {}
     for pairs, into in ((layers, by_device), (gathered, gathers_by_device), (normed, norms_by_device)):
         for problem, device in pairs:
-            if _on_cuda(device):
-                into.setdefault(device, set()).add(problem)
+            into.setdefault(device, set()).add(problem)
     jobs_by_arch: dict[Arch, dict] = {}
     activations_by_arch: dict[Arch, set] = {}
     for device in {**by_device, **gathers_by_device, **norms_by_device}:
@@ -187,61 +246,3 @@ def _planned_jobs(layers, max_m, layout, gathered, normed) -> dict[Arch, list]:
             activation_kernels(problems, gathers_by_device.get(device, ()), norms_by_device.get(device, ())))
     return {arch: [*jobs, *(kernels.ActivationJob(*kernel) for kernel in sorted(activations_by_arch[arch]))]
             for arch, jobs in jobs_by_arch.items()}
-
-
-class _Cancelled(Exception):
-    """Raised through compile_many's progress callback to stop a cancelled build's workers."""
-
-
-class PendingBuild:
-    """Planned kernels being built by build_missing in a background thread (start_precompile)."""
-
-    def __init__(self, jobs_by_arch: dict[Arch, list]):
-        self._jobs_by_arch = jobs_by_arch
-        self._failed: dict = {}
-        self._error: BaseException | None = None
-        self._cancelled = False
-        self._thread = None
-        if any(jobs_by_arch.values()):
-            import threading
-
-            self._thread = threading.Thread(target=self._build, name="tilemarlin-precompile", daemon=True)
-            self._thread.start()
-
-    def _build(self) -> None:
-        try:
-            for arch, jobs in self._jobs_by_arch.items():
-                results = build_missing(jobs, arch, progress=self._progress)
-                self._failed.update((job, error) for job, error in results.items() if error)
-        except _Cancelled:
-            pass
-        except BaseException as exc:     # raised in the caller's thread by wait()
-            self._error = exc
-
-    def _progress(self, job, error) -> None:
-        if self._cancelled:
-            raise _Cancelled
-
-    def cancel(self) -> None:
-        """Stop the workers after their current jobs (the caller's conversion failed) and wait for them."""
-        self._cancelled = True
-        if self._thread is not None:
-            self._thread.join()
-
-    def wait(self) -> None:
-        """Return once every kernel is built. Raises RuntimeError naming the kernels that failed to
-        build (their first calls would fail), and what the build itself raised."""
-        if self._thread is not None:
-            try:
-                self._thread.join()
-            except BaseException:       # Ctrl-C: the workers stop after their current jobs
-                self.cancel()
-                raise
-        if self._error is not None:
-            raise self._error
-        if self._failed:
-            listed = "; ".join(f"{job_name(job)}: {error}" for job, error in list(self._failed.items())[:5])
-            advice = ("their buckets' first calls would fail too. Serve smaller M with max_m=..., or build later "
-                      "with precompile=False" if any(isinstance(job, tuple) for job in self._failed) else
-                      "the layers' calls would fail too")
-            raise RuntimeError(f"{len(self._failed)} kernels failed to build ({listed}); {advice}")

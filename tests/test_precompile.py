@@ -141,22 +141,49 @@ def test_a_schedule_for_another_layout_is_refused():
 
 # --- building: once, only what the store lacks -------------------------------------------------
 
+class Builds(list):
+    """(jobs, arch) of each compile pool a build closed, in order; `outcome(job)` is each job's error
+    (None: built), `started` is set when a pool first gets jobs, `cancelled` counts cancel() calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.outcome = lambda job: None
+        self.started = threading.Event()
+        self.cancelled = 0
+        self.submitted = []      # how many jobs each submit() queued
+
+
 @pytest.fixture
 def compiler(monkeypatch):
-    """GPU weights as the precompile sees them, the stub table's choices, and a recording compiler
+    """GPU weights as the precompile sees them, the stub table's choices, and recording compile pools
     whose store holds nothing."""
-    calls = []
+    calls = Builds()
 
-    def compile_many(jobs, arch, workers=None, progress=None):
-        calls.append((list(jobs), arch))
-        return dict.fromkeys(jobs)
+    class RecordingPool:
+        def __init__(self, arch, workers=None, progress=None):
+            self.arch, self.progress, self.jobs = arch, progress, []
+
+        def submit(self, jobs):
+            self.jobs += jobs
+            calls.submitted.append(len(jobs))
+            calls.started.set()
+
+        def cancel(self):
+            calls.cancelled += 1
+
+        def close(self):
+            calls.append((list(self.jobs), self.arch))
+            results = {job: calls.outcome(job) for job in self.jobs}
+            for job, error in results.items():
+                self.progress(job, error)
+            return results
 
     monkeypatch.delenv(PRECOMPILE_ENV, raising=False)
     monkeypatch.setattr(precompile, "_on_cuda", lambda device: True)
     monkeypatch.setattr(op, "dispatch_for", lambda device=None: Dispatch(SM90, None, StubTable(), ()))
     monkeypatch.setattr(store, "is_stored", lambda problem, schedule, arch: False)
     monkeypatch.setattr(store, "is_activation_kernel_stored", lambda kind, k, dtype, arch: False)
-    monkeypatch.setattr(store, "compile_many", compile_many)
+    monkeypatch.setattr(store, "CompilePool", RecordingPool)
     monkeypatch.setattr(store, "compile_activation_kernel",
                         lambda kind, k, dtype, arch: calls.append(((kind, k, dtype), arch)))
     return calls
@@ -188,54 +215,27 @@ def test_replace_linear_builds_every_layers_kernels_in_one_call(compiler):
 def test_replace_linear_builds_while_it_quantizes(compiler, monkeypatch):
     """The kernels' build starts before the first layer is quantized: quantizing waits (here) until
     the build has begun, which it could not if the build followed the conversion."""
-    started = threading.Event()
-    record = store.compile_many
-
-    def compile_many(jobs, arch, workers=None, progress=None):
-        started.set()
-        return record(jobs, arch, workers, progress)
-
     def quantize(*args, **kwargs):
-        assert started.wait(timeout=30), "the build had not started when the first layer was quantized"
+        assert compiler.started.wait(timeout=30), "the build had not started when the first layer was quantized"
         return quantize_rtn(*args, **kwargs)
 
-    monkeypatch.setattr(store, "compile_many", compile_many)
     monkeypatch.setattr(linear_module, "quantize_rtn", quantize)
     replace_linear(_model(), group_size=64)
-    assert len(compiler) == 1 and isinstance(replace_linear(_model(), group_size=64, precompile=False), nn.Module)
+    assert len(compiler) == 1 and compiler.cancelled == 0
 
 
-def test_a_layer_refused_while_quantizing_stops_the_build(compiler, monkeypatch):
-    cancelling, stopped = threading.Event(), []
-
-    def compile_many(jobs, arch, workers=None, progress=None):
-        assert cancelling.wait(timeout=30)
-        try:
-            progress(jobs[0], None)          # the build's next job ends: the workers stop
-        except BaseException as exc:
-            stopped.append(exc)
-            raise
-        return dict.fromkeys(jobs)
-
-    cancel = precompile.PendingBuild.cancel
-
-    def signalled_cancel(self):
-        cancelling.set()
-        cancel(self)
-
-    monkeypatch.setattr(store, "compile_many", compile_many)
-    monkeypatch.setattr(precompile.PendingBuild, "cancel", signalled_cancel)
+def test_a_layer_refused_while_quantizing_stops_the_build(compiler):
     model = _model()
     with torch.no_grad():
         model[2].down_proj.weight[1, 2] = float("nan")
     with pytest.raises(ValueError, match="weight nan at row 1, column 2"):
         replace_linear(model, group_size=64)
-    assert len(stopped) == 1 and all(isinstance(m, nn.Linear) for m in model[2].children())
+    assert compiler.cancelled == 1 and len(compiler) == 1          # stopped, then waited for
+    assert all(isinstance(m, nn.Linear) for m in model[2].children())
 
 
-def test_a_failed_build_is_raised_by_wait(compiler, monkeypatch):
-    monkeypatch.setattr(store, "compile_many", lambda jobs, arch, workers=None, progress=None:
-                        {job: "nvcc said no" for job in jobs})
+def test_a_failed_build_is_raised_by_wait(compiler):
+    compiler.outcome = lambda job: "nvcc said no"
     with pytest.raises(RuntimeError, match="6 kernels failed to build .*nvcc said no"):
         replace_linear(_model(), group_size=64)
 
@@ -286,6 +286,43 @@ def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_pa
                                  store.ActivationJob("rms_norm_gather", 256, "float16")]
 
 
+def test_load_quantized_queues_each_new_layers_kernels_as_it_reads_them(compiler, tmp_path, monkeypatch):
+    """The first layer's kernels are queued before the next layer is read; the gathers and norms, known
+    once every layer is in, join the same pool last."""
+    from runtime import load_quantized
+    from runtime.checkpoint import loader
+    from tests.checkpoint_writers import write_checkpoint
+
+    write_checkpoint(tmp_path / "ckpt", "gptq", symmetric=False, act_order=True)
+    made = []
+    from_layer = QuantLinear.from_layer
+
+    def counted(*args, **kwargs):
+        made.append(len(compiler.submitted))     # submissions queued before this layer was made
+        return from_layer(*args, **kwargs)
+
+    monkeypatch.setattr(loader.QuantLinear, "from_layer", counted)
+    load_quantized(tmp_path / "ckpt", device="cpu")
+    assert made[0] == 0 and made[1] == 1                     # the first layer's kernels before the second
+    assert len(compiler) == 1 and compiler.submitted[-1] == 2  # one pool; the gather and the norm last
+
+
+def test_a_checkpoint_that_fails_to_load_stops_its_build(compiler, tmp_path, monkeypatch):
+    from runtime import CheckpointError, load_quantized
+    from runtime.checkpoint import loader
+    from tests.checkpoint_writers import write_checkpoint
+
+    write_checkpoint(tmp_path / "ckpt", "gptq", symmetric=True, act_order=False)
+
+    def refuse(*args, **kwargs):
+        raise CheckpointError("model.safetensors: lm_head.weight", "missing")
+
+    monkeypatch.setattr(loader, "load_dense_parameters", refuse)
+    with pytest.raises(CheckpointError, match="lm_head.weight"):
+        load_quantized(tmp_path / "ckpt", device="cpu")
+    assert compiler.cancelled == 1 and compiler.submitted
+
+
 def test_an_act_order_layer_alone_builds_its_gather(compiler):
     """QuantLinear(act_order=True) and from_layer with a permutation build the gather in the GEMMs'
     compile_many call."""
@@ -312,15 +349,14 @@ def test_precompile_off_by_option_or_environment(compiler, monkeypatch):
 
 def test_weights_off_the_gpu_are_not_precompiled(monkeypatch):
     monkeypatch.setattr(op, "dispatch_for", lambda device=None: pytest.fail("planned for CPU weights"))
-    monkeypatch.setattr(store, "compile_many", lambda *a, **k: pytest.fail("compiled for CPU weights"))
+    monkeypatch.setattr(store, "CompilePool", lambda *a, **k: pytest.fail("compiled for CPU weights"))
     monkeypatch.delenv(PRECOMPILE_ENV, raising=False)
     replace_linear(_model(), group_size=64)
     QuantLinear(256, 128, group_size=64)
 
 
-def test_a_kernel_that_fails_to_build_is_an_error_naming_it(compiler, monkeypatch):
-    monkeypatch.setattr(store, "compile_many", lambda jobs, arch, workers=None, progress=None:
-                        {job: ("nvcc: out of memory" if job[1] == LARGE_M else None) for job in jobs})
+def test_a_kernel_that_fails_to_build_is_an_error_naming_it(compiler):
+    compiler.outcome = lambda job: "nvcc: out of memory" if job[1] == LARGE_M else None
     with pytest.raises(RuntimeError, match=r"3 kernels failed.*marlin_mma:m64.*nvcc: out of memory.*max_m"):
         replace_linear(_model(), group_size=64)
 

@@ -20,7 +20,8 @@ served by tilemarlin's kernels.
    (runtime/checkpoint/input_gather.py), and where that input is an RMSNorm's output read by nothing
    else, the norm writes it in the gathered order and no gather runs (runtime/checkpoint/norm_fold.py).
 6. Every kernel the model will run (the GEMMs of every layer and bucket, the gathers left, the
-   gathering norms) is built in one parallel compile (runtime/precompile.py).
+   gathering norms) is built by one pool of worker processes (runtime/precompile.py), each layer's
+   GEMMs queued as soon as step 1 has made it, so that they build while the rest is read.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from torch import nn
 
 from ..linear import QuantLinear
 from ..op import DEFAULT_LAYOUT
-from ..precompile import precompile_layers
+from ..precompile import PendingBuild
 from .awq import AwqFormat
 from .compressed_tensors import CompressedTensorsFormat
 from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
@@ -97,12 +98,19 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
         del config.quantization_config   # the model is built dense; this module does the quantized part
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    replace_quantized_linears(model, fmt, files, dtype, device, layout)
-    load_dense_parameters(model, files, dtype, device)
-    model.to(device)   # the buffers computed at construction
-    gather_once(model)
-    if precompile:
-        precompile_model(model, layout)
+    # The kernels build in worker processes from the first layer on, while the rest are read.
+    build = PendingBuild(layout=layout) if precompile else None
+    try:
+        replace_quantized_linears(model, fmt, files, dtype, device, layout, build)
+        load_dense_parameters(model, files, dtype, device)
+        model.to(device)   # the buffers computed at construction
+        gather_once(model)
+    except BaseException:
+        if build is not None:
+            build.cancel()
+        raise
+    if build is not None:
+        precompile_model(model, layout, build)
     return model.eval()
 
 
@@ -124,11 +132,14 @@ def act_order_layers(model: nn.Module) -> tuple[list[QuantLinear], list[QuantLin
     return layers, gathered, normed
 
 
-def precompile_model(model: nn.Module, layout: str = DEFAULT_LAYOUT) -> None:
-    """Build every kernel a loaded model will run, in one parallel compile (runtime/precompile.py)."""
+def precompile_model(model: nn.Module, layout: str = DEFAULT_LAYOUT, build: PendingBuild | None = None) -> None:
+    """Build every kernel a loaded model will run, in one pool of worker processes
+    (runtime/precompile.py): `build`'s, which has the layers queued so far, or a new one."""
     layers, gathered, normed = act_order_layers(model)
     pairs = lambda modules: [(m.problem, m.qweight.device) for m in modules]   # noqa: E731
-    precompile_layers(pairs(layers), layout=layout, gathered=pairs(gathered), normed=pairs(normed))
+    build = build if build is not None else PendingBuild(layout=layout)
+    build.add(pairs(layers), pairs(gathered), pairs(normed))
+    build.wait()
 
 
 @contextlib.contextmanager
@@ -149,9 +160,10 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout) -> int:
-    """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear (their kernels are not
-    built here: precompile_model); returns how many."""
+def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout,
+                              build: PendingBuild | None = None) -> int:
+    """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear, queueing each new
+    layer's kernels on `build` (runtime/precompile.py) as it is made; returns how many."""
     suffix = "." + fmt.marker
     pending = {name[:-len(suffix)] for name in files.names() if name.endswith(suffix)}
     modules = dict(model.named_modules())
@@ -175,6 +187,8 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
         replaced.append(new)
+        if build is not None:
+            build.add([(new.problem, new.qweight.device)])
     if pending:
         first = sorted(pending)[0]
         raise CheckpointError(f"{files.file_of(first + suffix).name}: {first}{suffix}",
