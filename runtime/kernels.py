@@ -403,9 +403,13 @@ class CompilePool:
         self._done = threading.Lock()
         self._stop = threading.Event()
         self._raised: list[BaseException] = []
+        self._ended = False
 
     def submit(self, jobs) -> None:
-        """Queue jobs behind those submitted before; a worker starts for each up to the limit."""
+        """Queue jobs behind those submitted before; a worker starts for each up to the limit. Raises
+        RuntimeError once end_jobs() (or close()) has run: no worker would take them."""
+        if self._ended:
+            raise RuntimeError("this compile pool is closed: it takes no more jobs")
         for job in jobs:
             self._pending.put(job)
             self._submitted += 1
@@ -429,12 +433,18 @@ class CompilePool:
         """No worker takes another job; close() still waits for their current ones."""
         self._stop.set()
 
+    def end_jobs(self) -> None:
+        """No more jobs: one end mark per worker thread, behind every job (once)."""
+        if not self._ended:
+            self._ended = True
+            for _ in self._threads:
+                self._pending.put(None)
+
     def close(self) -> dict:
         """Wait for every submitted job (or, once stopped, for the current ones); job -> error or None.
         Raises what `progress` raised."""
-        for _ in self._threads:
-            self._pending.put(None)      # one end mark per worker thread, behind every job
         try:
+            self.end_jobs()
             for thread in self._threads:
                 thread.join()
         finally:

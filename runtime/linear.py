@@ -259,25 +259,32 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
     modules = {id(module): module for _, module in places}
     build = start_precompile([(problems[key], module.weight.device) for key, module in modules.items()], max_m) \
         if precompile else None
-    converted: dict[int, QuantLinear] = {}
     try:
-        for name, module in places:
-            if id(module) not in converted:
-                try:
-                    converted[id(module)] = QuantLinear.from_linear(module, group_size, precompile=False,
-                                                                    zero_points=zero_points, act=act)
-                except (ValueError, TypeError) as exc:
-                    raise _refusal(name, module, exc) from None
+        _swap_in(model, places, group_size, zero_points, act)
+        if build is not None:
+            build.wait()
     except BaseException:
         if build is not None:
             build.cancel()
         raise
-    for name, module in places:     # only once every layer converted: a refusal leaves the model whole
+    return model
+
+
+def _swap_in(model: nn.Module, places: list[tuple[str, nn.Linear]], group_size: int, zero_points: bool,
+             act: str) -> None:
+    """replace_linear's conversion: every layer quantized first, then swapped in, so that a refusal
+    leaves the model whole."""
+    converted: dict[int, QuantLinear] = {}
+    for name, module in places:
+        if id(module) not in converted:
+            try:
+                converted[id(module)] = QuantLinear.from_linear(module, group_size, precompile=False,
+                                                                zero_points=zero_points, act=act)
+            except (ValueError, TypeError) as exc:
+                raise _refusal(name, module, exc) from None
+    for name, module in places:
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(module)])
-    if build is not None:
-        build.wait()
-    return model
 
 
 def _refusal(name: str, module: nn.Module, exc: Exception) -> ValueError:

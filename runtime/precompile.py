@@ -160,7 +160,11 @@ def start_precompile(layers: Iterable[tuple[Problem, object]], max_m: int | None
     """precompile_layers' build, planned now and running in worker processes while the caller goes on
     (replace_linear quantizes meanwhile); wait() before the kernels are needed."""
     build = PendingBuild(max_m, layout)
-    build.add(layers, gathered, normed)
+    try:
+        build.add(layers, gathered, normed)
+    except BaseException:
+        build.cancel()
+        raise
     return build
 
 
@@ -200,16 +204,20 @@ class PendingBuild:
             self._failed[job] = error
 
     def cancel(self) -> None:
-        """Stop the workers after their current jobs (the caller's conversion failed) and wait for them."""
+        """Stop the workers after their current jobs (the caller's conversion failed) and wait for them.
+        Harmless after wait()."""
         for pool in self._pools.values():
             pool.cancel()
+            pool.end_jobs()
         for pool in self._pools.values():
             pool.close()
 
     def wait(self) -> None:
-        """Return once every queued kernel is built. Raises RuntimeError naming the kernels that failed
-        to build (their first calls would fail)."""
+        """Return once every queued kernel is built (no add() after it). Raises RuntimeError naming the
+        kernels that failed to build (their first calls would fail)."""
         try:
+            for pool in self._pools.values():
+                pool.end_jobs()
             for pool in self._pools.values():
                 pool.close()
         except BaseException:       # Ctrl-C: the workers stop after their current jobs

@@ -22,8 +22,8 @@ from .row_kernels import CHUNK, threads_for
 def own_chunks_into_local(k: int):
     """A T.macro(V, local) that loads this thread's chunks of the vector V [K] into `local`
     [steps * CHUNK] (steps = own_chunk_steps(k)): at step s the CHUNK elements from
-    (s * threads + thread) * CHUNK, one 16-byte load of int32 indices or two of 2-byte weights. The
-    same chunks the thread later writes (`each_own_chunk`)."""
+    (s * threads + thread) * CHUNK, one 16-byte load of int32 indices or two of 2-byte weights: the
+    columns of the output chunks the thread later writes."""
     import tilelang.language as T
 
     threads = threads_for(k)

@@ -233,3 +233,40 @@ def test_stray_output_of_a_worker_is_skipped_and_a_progress_error_reaches_the_ca
     monkeypatch.setattr(kernels.sys, "executable", str(tmp_path / "no-such-python"))
     with pytest.raises(KeyboardInterrupt):
         kernels.compile_many([job, (Problem(512, 1024), job[1])], get_arch("sm_90a"), workers=1, progress=refuse)
+
+
+def test_a_pool_takes_jobs_as_they_come_stops_when_cancelled_and_refuses_jobs_once_closed(monkeypatch, tmp_path):
+    """CompilePool: jobs submitted after the workers started are answered too; cancel() lets the
+    current job finish and no other start; a closed pool refuses new jobs instead of dropping them."""
+    import threading
+
+    import runtime.kernels as kernels
+    from schedules.arch import get_arch
+    from schedules.marlin_mma import Knobs
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+
+    dying = tmp_path / "python"          # every job fails at once: no compile needed to see the pool work
+    dying.write_text("#!/bin/sh\nexit 1\n")
+    dying.chmod(0o755)
+    monkeypatch.setattr(kernels.sys, "executable", str(dying))
+    jobs = [(Problem(256 * (i + 1), 1024), Schedule("marlin_mma", Knobs())) for i in range(3)]
+    pool = kernels.CompilePool(get_arch("sm_90a"), workers=2)
+    pool.submit(jobs[:1])
+    pool.submit(jobs[1:])
+    assert set(pool.close()) == set(jobs)
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.submit(jobs[:1])
+
+    first_done, resume = threading.Event(), threading.Event()
+
+    def hold_after_the_first(job, error):
+        first_done.set()
+        assert resume.wait(timeout=30)
+
+    pool = kernels.CompilePool(get_arch("sm_90a"), workers=1, progress=hold_after_the_first)
+    pool.submit(jobs)
+    assert first_done.wait(timeout=30)
+    pool.cancel()
+    resume.set()
+    assert list(pool.close()) == jobs[:1]

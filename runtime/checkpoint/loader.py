@@ -105,12 +105,12 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
         load_dense_parameters(model, files, dtype, device)
         model.to(device)   # the buffers computed at construction
         gather_once(model)
+        if build is not None:
+            precompile_model(model, layout, build)
     except BaseException:
         if build is not None:
             build.cancel()
         raise
-    if build is not None:
-        precompile_model(model, layout, build)
     return model.eval()
 
 
