@@ -9,13 +9,14 @@ op's `_launcher` makes them through the same functions, so `plan` (problems x bu
 problem, schedule) pairs to build) names exactly the kernels the op will load. Only a kernel that fails its first-run check is replaced by one the plan
 could not foresee (runtime/selfcheck.py).
 
-Converting a model (`replace_linear`) and constructing a `QuantLinear` on a GPU call
-`precompile_layers`: every kernel of every bucket up to `max_m`, each distinct problem once, kernels
-already in the store skipped, the rest by one pool of worker processes per arch,
-so that serving only loads. The workers build while the model is being made (`PendingBuild`, on
-`kernels.CompilePool`): `replace_linear` plans from the layers' shapes before it quantizes any
-(`start_precompile`), and the checkpoint loader queues each layer's kernels as it reads the layer. `precompile=False` or TILEMARLIN_PRECOMPILE=0 turns it off; weights that
-are not on a CUDA device skip it (the arch to build for is the GPU's).
+Converting a model (`replace_linear`), loading a checkpoint and constructing a `QuantLinear` on a GPU
+build every kernel of every bucket up to `max_m`, each distinct problem once, kernels already in the
+store skipped, the rest by one pool of worker processes per arch, so that serving only loads. The
+workers build while the model is being made (`PendingBuild`, on `kernels.CompilePool`):
+`replace_linear` plans from the layers' shapes before it quantizes any (`start_precompile`), and the
+checkpoint loader queues each layer's kernels as it reads the layer. `precompile=False` or
+TILEMARLIN_PRECOMPILE=0 turns it off; weights that are not on a CUDA device skip it (the arch to
+build for is the GPU's).
 """
 from __future__ import annotations
 
