@@ -380,20 +380,21 @@ def compile_many(jobs: list, arch: Arch, workers: int | None = None, progress=No
     workers after their current jobs and is raised here."""
     if not jobs:
         return {}
-    pool = CompilePool(arch, workers or min(len(jobs), os.cpu_count() or 2), progress)
-    pool.submit(jobs)
-    return pool.close()
+    pool = CompilePool(workers or min(len(jobs), os.cpu_count() or 2), progress)
+    pool.submit(jobs, arch)
+    return {job: error for (job, _), error in pool.close().items()}
 
 
 class CompilePool:
     """compile_many's workers, fed jobs as they come: a model's build starts with its first layers
     and takes the rest as the loader reaches them (runtime/precompile.py). Up to `workers` threads
     (one per core by default), each owning a worker process, start as jobs arrive and take them in
-    order; progress(job, error) follows each job, one call at a time. An exception of `progress`, or
-    cancel(), stops the workers after their current jobs, and close() raises the exception."""
+    order, whatever arch each is for (a worker builds for any), so that one process never runs more
+    compilers than cores; progress(job, error) follows each job, one call at a time. An exception of
+    `progress`, or cancel(), stops the workers after their current jobs, and close() raises the
+    exception."""
 
-    def __init__(self, arch: Arch, workers: int | None = None, progress=None):
-        self.arch = arch
+    def __init__(self, workers: int | None = None, progress=None):
         self._limit = max(1, workers or os.cpu_count() or 2)
         self._progress = progress
         self._pending: queue.SimpleQueue = queue.SimpleQueue()
@@ -405,23 +406,22 @@ class CompilePool:
         self._raised: list[BaseException] = []
         self._ended = False
 
-    def submit(self, jobs) -> None:
-        """Queue jobs behind those submitted before; a worker starts for each up to the limit. Raises
-        RuntimeError once end_jobs() (or close()) has run: no worker would take them."""
+    def submit(self, jobs, arch: Arch) -> None:
+        """Queue jobs for `arch` behind those submitted before; a worker starts for each up to the
+        limit. Raises RuntimeError once end_jobs() (or close()) has run: no worker would take them."""
         if self._ended:
             raise RuntimeError("this compile pool is closed: it takes no more jobs")
         for job in jobs:
-            self._pending.put(job)
+            self._pending.put((job, arch))
             self._submitted += 1
         while len(self._threads) < min(self._limit, self._submitted):
-            thread = threading.Thread(target=_serve_jobs, args=(self._pending, self.arch, self._finish, self._stop),
-                                      daemon=True)
+            thread = threading.Thread(target=_serve_jobs, args=(self._pending, self._finish, self._stop), daemon=True)
             thread.start()
             self._threads.append(thread)
 
-    def _finish(self, job, error) -> None:
+    def _finish(self, job, arch: Arch, error) -> None:
         with self._done:
-            self._results[job] = error
+            self._results[job, arch] = error
             try:
                 if self._progress is not None:
                     self._progress(job, error)
@@ -441,8 +441,8 @@ class CompilePool:
                 self._pending.put(None)
 
     def close(self) -> dict:
-        """Wait for every submitted job (or, once stopped, for the current ones); job -> error or None.
-        Raises what `progress` raised."""
+        """Wait for every submitted job (or, once stopped, for the current ones); (job, arch) -> error or
+        None. Raises what `progress` raised."""
         try:
             self.end_jobs()
             for thread in self._threads:
@@ -457,26 +457,27 @@ class CompilePool:
 REPLY = "tilemarlin-compile-worker:"   # marks the answers among anything else a worker may print
 
 
-def _serve_jobs(pending: queue.SimpleQueue, arch: Arch, finish, stop: threading.Event) -> None:
-    """One worker process's share: jobs off the queue until its end mark (None) or `stop`. A worker that
-    dies (killed for memory, say) fails its job with its exit code and last words; the next job
-    starts another."""
+def _serve_jobs(pending: queue.SimpleQueue, finish, stop: threading.Event) -> None:
+    """One worker process's share: (job, arch) pairs off the queue until its end mark (None) or `stop`.
+    A worker that dies (killed for memory, say) fails its job with its exit code and last words; the
+    next job starts another."""
     worker = None
     try:
         while not stop.is_set():
-            job = pending.get()
-            if job is None or stop.is_set():      # the pool's end mark, or stopped while waiting
+            item = pending.get()
+            if item is None or stop.is_set():      # the pool's end mark, or stopped while waiting
                 return
+            job, arch = item
             try:
                 worker = worker or _start_worker()
             except OSError as exc:
-                finish(job, f"cannot start a compile worker: {exc}")
+                finish(job, arch, f"cannot start a compile worker: {exc}")
                 continue
             answer = _ask(worker, _job_message(job, arch))
             if answer is not None:
-                finish(job, answer["error"])
+                finish(job, arch, answer["error"])
                 continue
-            finish(job, _obituary(worker))
+            finish(job, arch, _obituary(worker))
             worker = None
     finally:
         if worker is not None:

@@ -11,7 +11,7 @@ could not foresee (runtime/selfcheck.py).
 
 Converting a model (`replace_linear`), loading a checkpoint and constructing a `QuantLinear` on a GPU
 build every kernel of every bucket up to `max_m`, each distinct problem once, kernels already in the
-store skipped, the rest by one pool of worker processes per arch, so that serving only loads. The
+store skipped, the rest by one pool of worker processes, so that serving only loads. The
 workers build while the model is being made (`PendingBuild`, on `kernels.CompilePool`):
 `replace_linear` plans from the layers' shapes before it quantizes any (`start_precompile`), and the
 checkpoint loader queues each layer's kernels as it reads the layer. `precompile=False` or
@@ -149,8 +149,8 @@ def precompile_layers(layers: Iterable[tuple[Problem, object]], max_m: int | Non
     `max_m` (all buckets for None), as the constructors and replace_linear do, the column gather of the
     act-order layers among them (`gathered`, the same pairs) and the RMSNorm that writes the input of
     those in `normed` in their order: nothing when TILEMARLIN_PRECOMPILE is off, nothing for devices
-    other than CUDA GPUs, one pool of worker processes per arch for all of them (this process imports
-    no compiler). Raises RuntimeError naming the kernels that failed to build (their first calls would
+    other than CUDA GPUs, one pool of worker processes for all of them (this process imports no
+    compiler). Raises RuntimeError naming the kernels that failed to build (their first calls would
     fail)."""
     start_precompile(layers, max_m, layout, gathered, normed).wait()
 
@@ -170,8 +170,8 @@ def start_precompile(layers: Iterable[tuple[Problem, object]], max_m: int | None
 
 
 class PendingBuild:
-    """A model's kernels, built in worker processes (kernels.CompilePool, one per arch) while its
-    layers are still being made: add() plans the kernels of layers not seen before and queues those
+    """A model's kernels, built in worker processes (one kernels.CompilePool, whatever GPUs they are
+    for) while its layers are still being made: add() plans the kernels of layers not seen before and queues those
     the store lacks, wait() returns once all are built. Nothing is planned or built when
     TILEMARLIN_PRECOMPILE is off or for layers not on a CUDA GPU."""
 
@@ -179,7 +179,7 @@ class PendingBuild:
         self._max_m, self._layout = max_m, layout
         self._seen: set = set()          # (kind, problem, device) already planned
         self._queued: set = set()        # (arch, job)
-        self._pools: dict = {}           # arch -> kernels.CompilePool
+        self._pool = None                # kernels.CompilePool, once a job needs it
         self._failed: dict = {}
 
     def add(self, layers: Iterable[tuple[Problem, object]] = (), gathered: Iterable[tuple[Problem, object]] = (),
@@ -196,9 +196,8 @@ class PendingBuild:
             missing = [job for job in jobs if (arch, job) not in self._queued and not kernels.job_stored(job, arch)]
             self._queued.update((arch, job) for job in missing)
             if missing:
-                if arch not in self._pools:
-                    self._pools[arch] = kernels.CompilePool(arch, progress=self._note)
-                self._pools[arch].submit(missing)
+                self._pool = self._pool or kernels.CompilePool(progress=self._note)
+                self._pool.submit(missing, arch)
 
     def _note(self, job, error) -> None:
         if error:
@@ -207,20 +206,16 @@ class PendingBuild:
     def cancel(self) -> None:
         """Stop the workers after their current jobs (the caller's conversion failed) and wait for them.
         Harmless after wait()."""
-        for pool in self._pools.values():
-            pool.cancel()
-            pool.end_jobs()
-        for pool in self._pools.values():
-            pool.close()
+        if self._pool is not None:
+            self._pool.cancel()
+            self._pool.close()
 
     def wait(self) -> None:
         """Return once every queued kernel is built (no add() after it). Raises RuntimeError naming the
         kernels that failed to build (their first calls would fail)."""
         try:
-            for pool in self._pools.values():
-                pool.end_jobs()
-            for pool in self._pools.values():
-                pool.close()
+            if self._pool is not None:
+                self._pool.close()
         except BaseException:       # Ctrl-C: the workers stop after their current jobs
             self.cancel()
             raise

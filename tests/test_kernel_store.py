@@ -236,8 +236,9 @@ def test_stray_output_of_a_worker_is_skipped_and_a_progress_error_reaches_the_ca
 
 
 def test_a_pool_takes_jobs_as_they_come_stops_when_cancelled_and_refuses_jobs_once_closed(monkeypatch, tmp_path):
-    """CompilePool: jobs submitted after the workers started are answered too; cancel() lets the
-    current job finish and no other start; a closed pool refuses new jobs instead of dropping them."""
+    """CompilePool: jobs submitted after the workers started are answered too, whatever arch each is
+    for; cancel() lets the current job finish and no other start; a closed pool refuses new jobs
+    instead of dropping them."""
     import threading
 
     import runtime.kernels as kernels
@@ -251,12 +252,13 @@ def test_a_pool_takes_jobs_as_they_come_stops_when_cancelled_and_refuses_jobs_on
     dying.chmod(0o755)
     monkeypatch.setattr(kernels.sys, "executable", str(dying))
     jobs = [(Problem(256 * (i + 1), 1024), Schedule("marlin_mma", Knobs())) for i in range(3)]
-    pool = kernels.CompilePool(get_arch("sm_90a"), workers=2)
-    pool.submit(jobs[:1])
-    pool.submit(jobs[1:])
-    assert set(pool.close()) == set(jobs)
+    sm90 = get_arch("sm_90a")
+    pool = kernels.CompilePool(workers=2)
+    pool.submit(jobs[:1], sm90)
+    pool.submit(jobs[1:], get_arch("sm_80"))
+    assert set(pool.close()) == {(jobs[0], sm90), *((job, get_arch("sm_80")) for job in jobs[1:])}
     with pytest.raises(RuntimeError, match="closed"):
-        pool.submit(jobs[:1])
+        pool.submit(jobs[:1], sm90)
 
     first_done, resume = threading.Event(), threading.Event()
 
@@ -264,9 +266,9 @@ def test_a_pool_takes_jobs_as_they_come_stops_when_cancelled_and_refuses_jobs_on
         first_done.set()
         assert resume.wait(timeout=30)
 
-    pool = kernels.CompilePool(get_arch("sm_90a"), workers=1, progress=hold_after_the_first)
-    pool.submit(jobs)
+    pool = kernels.CompilePool(workers=1, progress=hold_after_the_first)
+    pool.submit(jobs, sm90)
     assert first_done.wait(timeout=30)
     pool.cancel()
     resume.set()
-    assert list(pool.close()) == jobs[:1]
+    assert list(pool.close()) == [(jobs[0], sm90)]

@@ -160,10 +160,12 @@ def compiler(monkeypatch):
     calls = Builds()
 
     class RecordingPool:
-        def __init__(self, arch, workers=None, progress=None):
-            self.arch, self.progress, self.jobs, self.results = arch, progress, [], None
+        def __init__(self, workers=None, progress=None):
+            self.arch, self.progress, self.jobs, self.results = None, progress, [], None
 
-        def submit(self, jobs):
+        def submit(self, jobs, arch):
+            assert self.arch in (None, arch), "these tests build for one arch"
+            self.arch = arch
             self.jobs += jobs
             calls.submitted.append(len(jobs))
             calls.started.set()
