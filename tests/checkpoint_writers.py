@@ -68,7 +68,7 @@ def draw_layer(k: int, n: int, group: int, symmetric: bool, act_order: bool, dty
     groups = k // group
     codes = torch.randint(0, 16, (k, n), generator=gen)
     scales = (torch.rand(groups, n, generator=gen) * 0.004 + 0.002).to(dtype)
-    zeros = torch.full((groups, n), 8) if symmetric else torch.randint(1, 16, (groups, n), generator=gen)
+    zeros = torch.full((groups, n), 8) if symmetric else torch.randint(0, 16, (groups, n), generator=gen)
     if g_idx is None:
         g_idx = torch.arange(k) // group
         if act_order:   # what GPTQ's desc_act leaves: the groups of a permutation, in the original order
@@ -85,8 +85,12 @@ SAME_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_
 # --- the formats --------------------------------------------------------------------------------
 
 def gptq_tensors(layer: Layer, checkpoint_format: str) -> dict[str, torch.Tensor]:
-    stored = layer.zeros - 1 if checkpoint_format == "gptq" else layer.zeros   # v1 stores z - 1
-    return {"qweight": pack_slots(layer.codes, dim=0), "qzeros": pack_slots(stored, dim=1),
+    """v2 packs z; v1 stores z - 1, written as v1's writers do it: one subtracted from every nibble of
+    the packed word at once, so that z = 0 borrows from the nibble above."""
+    qzeros = pack_slots(layer.zeros, dim=1)
+    if checkpoint_format == "gptq":
+        qzeros = to_int32((qzeros.to(torch.int64) - 0x11111111) % 2 ** 32)
+    return {"qweight": pack_slots(layer.codes, dim=0), "qzeros": qzeros,
             "scales": layer.scales, "g_idx": layer.g_idx.to(torch.int32)}
 
 

@@ -133,13 +133,23 @@ def test_qweight_of_the_wrong_dtype(copy_of):
     refused(folder, "model.safetensors", f"{LAYER}.qweight", "torch.int32", "torch.int64")
 
 
-def test_v1_zero_point_of_zero(copy_of):
-    """GPTQ v1 stores z - 1: z = 0 leaves nibble 15, which reads back as 16."""
+def test_gptq_rules_that_change_bits_or_group_size(copy_of):
     folder = copy_of("gptq")
-    def zero_nibble(t):
-        t[f"{LAYER}.qzeros"][0, 0] = (t[f"{LAYER}.qzeros"][0, 0] & ~0xF) | 0xF
-    edit_tensors(folder, zero_nibble)
-    refused(folder, "model.safetensors", LAYER, "qzeros", "reads 16", "gptq_v2")
+    edit_config(folder, lambda q: q.update(dynamic={r"-:.*\.0\..*": {}, r"+:.*down_proj": {"bits": 8}}))
+    refused(folder, "config.json: quantization_config.dynamic", "'+:.*down_proj'", "only '-:' rules")
+
+
+def test_errors_in_quantize_config_json_name_that_file(copy_of):
+    folder = copy_of("gptq")
+    config = json.loads((folder / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "quantize_config.json").write_text(json.dumps({**settings, "bits": 3}))
+    refused(folder, "quantize_config.json: bits: 3-bit weights")
+    (folder / "quantize_config.json").write_text(json.dumps({**settings, "quant_method": "hqq"}))
+    refused(folder, "quantize_config.json: quant_method: 'hqq'")
+    (folder / "quantize_config.json").unlink()
+    refused(folder, "config.json: quantization_config: missing (and no quantize_config.json)")
 
 
 def test_uneven_act_order_groups(copy_of):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from runtime import QuantLinear
 from runtime.checkpoint.files import LayerTensors, TensorFiles
 from runtime.checkpoint.loader import checkpoint_format, load_quantized, read_quantization_config
 from tests.checkpoint_writers import read_tensors, write_checkpoint, write_tensors
@@ -19,7 +20,7 @@ DTYPES = [torch.float16, torch.bfloat16]
 
 def read_layers(folder, dtype):
     """Every quantized layer of the checkpoint, as the format's reader converts it."""
-    fmt = checkpoint_format(read_quantization_config(folder))
+    fmt = checkpoint_format(*read_quantization_config(folder))
     files = TensorFiles(folder)
     layers = {}
     for name in files.names():
@@ -60,6 +61,41 @@ def test_gptq(tmp_path, dtype, checkpoint_format, symmetric, act_order, group):
         assert (layer.zeros is None) == symmetric
         assert (layer.perm is None) == (not act_order)
         assert layer.group_size == group
+
+
+def test_gptq_settings_in_quantize_config_json(tmp_path):
+    """Older GPTQ folders (AutoGPTQ's) keep their settings in quantize_config.json, without
+    quant_method, and none in config.json: read as GPTQ, the same layers."""
+    folder = tmp_path / "gptq"
+    drawn = write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
+    config = json.loads((folder / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    settings.pop("quant_method")
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "quantize_config.json").write_text(json.dumps({**settings, "model_file_base_name": "model"}))
+    assert_same_layers(read_layers(folder, torch.float16), drawn, torch.float16)
+    model = load_quantized(folder, device="cpu")
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(drawn)
+
+
+def test_gptq_rules_that_only_skip_layers_are_read(tmp_path):
+    """GPTQModel's `dynamic` "-:" rules leave the layers they match unquantized: dense in the files,
+    nn.Linear in the model."""
+    folder = tmp_path / "gptq"
+    drawn = write_checkpoint(folder, "gptq")
+    skipped = "model.layers.0.mlp.gate_proj"
+    tensors = read_tensors(folder)
+    for field in ("qweight", "qzeros", "scales", "g_idx"):
+        del tensors[f"{skipped}.{field}"]
+    tensors[f"{skipped}.weight"] = drawn[skipped].weight.t().half().contiguous()
+    write_tensors(folder, tensors)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["dynamic"] = {r"-:model\.layers\.0\.mlp\.gate_proj": {}}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = load_quantized(folder, device="cpu")
+    layer = model.get_submodule(skipped)
+    assert type(layer) is nn.Linear and torch.equal(layer.weight, tensors[f"{skipped}.weight"])
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(drawn) - 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

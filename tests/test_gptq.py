@@ -123,12 +123,18 @@ def test_another_checkpoint_format_is_refused():
         from_gptq(_tensors(), group_size=GROUP, checkpoint_format="awq")
 
 
-def test_a_v1_zero_point_of_zero_is_refused():
-    """v1 stores z - 1: z = 0 leaves nibble 15, which reads back as 16."""
-    tensors = _tensors()
-    tensors["qzeros"][0, 0] |= 0xF
-    with pytest.raises(ValueError, match="qzeros: a v1 .* reads 16: .* gptq_v2"):
-        from_gptq(tensors, group_size=GROUP)
+def test_v1_zero_points_of_zero_borrow_from_the_nibble_above_and_read_back_exactly():
+    """v1's writers take 0x11111111 off each packed word: zero points (0, 5, 0, 0, 15, 0, 1, 0), packed
+    0x010f0050, are stored as 0xeffdef3f (nibble 0: 0 - 1 = 15 and a borrow; nibble 1: 5 - 1 - 1 = 3)."""
+    zeros = [0, 5, 0, 0, 15, 0, 1, 0]
+    packed = sum(z << (4 * i) for i, z in enumerate(zeros))
+    stored = (packed - 0x11111111) % 2 ** 32
+    assert stored == 0xEFFDEF3F
+    qzeros = torch.full((1, 8), 0x77777777, dtype=torch.int32)
+    qzeros[0, 0] = stored - 2 ** 32 if stored >= 2 ** 31 else stored
+    module = QuantLinear.from_gptq(torch.zeros(8, 64, dtype=torch.int32), qzeros, torch.ones(1, 64, dtype=torch.float16),
+                                   None, group_size=-1)
+    assert module.zeros()[0, :9].tolist() == [*zeros, 8]
 
 
 def test_uneven_act_order_groups_are_refused():

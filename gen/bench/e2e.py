@@ -156,8 +156,8 @@ def checkpoint_method(folder: str) -> str:
     will (runtime.CheckpointError, naming the file and field, where it cannot be loaded)."""
     from runtime.checkpoint.loader import checkpoint_format, read_quantization_config
 
-    qcfg = read_quantization_config(Path(folder))
-    checkpoint_format(qcfg)
+    qcfg, place = read_quantization_config(Path(folder))
+    checkpoint_format(qcfg, place)
     return str(qcfg["quant_method"]).lower()
 
 

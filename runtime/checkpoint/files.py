@@ -20,7 +20,7 @@ class CheckpointError(ValueError):
 
     def __init__(self, where: str, message: str):
         super().__init__(f"{where}: {message}")
-        self.where = where
+        self.where, self.message = where, message
 
 
 class TensorFiles:
@@ -112,8 +112,14 @@ class LayerTensors:
 
 
 CONFIG_FILE = "config.json"
+# AutoGPTQ's settings file: older GPTQ folders have it in place of config.json's quantization_config.
+QUANTIZE_CONFIG_FILE = "quantize_config.json"
+# How errors name a field of the quantization settings, by where they were read: prefix + field.
+QUANTIZATION_CONFIG = f"{CONFIG_FILE}: quantization_config."
+QUANTIZE_CONFIG = f"{QUANTIZE_CONFIG_FILE}: "
 
 
 def config_error(field: str, message: str) -> CheckpointError:
-    """An error in config.json's quantization_config, naming the field."""
-    return CheckpointError(f"{CONFIG_FILE}: quantization_config.{field}", message)
+    """An error in config.json's quantization_config, naming the field (the loader renames the place
+    for settings read from QUANTIZE_CONFIG_FILE)."""
+    return CheckpointError(f"{QUANTIZATION_CONFIG}{field}".rstrip("."), message)

@@ -5,10 +5,12 @@ Per linear layer with K input and N output features, group size g (-1: one group
 - qzeros int32 [K / g, N / 8], packed along N: column 8c + i is nibble i of word column c;
 - scales [K / g, N]; g_idx int32 [K], the group of each input row (act-order when not k // g);
 - w[k, n] = scales[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]).
-`checkpoint_format` "gptq" (v1, the default) stores z - 1; GPTQModel's "gptq_v2" stores z. A v1
-nibble of 15 would mean z = 16, which no 4-bit zero point is: it is what v1's packing leaves of
-z = 0, and is refused. Symmetric or not (`sym`) and act-order or not (`desc_act`) are read from the
-tensors themselves (zero points all 8, g_idx the trivial map), so the flags need not be trusted.
+`checkpoint_format` "gptq" (v1, the default) stores z - 1; GPTQModel's "gptq_v2" stores z. Writers of
+v1 (GPTQModel, AutoGPTQ, optimum) subtract 0x11111111 from each whole packed word, so z = 0 borrows
+from the nibble above; adding it back to the word, as they do when they read v1, recovers every z
+in 0..15 exactly (adding 1 per nibble would read z = 0 as 16 and its neighbour one too high).
+Symmetric or not (`sym`) and act-order or not (`desc_act`) are read from the tensors themselves (zero
+points all 8, g_idx the trivial map), so the flags need not be trusted.
 
 `gptq_layer` unpacks one layer's tensors; `GptqFormat` reads them from a checkpoint folder for the
 loader, and `QuantLinear.from_gptq` takes them as they are.
@@ -31,8 +33,8 @@ def gptq_layer(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
 
     K and N are read from qweight [K / 8, N]; g_idx None means the trivial map k // group. Raises
     ValueError, naming the field, for another bit width or checkpoint format, a group size no kernel
-    runs, tensors whose dtypes or shapes do not fit together, a v1 zero point of 0 and an act-order
-    map that does not give every group `group_size` rows.
+    runs, tensors whose dtypes or shapes do not fit together and an act-order map that does not give
+    every group `group_size` rows.
     """
     if bits != BITS:
         raise ValueError(f"bits: tilemarlin runs 4-bit weights only; this GPTQ layer has bits={bits}")
@@ -50,13 +52,20 @@ def gptq_layer(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
     for field, tensor, shape in (("scales", scales, (groups, n)), ("qzeros", qzeros, (groups, -(-n // NIBBLES)))):
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{field}: expected shape {shape} {shapes}, found {tuple(tensor.shape)}")
-    zeros = unpack_columns(qzeros)[:, :n]
     if checkpoint_format == "gptq":
-        zeros = zeros + 1
-        if bool((zeros > 15).any()):
-            raise ValueError("qzeros: a v1 (checkpoint_format 'gptq') zero point reads 16: v1 stores z - 1 and "
-                             "cannot hold z = 0; re-save the model as gptq_v2")
+        qzeros = _v1_words_to_v2(qzeros)
+    zeros = unpack_columns(qzeros)[:, :n]
     return build_layer(unpack_rows(qweight), scales, zeros, g_idx, group_size, bias, dtype)
+
+
+V1_OFFSET = 0x11111111     # one in every nibble: what v1's writers take off each packed zero-point word
+
+
+def _v1_words_to_v2(qzeros: torch.Tensor) -> torch.Tensor:
+    """v1 zero-point words -> v2 (z itself in every nibble): V1_OFFSET added to each whole 32-bit word,
+    carries included, modulo 2^32."""
+    words = (qzeros.to(torch.int64) + V1_OFFSET) & 0xFFFFFFFF
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
 class GptqFormat:
@@ -77,8 +86,10 @@ class GptqFormat:
                                     f"{CHECKPOINT_FORMATS}")
         if str(qcfg.get("pack_dtype", "int32")) != "int32":
             raise config_error("pack_dtype", f"{qcfg['pack_dtype']!r}: only int32 words are read")
-        if qcfg.get("dynamic"):
-            raise config_error("dynamic", "per-layer overrides of bits or group size are not supported")
+        overrides = [rule for rule in qcfg.get("dynamic") or {} if not str(rule).startswith("-:")]
+        if overrides:   # GPTQModel's "-:" rules only leave layers unquantized, which the files show
+            raise config_error("dynamic", f"per-layer overrides of bits or group size ({overrides[0]!r}) are not "
+                                          "supported; only '-:' rules, which skip layers, are")
 
     def convert(self, t: LayerTensors, module: nn.Module, bias: torch.Tensor | None,
                 dtype: torch.dtype) -> QuantizedLayer:

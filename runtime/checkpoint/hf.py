@@ -29,7 +29,8 @@ METHOD = "tilemarlin"
 class TileMarlinConfig(QuantizationConfigMixin):
     """Serve a GPTQ / AWQ / compressed-tensors checkpoint on tilemarlin's kernels.
 
-    source : the checkpoint's own quantization_config (config.json), read by runtime/checkpoint.
+    source : the checkpoint's own quantization settings (config.json's quantization_config, or an
+        older GPTQ folder's quantize_config.json), read by runtime/checkpoint.
     layout : the kernels' weight layout.
     """
 
@@ -43,7 +44,9 @@ def tilemarlin_config(model_dir):
     """The transformers config of `model_dir` with its quantization_config wrapped in TileMarlinConfig:
     pass it as `from_pretrained(model_dir, config=...)`."""
     config = AutoConfig.from_pretrained(model_dir)
-    config.quantization_config = TileMarlinConfig(source=read_quantization_config(Path(model_dir))).to_dict()
+    source, place = read_quantization_config(Path(model_dir))
+    checkpoint_format(source, place)     # refused here, naming the file it was read from
+    config.quantization_config = TileMarlinConfig(source=source).to_dict()
     return config
 
 

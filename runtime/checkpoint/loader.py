@@ -3,7 +3,8 @@ served by tilemarlin's kernels.
 
 1. config.json's `quantization_config` picks the format (`quant_method`) and is checked first, so
    that bit widths, group sizes and layouts the kernels cannot run are refused before any tensor is
-   read.
+   read. Older GPTQ folders keep those settings in quantize_config.json instead (AutoGPTQ's file,
+   read as vLLM reads it: GPTQ unless it names another method).
 2. The transformers model is built from config.json with its parameters on the meta device: no
    download, no memory and no time spent on random initialization. Buffers computed at construction
    (rotary frequencies) are real.
@@ -37,7 +38,8 @@ from ..op import DEFAULT_LAYOUT
 from ..precompile import PendingBuild
 from .awq import AwqFormat
 from .compressed_tensors import CompressedTensorsFormat
-from .files import CONFIG_FILE, CheckpointError, LayerTensors, TensorFiles, config_error
+from .files import (CONFIG_FILE, QUANTIZATION_CONFIG, QUANTIZE_CONFIG, QUANTIZE_CONFIG_FILE, CheckpointError,
+                    LayerTensors, TensorFiles, config_error)
 from .fold import GatherFolding
 from .gptq import GptqFormat
 from .input_gather import input_gathers, share_input_gathers
@@ -46,26 +48,44 @@ from .norm_fold import GatheredRMSNorm, fold_gathers_into_norms
 FORMATS = {"gptq": GptqFormat, "awq": AwqFormat, "compressed-tensors": CompressedTensorsFormat}
 
 
-def checkpoint_format(qcfg: dict):
-    """The format reader for a `quantization_config` dict; raises CheckpointError naming the field."""
-    if not isinstance(qcfg, dict):
-        raise config_error("", f"expected an object, found {type(qcfg).__name__}")
-    method = str(qcfg.get("quant_method", "")).lower()
-    if method not in FORMATS:
-        raise config_error("quant_method", f"{qcfg.get('quant_method')!r}: tilemarlin loads {sorted(FORMATS)}")
-    return FORMATS[method](qcfg)
-
-
-def read_quantization_config(model_dir: Path) -> dict:
-    path = Path(model_dir) / CONFIG_FILE
+def checkpoint_format(qcfg: dict, place: str = QUANTIZATION_CONFIG):
+    """The format reader for quantization settings read at `place` (read_quantization_config's);
+    raises CheckpointError naming the place and the field."""
     try:
-        config = json.loads(path.read_text())
+        if not isinstance(qcfg, dict):
+            raise config_error("", f"expected an object, found {type(qcfg).__name__}")
+        method = str(qcfg.get("quant_method", "")).lower()
+        if method not in FORMATS:
+            raise config_error("quant_method", f"{qcfg.get('quant_method')!r}: tilemarlin loads {sorted(FORMATS)}")
+        return FORMATS[method](qcfg)
+    except CheckpointError as exc:
+        if place == QUANTIZATION_CONFIG or not exc.where.startswith(QUANTIZATION_CONFIG.rstrip(".")):
+            raise
+        field = exc.where[len(QUANTIZATION_CONFIG):]
+        raise CheckpointError(f"{place}{field}" if field else place.rstrip(": "), exc.message) from None
+
+
+def read_quantization_config(model_dir: Path) -> tuple[dict, str]:
+    """(settings, place): config.json's quantization_config, else quantize_config.json's settings
+    (GPTQ's unless they name another quant_method), with how errors name their place
+    (checkpoint_format's `place`)."""
+    config = _read_json(Path(model_dir) / CONFIG_FILE)
+    qcfg = config.get("quantization_config")
+    if qcfg is not None:
+        return qcfg, QUANTIZATION_CONFIG
+    older = Path(model_dir) / QUANTIZE_CONFIG_FILE
+    if older.is_file():
+        settings = _read_json(older)
+        return ({"quant_method": "gptq", **settings} if isinstance(settings, dict) else settings), QUANTIZE_CONFIG
+    raise CheckpointError(f"{CONFIG_FILE}: quantization_config",
+                          f"missing (and no {QUANTIZE_CONFIG_FILE}): not a quantized checkpoint")
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(str(path), f"cannot be read as JSON ({exc})") from None
-    qcfg = config.get("quantization_config")
-    if qcfg is None:
-        raise CheckpointError(f"{CONFIG_FILE}: quantization_config", "missing: not a quantized checkpoint")
-    return qcfg
 
 
 def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda", layout: str = DEFAULT_LAYOUT,
@@ -75,7 +95,8 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     Parameters
     ----------
     model_dir : a local folder with config.json (its `quantization_config`: quant_method "gptq",
-        "awq" or "compressed-tensors") and model.safetensors or model.safetensors.index.json + shards.
+        "awq" or "compressed-tensors"; or, for GPTQ, quantize_config.json beside it) and
+        model.safetensors or model.safetensors.index.json + shards.
     dtype : torch.float16 or torch.bfloat16, for activations, scales and the dense parameters.
     device : where the model goes. On a machine without CUDA, "cpu" builds the same model (its
         QuantLinear layers hold the repacked weights), but running it needs a GPU.
@@ -91,7 +112,7 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_dir = Path(model_dir)
-    fmt = checkpoint_format(read_quantization_config(model_dir))
+    fmt = checkpoint_format(*read_quantization_config(model_dir))
     files = TensorFiles(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     if hasattr(config, "quantization_config"):
