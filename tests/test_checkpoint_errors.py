@@ -127,6 +127,43 @@ def test_weight_shape_that_disagrees_with_the_config(copy_of):
     refused(folder, "model.safetensors", f"{LAYER}.weight_shape", "[256, 1024]", "[256, 512]")
 
 
+def test_a_tensor_no_module_reads(copy_of):
+    """AutoAWQ's activation scales (`mlp.act.scales`) would change the outputs: refused, not dropped.
+    An FP8 KV cache's scales are done without by design (the cache stays in the model's dtype)."""
+    folder = copy_of("awq")
+    edit_tensors(folder, lambda t: t.update({"model.layers.0.mlp.act.scales": torch.ones(512, dtype=torch.float16),
+                                             "model.layers.0.self_attn.k_scale": torch.ones(())}))
+    refused(folder, "model.safetensors: model.layers.0.mlp.act.scales", "no module", "reads this tensor")
+    edit_tensors(folder, lambda t: t.pop("model.layers.0.mlp.act.scales"))
+    load_quantized(folder, device="cpu")
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    (lambda q: q.update(version="gemv"), "version", "'gemv'"),
+    (lambda q: q.update(version="gemv_fast"), "version", "'gemv_fast'"),
+    (lambda q: q.update(version="marlin"), "version", "'marlin'"),
+    (lambda q: (q.pop("version"), q.update(format="gemv")), "format", "'gemv'"),
+    (lambda q: q.update(backend="llm-awq"), "backend", "'llm-awq'"),
+])
+def test_awq_layouts_of_other_kernels(copy_of, edit, field, words):
+    folder = copy_of("awq")
+    edit_config(folder, edit)
+    refused(folder, f"config.json: quantization_config.{field}", words)
+
+
+@pytest.mark.parametrize("version", ["exllama", "ipex"])
+def test_awq_versions_that_run_the_gemm_tensors_load(copy_of, version):
+    folder = copy_of("awq")
+    edit_config(folder, lambda q: q.update(version=version))
+    load_quantized(folder, device="cpu")
+
+
+def test_compressed_tensors_transforms(copy_of):
+    folder = copy_of("compressed-tensors")
+    edit_config(folder, lambda q: q.update(transform_config={"config_groups": {"u": {"type": "hadamard"}}}))
+    refused(folder, "config.json: quantization_config.transform_config", "rotations")
+
+
 def test_qweight_of_the_wrong_dtype(copy_of):
     folder = copy_of("awq")
     edit_tensors(folder, lambda t: t.update({f"{LAYER}.qweight": t[f"{LAYER}.qweight"].to(torch.int64)}))

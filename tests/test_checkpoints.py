@@ -13,7 +13,8 @@ from torch import nn
 from runtime import QuantLinear
 from runtime.checkpoint.files import LayerTensors, TensorFiles
 from runtime.checkpoint.loader import checkpoint_format, load_quantized, read_quantization_config
-from tests.checkpoint_writers import read_tensors, write_checkpoint, write_tensors
+from tests.checkpoint_writers import (compressed_tensors_tensors, draw_layer, read_tensors, write_checkpoint,
+                                     write_tensors)
 
 DTYPES = [torch.float16, torch.bfloat16]
 
@@ -120,6 +121,37 @@ def test_compressed_tensors(tmp_path, dtype, symmetric, group, act_order, packed
     layers = read_layers(folder, dtype)
     assert_same_layers(layers, drawn, dtype)
     assert all((layer.zeros is None) == symmetric for layer in layers.values())
+
+
+def test_compressed_tensors_layer_takes_its_best_matching_group(tmp_path):
+    """Symmetric "Linear" layers, but down_proj asymmetric by a regular expression and layer 0's
+    o_proj channelwise by its exact name, in groups listed after "Linear": each layer reads its own
+    scheme, as compressed-tensors ranks the matches."""
+    folder = tmp_path / "ct"
+    drawn = write_checkpoint(folder, "compressed-tensors", torch.float16, 128, symmetric=True)
+    tensors = read_tensors(folder)
+    gen = torch.Generator().manual_seed(5)
+    for name, layer in list(drawn.items()):
+        exact, regex = name == "model.layers.0.self_attn.o_proj", name.endswith("mlp.down_proj")
+        if exact or regex:
+            k, n = layer.codes.shape
+            drawn[name] = draw_layer(k, n, -1 if exact else 128, exact, False, torch.float16, gen)
+            tensors = {key: t for key, t in tensors.items() if not key.startswith(name + ".")}
+            parts = compressed_tensors_tensors(drawn[name], symmetric=exact, act_order=False)
+            tensors.update({f"{name}.{field}": t for field, t in parts.items()})
+    write_tensors(folder, tensors)
+    config = json.loads((folder / "config.json").read_text())
+    groups = config["quantization_config"]["config_groups"]
+    weights = groups["group_0"]["weights"]
+    groups["group_1"] = {"targets": [r"re:.*mlp\.down_proj$"], "weights": {**weights, "symmetric": False}}
+    groups["group_2"] = {"targets": ["model.layers.0.self_attn.o_proj"],
+                         "weights": {**weights, "strategy": "channel", "group_size": None}}
+    (folder / "config.json").write_text(json.dumps(config))
+    layers = read_layers(folder, torch.float16)
+    assert_same_layers(layers, drawn, torch.float16)
+    assert layers["model.layers.1.mlp.down_proj"].zeros is not None
+    assert layers["model.layers.0.self_attn.o_proj"].group_size == -1
+    assert layers["model.layers.1.self_attn.o_proj"].zeros is None and layers["model.layers.1.self_attn.o_proj"].group_size == 128
 
 
 def test_awq_slot_order_by_hand():

@@ -5,7 +5,9 @@ Per linear layer with K input and N output features, group size g:
   column c holds column 8c + AWQ_ORDER[i] (the order AutoAWQ's GEMM kernel dequantizes in);
 - scales [K / g, N];
 - w[k, n] = scales[k // g, n] * (q[k, n] - z[k // g, n]), zero points stored as they are.
-AWQ's GEMM layers always carry zero points; the "gemv" layouts are other formats.
+AWQ's GEMM layers always carry zero points. "exllama" and "ipex" (`version`, or `format` in newer
+transformers) are ways of running those same tensors and read as "gemm"; the "gemv" layouts and
+llm-awq's own (`backend: "llm-awq"`: int16 words, scaled zeros) are other formats and are refused.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from .files import LayerTensors, config_error
 from .layer import BITS, NIBBLES, QuantizedLayer, build_layer, group_size_problem, unpack_columns
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+GEMM_TENSORS = ("gemm", "exllama", "ipex")   # versions whose files hold the GEMM layout
 
 
 class AwqFormat:
@@ -29,9 +32,13 @@ class AwqFormat:
         problem = group_size_problem(self.group_size)
         if problem:
             raise config_error("group_size", problem)
-        version = str(qcfg.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise config_error("version", f"{version!r}: tilemarlin reads AWQ's 'gemm' layout only")
+        if str(qcfg.get("backend", "autoawq")).lower() != "autoawq":
+            raise config_error("backend", f"{qcfg['backend']!r}: tilemarlin reads AutoAWQ's layout only")
+        key = "version" if "version" in qcfg else "format"
+        version = str(qcfg.get(key, "gemm")).lower()
+        if version not in GEMM_TENSORS:
+            raise config_error(key, f"{version!r}: tilemarlin reads AWQ's 'gemm' layout only (also saved as "
+                                    f"{GEMM_TENSORS[1:]})")
 
     def convert(self, t: LayerTensors, module: nn.Module, bias: torch.Tensor | None,
                 dtype: torch.dtype) -> QuantizedLayer:

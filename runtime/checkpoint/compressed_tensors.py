@@ -2,7 +2,10 @@
 
 `quant_method: "compressed-tensors"`; `config_groups` map schemes to the layers they target (module
 class names such as "Linear", exact layer names, or "re:" regular expressions matched from the
-name's start), `ignore` lists layers left dense. Per layer, in nn.Linear's orientation [N, K]:
+name's start; a layer several groups target takes the scheme of its best match, an exact name before
+a regular expression before a class name), `ignore` lists layers left dense. A `transform_config`
+(QuIP or SpinQuant rotations, some applied to the activations at run time) is refused: the kernels
+run plain products. Per layer, in nn.Linear's orientation [N, K]:
 - weight_packed int32 [N, K / 8], packed along K: column 8c + i is nibble i of word column c;
 - weight_shape [2] = (N, K); weight_scale [N, K / g] (strategy "group") or [N, 1] ("channel");
 - weight_zero_point (asymmetric schemes only) int32 [N / 8, K / g or 1], packed along N the same
@@ -73,16 +76,16 @@ class Scheme:
             raise config_error(f"{where}.strategy", f"{strategy!r}: tilemarlin reads 'group' and 'channel'")
         return bool(weights.get("symmetric", True)), group_size
 
-    def targets_layer(self, name: str, module: nn.Module) -> bool:
-        return any(_matches(target, name, module) for target in self.targets)
 
 
-def _matches(target: str, name: str, module: nn.Module) -> bool:
-    """compressed-tensors' rule: "re:" + a pattern matched at the name's start, the exact name, or
-    the name of a class in the module's MRO."""
+def _match_rank(target: str, name: str, module: nn.Module) -> int | None:
+    """How `target` matches the layer by compressed-tensors' rule, best first: 0 the exact name, 1 "re:"
+    + a pattern matched at the name's start, 2 the name of a class in the module's MRO; None if not."""
     if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    return target == name or any(cls.__name__ == target for cls in type(module).__mro__)
+        return 1 if re.match(target[3:], name) is not None else None
+    if target == name:
+        return 0
+    return 2 if any(cls.__name__ == target for cls in type(module).__mro__) else None
 
 
 class CompressedTensorsFormat:
@@ -92,14 +95,28 @@ class CompressedTensorsFormat:
         groups = qcfg.get("config_groups")
         if not isinstance(groups, dict) or not groups:
             raise config_error("config_groups", "missing or empty: no scheme says how the layers are quantized")
+        if qcfg.get("transform_config"):
+            raise config_error("transform_config", "transformed weights (rotations applied at run time) are "
+                                                   "not served: tilemarlin runs plain INT4 products")
         global_format = qcfg.get("format")
-        self.schemes = [Scheme(name, group, global_format) for name, group in groups.items()]
+        # target -> scheme; a target named by two groups is the later group's, as compressed-tensors
+        # applies them
+        self.scheme_of_target: dict[str, Scheme] = {}
+        for name, group in groups.items():
+            scheme = Scheme(name, group, global_format)
+            self.scheme_of_target.update(dict.fromkeys(scheme.targets, scheme))
         self.ignore = qcfg.get("ignore") or []
 
     def scheme_of(self, name: str, module: nn.Module) -> Scheme | None:
-        if any(_matches(target, name, module) for target in self.ignore):
+        """The scheme of the layer's best-matching target (an exact name before a regular expression
+        before a class name, as compressed-tensors chooses), None for an ignored or untargeted layer."""
+        if any(_match_rank(target, name, module) is not None for target in self.ignore):
             return None
-        return next((s for s in self.schemes if s.targets_layer(name, module)), None)
+        ranked = [(rank, i) for i, target in enumerate(self.scheme_of_target)
+                  if (rank := _match_rank(target, name, module)) is not None]
+        if not ranked:
+            return None
+        return list(self.scheme_of_target.values())[min(ranked)[1]]
 
     def convert(self, t: LayerTensors, module: nn.Module, bias: torch.Tensor | None,
                 dtype: torch.dtype) -> QuantizedLayer:

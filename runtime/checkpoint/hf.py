@@ -20,7 +20,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..op import DEFAULT_LAYOUT
 from .files import TensorFiles
 from .loader import (checkpoint_format, gather_once, precompile_model, read_quantization_config,
-                     replace_quantized_linears)
+                     refuse_unread_tensors, replace_quantized_linears)
 
 METHOD = "tilemarlin"
 
@@ -90,6 +90,7 @@ class TileMarlinHfQuantizer(HfQuantizer):
                 setattr(model.get_submodule(parent) if parent else model, attr, linear)
         layout = self.quantization_config.layout
         replace_quantized_linears(model, self.format, self.files, model.dtype, device, layout)
+        refuse_unread_tensors(model, self.files)
         gather_once(model)
         precompile_model(model, layout)
         return model

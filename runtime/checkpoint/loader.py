@@ -15,7 +15,9 @@ served by tilemarlin's kernels.
    `ignore` lists and `modules_to_not_convert` need no rules of their own. An act-order down_proj
    of a gated MLP hands its permutation to gate_proj's and up_proj's output columns and runs
    without a gather (runtime/checkpoint/fold.py).
-4. The other parameters are read from the files in `dtype`, tied parameters once.
+4. The other parameters are read from the files in `dtype`, tied parameters once. A tensor that
+   nothing reads is refused rather than dropped (AWQ's activation scales, say, would change the
+   outputs), unless serving does without it by design (an FP8 KV cache's scales).
 5. Layers that read one input with one act-order permutation (q_proj, k_proj and v_proj; gate_proj
    and up_proj) leave the gather to the module that calls them, once for all of them
    (runtime/checkpoint/input_gather.py), and where that input is an RMSNorm's output read by nothing
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -124,6 +127,7 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     try:
         replace_quantized_linears(model, fmt, files, dtype, device, layout, build)
         load_dense_parameters(model, files, dtype, device)
+        refuse_unread_tensors(model, files)
         model.to(device)   # the buffers computed at construction
         gather_once(model)
         if build is not None:
@@ -227,6 +231,28 @@ def _bias(t: LayerTensors, module: nn.Linear) -> torch.Tensor | None:
         return None
     return t.require("bias", shape=(module.out_features,), why=f"for out_features={module.out_features}",
                      floating=True)
+
+
+# Tensors serving does without: an FP8 KV cache's (or attention's) scales; the cache stays in the
+# model's dtype.
+UNREAD_BY_DESIGN = re.compile(r"\.(k|v|kv|q|prob)_scale$")
+
+
+def refuse_unread_tensors(model: nn.Module, files: TensorFiles) -> None:
+    """A CheckpointError naming the first tensor in `files` that no QuantLinear's tensors, parameter
+    or buffer of the model accounts for (once the quantized layers are in place), unless
+    UNREAD_BY_DESIGN."""
+    quantized = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, QuantLinear))
+    held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    held |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    unread = sorted(name for name in files.names()
+                    if name not in held and not name.startswith(quantized) and not UNREAD_BY_DESIGN.search(name))
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise CheckpointError(f"{files.file_of(unread[0]).name}: {unread[0]}",
+                              f"no module of the model built from {CONFIG_FILE} reads this tensor{more}; refused "
+                              "rather than dropped, since it may change the outputs (AutoAWQ's activation "
+                              "scales of some architectures are such tensors)")
 
 
 def load_dense_parameters(model: nn.Module, files: TensorFiles, dtype, device) -> None:
