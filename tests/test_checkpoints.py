@@ -154,6 +154,20 @@ def test_compressed_tensors_layer_takes_its_best_matching_group(tmp_path):
     assert layers["model.layers.1.self_attn.o_proj"].zeros is None and layers["model.layers.1.self_attn.o_proj"].group_size == 128
 
 
+@pytest.mark.parametrize("group", [128, -1])
+def test_compressed_tensors_strategy_implied_by_the_group_size(tmp_path, group):
+    """A scheme without `strategy` takes the one compressed-tensors infers: "group" for a positive
+    group size, "channel" for -1."""
+    folder = tmp_path / "ct"
+    drawn = write_checkpoint(folder, "compressed-tensors", torch.float16, group, symmetric=False)
+    config = json.loads((folder / "config.json").read_text())
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    weights.pop("strategy")
+    weights["group_size"] = group
+    (folder / "config.json").write_text(json.dumps(config))
+    assert_same_layers(read_layers(folder, torch.float16), drawn, torch.float16)
+
+
 def test_awq_slot_order_by_hand():
     """Word 0x76543210 holds slots 0..7 = 0..7; in AWQ order slot i is column AWQ_ORDER[i]."""
     from runtime.checkpoint.awq import AWQ_ORDER

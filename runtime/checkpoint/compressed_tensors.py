@@ -64,7 +64,7 @@ class Scheme:
             raise config_error(f"{where}.type", f"{weights.get('type')!r}: tilemarlin runs integer weights")
         if weights.get("dynamic"):
             raise config_error(f"{where}.dynamic", "dynamic weight scales are not a stored checkpoint")
-        strategy = weights.get("strategy")
+        strategy = weights.get("strategy") or _implied_strategy(weights.get("group_size"))
         if strategy == "channel":
             group_size = -1
         elif strategy == "group":
@@ -76,6 +76,13 @@ class Scheme:
             raise config_error(f"{where}.strategy", f"{strategy!r}: tilemarlin reads 'group' and 'channel'")
         return bool(weights.get("symmetric", True)), group_size
 
+
+
+def _implied_strategy(group_size) -> str:
+    """The strategy compressed-tensors infers where a scheme names none: from its group size."""
+    if group_size is None:
+        return "tensor"
+    return "channel" if group_size == -1 else "group"
 
 
 def _match_rank(target: str, name: str, module: nn.Module) -> int | None:
