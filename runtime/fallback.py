@@ -133,15 +133,18 @@ def twin_winners(problem: Problem, bucket: int, arch: Arch, table) -> list[tuple
 
 
 def fallback_schedule(problem: Problem, bucket: int, arch: Arch, gpu: GpuSpec, winners,
-                      table=None) -> tuple[Schedule, str]:
+                      table=None, exclude: frozenset = frozenset()) -> tuple[Schedule, str]:
     """(schedule, how it was chosen) for an untuned (problem, bucket); `winners` are the tuned winners
-    (TunedWinner) to transfer from, `table` (a TunedTable) offers the twins' entries."""
-    found = twin_winners(problem, bucket, arch, table) if table is not None else []
+    (TunedWinner) to transfer from, `table` (a TunedTable) offers the twins' entries; never a schedule
+    in `exclude` (in `problem`'s form: one that failed its first-run check)."""
+    found = [(s, twin) for s, twin in twin_winners(problem, bucket, arch, table) if s not in exclude] \
+        if table is not None else []
     if found:
         schedule, twin = found[0]
         return schedule, f"the tuned winner of {twin.name} at this bucket"
-    schedule = transferred(problem, bucket, arch, gpu, winners)
+    others = [w for w in winners if for_problem(problem, w.schedule) not in exclude]
+    schedule = transferred(problem, bucket, arch, gpu, others)
     if schedule is not None:
         return schedule, (f"from the tuned winners of the nearest layers and buckets (the nearest where it is all but "
                           f"this one, else the better-estimated of the {NEAREST} nearest)")
-    return best_schedule(problem, bucket, arch, gpu), "the cost model's pick of the whole search space"
+    return best_schedule(problem, bucket, arch, gpu, exclude), "the cost model's pick of the whole search space"

@@ -47,8 +47,12 @@ from schedules.arch import Arch, get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
 
-_LOCK = threading.Lock()
+_LOCK = threading.Lock()            # guards the dicts below; held for lookups and inserts only
 _LOADED: dict[tuple, "CompiledKernel"] = {}
+_KEY_LOCKS: dict[tuple, threading.Lock] = {}
+# In-process builds one at a time (TileLang's compiler is not known to be thread-safe); loading a
+# stored kernel never waits for them.
+_BUILD_LOCK = threading.Lock()
 
 
 def cache_root() -> Path:
@@ -111,14 +115,26 @@ class CompiledKernel:
 
 def compile_schedule(problem: Problem, schedule: Schedule, arch: Arch) -> CompiledKernel:
     """The compiled kernel: from this process's memory, else the store, else built (and stored).
-    Thread-safe; each (problem, schedule, arch) is loaded at most once per process."""
-    key = (problem, schedule, arch.name)
-    with _LOCK:
-        kernel = _LOADED.get(key)
-        if kernel is None:
-            folder = _stored(problem, schedule, arch)
-            kernel = _LOADED[key] = CompiledKernel(folder, _load_library(folder / "kernel.so"))
-        return kernel
+    Thread-safe; each (problem, schedule, arch) is loaded at most once per process, and a thread
+    loading one kernel never waits for another kernel's build."""
+    return _loaded((problem, schedule, arch.name), lambda: _stored(problem, schedule, arch))
+
+
+def _loaded(key: tuple, stored_folder) -> CompiledKernel:
+    """The kernel of `key` from this process's memory, else loaded from stored_folder() (which builds
+    it first where it is missing), under a lock of this key alone."""
+    kernel = _LOADED.get(key)
+    if kernel is None:
+        with _LOCK:
+            key_lock = _KEY_LOCKS.setdefault(key, threading.Lock())
+        with key_lock:
+            kernel = _LOADED.get(key)
+            if kernel is None:
+                folder = stored_folder()
+                kernel = CompiledKernel(folder, _load_library(folder / "kernel.so"))
+                with _LOCK:
+                    _LOADED[key] = kernel
+    return kernel
 
 
 def _stored(problem: Problem, schedule: Schedule, arch: Arch) -> Path:
@@ -128,7 +144,8 @@ def _stored(problem: Problem, schedule: Schedule, arch: Arch) -> Path:
         raise ValueError(f"{schedule.name} is not valid for {problem.name} on {arch.name}: {reason}")
     folder = kernel_folder(problem, schedule, arch)
     if not _is_current(folder):
-        _build_into(folder, problem, schedule, arch)
+        with _BUILD_LOCK:
+            _build_into(folder, problem, schedule, arch)
     return folder
 
 
@@ -276,13 +293,7 @@ def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> Comp
     [M, K]) or "rms_norm_gather" (schedules/norm_gather.py; x [M, K], weight [K] in x's dtype, perm [K]
     int32, eps [1] fp32, out [M, K]). From this process's memory, else the store
     (`kernels/<arch>/<kind>/`), else built and stored."""
-    key = (kind, k, dtype, arch.name)
-    with _LOCK:
-        kernel = _LOADED.get(key)
-        if kernel is None:
-            folder = _stored_activation(ActivationJob(kind, k, dtype), arch)
-            kernel = _LOADED[key] = CompiledKernel(folder, _load_library(folder / "kernel.so"))
-        return kernel
+    return _loaded((kind, k, dtype, arch.name), lambda: _stored_activation(ActivationJob(kind, k, dtype), arch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,8 +312,9 @@ def _stored_activation(job: ActivationJob, arch: Arch) -> Path:
         raise ValueError(f"unknown activation kernel {job.kind!r}; known: {sorted(ACTIVATION_KERNELS)}")
     folder = activation_kernel_folder(job.kind, job.k, job.dtype, arch)
     if not _is_current(folder):
-        _store_entry(folder, _build_activation_kernel(job.kind, job.k, job.dtype, arch),
-                     _activation_identity(job.kind, job.k, job.dtype, arch))
+        with _BUILD_LOCK:
+            _store_entry(folder, _build_activation_kernel(job.kind, job.k, job.dtype, arch),
+                         _activation_identity(job.kind, job.k, job.dtype, arch))
     return folder
 
 

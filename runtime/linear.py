@@ -74,13 +74,17 @@ class QuantLinear(nn.Module):
         on their device.
 
         Raises ValueError, before any kernel is built, for shapes or a group size the kernels cannot
-        run, for a scale that is not finite and positive and for a zero point that is not a whole
-        number in 0..15 (naming the first one).
+        run, for a code outside 0..15, a scale that is not finite and positive and a zero point that is
+        not a whole number in 0..15 (naming the first one).
         """
+        if codes.dim() != 2:
+            raise ValueError(f"codes must be [K, N], got shape {tuple(codes.shape)}")
         k, n = codes.shape
-        if scales.dim() != 2 or scales.shape[1] != n or k % scales.shape[0]:
-            raise ValueError(f"scales {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}")
+        if scales.dim() != 2 or scales.shape[1] != n or not scales.shape[0] or k % scales.shape[0]:
+            raise ValueError(f"scales {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}: expected "
+                             f"[K / group, N] with N={n} and a whole number of groups in K={k}")
         problem_of(n, k, k // scales.shape[0], dtype_name(scales.dtype), layout, zeros is not None, act)
+        _check_codes(codes)
         _check_scales(scales)
         if zeros is not None:
             check_zero_points(zeros, scales)
@@ -162,8 +166,8 @@ class QuantLinear(nn.Module):
         Symmetric or asymmetric, with or without act-order (desc_act), in either checkpoint format
         ("gptq" stores zero points minus one, "gptq_v2" as they are): from_layer serves them all.
         Raises ValueError, naming the field, for other bit widths, a group size no kernel runs, tensors
-        whose dtypes or shapes do not fit together, a v1 zero point of 0 and uneven act-order groups;
-        and, naming the first, for scales that are not finite and positive.
+        whose dtypes or shapes do not fit together and uneven act-order groups; and, naming the first,
+        for scales that are not finite and positive.
         """
         from .checkpoint.gptq import gptq_layer   # runtime.checkpoint imports this module
 
@@ -186,6 +190,8 @@ class QuantLinear(nn.Module):
         act-order that `perm` is a permutation of the input features (the gather kernel reads x's row
         at each index unchecked)."""
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.perm is not None and self.perm.dtype != torch.int32:     # load_state_dict(assign=True)
+            self.perm = self.perm.to(torch.int32)                           # takes the stored dtype
         if self.perm is not None and prefix + "perm" in state_dict:
             order = torch.arange(self.in_features, dtype=self.perm.dtype, device=self.perm.device)
             if not torch.equal(self.perm.sort().values, order):
@@ -248,6 +254,8 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         if not isinstance(module, nn.Linear) or any(s in name for s in skip) or not wanted(name, module):
             continue
         try:
+            if module.weight.is_meta:
+                raise ValueError("its weight is on the meta device: load the model's weights first")
             problems.setdefault(id(module), QuantLinear.problem_of_linear(module, group_size, zero_points, act))
         except (ValueError, TypeError) as exc:
             raise _refusal(name, module, exc) from None
@@ -296,6 +304,18 @@ def _first_false(ok: torch.Tensor) -> tuple[int, ...] | None:
     if bool(ok.all()):
         return None
     return tuple((~ok).nonzero()[0].tolist())
+
+
+def _check_codes(codes: torch.Tensor) -> None:
+    """A ValueError naming the first code that is not a whole number in 0..15."""
+    ok = (codes >= 0) & (codes <= 15)
+    if codes.is_floating_point():
+        ok &= codes == codes.round()
+    bad = _first_false(ok)
+    if bad is not None:
+        row, column = bad
+        raise ValueError(f"code {codes[row, column].item()} at row {row}, column {column}: INT4 codes are whole "
+                         "numbers in 0..15")
 
 
 def _check_scales(scales: torch.Tensor) -> None:

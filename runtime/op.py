@@ -84,6 +84,9 @@ def packed_shapes(problem: Problem, layout: str = DEFAULT_LAYOUT) -> tuple[tuple
 
 
 def _check_args(x, qweight, scales, n, k, group, layout, zero_points, act="dtype") -> Problem:
+    # Sizes may come in as SymInts under torch.compile(dynamic=True): the weights fix them, so they are
+    # specialized to plain ints here.
+    n, k, group = int(n), int(k), int(group)
     dtype = dtype_name(x.dtype)
     if scales.dtype != x.dtype:
         raise TypeError(f"x is {x.dtype} but the weights' scales are {scales.dtype}: "
@@ -458,39 +461,42 @@ def _launcher(device: torch.device, problem: Problem, layout: str, bucket: int) 
             if launcher is None:
                 served = dispatch_for(device).serving_problem(problem, bucket)
                 schedule = schedule_for(served, bucket, device, layout)
-                launcher = _Launcher(served, *_checked_kernel(served, schedule, bucket, device))
-                with _LOCK:
-                    _LAUNCHERS[key] = launcher
+                checked = _checked_kernel(served, schedule, bucket, device)
+                launcher = _Launcher(served, *checked[:2])
+                if checked[2]:      # one not checked yet (inside a capture) is looked up again next call
+                    with _LOCK:
+                        _LAUNCHERS[key] = launcher
     return launcher
 
 
 def _checked_kernel(problem: Problem, schedule: Schedule, bucket: int, device: torch.device):
-    """(schedule, kernel) after the kernel's first-run check (runtime/selfcheck.py); a kernel that
-    fails it is replaced, with a warning, by the fallback's choice among the other winners, which
-    must pass too. Inside CUDA-graph capture nothing can be compared, so the check waits for a call
-    outside capture (warm-up before capture, as CUDA graphs need anyway, runs it)."""
+    """(schedule, kernel, checked) after the kernel's first-run check at this bucket
+    (runtime/selfcheck.py); a kernel that fails it is replaced, with a warning, by the fallback's
+    choice among the other schedules, which must pass too. Inside CUDA-graph capture nothing can be
+    compared: a kernel not checked before serves the capture unchecked (checked False), and the
+    first call outside capture checks it (warm-up before capture, as CUDA graphs need anyway)."""
     from schedules.arch import current_arch
     from schedules.cost import GpuSpec
 
     from . import selfcheck
-    from .fallback import fallback_schedule, for_problem
+    from .fallback import fallback_schedule
     from .kernels import compile_schedule
 
     arch = current_arch(device)
     kernel = compile_schedule(problem, schedule, arch)
     if torch.cuda.is_current_stream_capturing():
-        return schedule, kernel
+        return schedule, kernel, selfcheck.is_verified(kernel, bucket, device)
     try:
         selfcheck.check_once(kernel, problem, schedule, bucket, device)
-        return schedule, kernel
+        return schedule, kernel, True
     except selfcheck.KernelCheckError as exc:
         # (compared in the problem's form: a winner of another form may become the kernel that failed)
-        others = tuple(w for w in _winners(arch.name) if for_problem(problem, w.schedule) != schedule)
-        replacement, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), others)
+        replacement, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), _winners(arch.name),
+                                             exclude=frozenset({schedule}))
         warnings.warn(f"{exc}; running {replacement.name} ({how}) instead", KernelCheckWarning, stacklevel=3)
         kernel = compile_schedule(problem, replacement, arch)
         selfcheck.check_once(kernel, problem, replacement, bucket, device)
-        return replacement, kernel
+        return replacement, kernel, True
 
 
 def schedule_for(problem: Problem, m: int, device=None, layout: str = DEFAULT_LAYOUT) -> Schedule:

@@ -234,9 +234,11 @@ def rank(problem: Problem, m: int, arch: Arch, gpu: GpuSpec, families=None) -> l
     return sorted(candidates, key=lambda s: estimate_us(problem, s, m, gpu))
 
 
-def best_schedule(problem: Problem, m: int, arch: Arch, gpu: GpuSpec | None = None) -> Schedule:
-    """The cost model's pick for `problem` at M = m; `gpu` defaults to the nominal GPU of `arch`."""
-    ranked = rank(problem, m, arch, gpu or GpuSpec.for_arch(arch))
+def best_schedule(problem: Problem, m: int, arch: Arch, gpu: GpuSpec | None = None,
+                  exclude: frozenset = frozenset()) -> Schedule:
+    """The cost model's pick for `problem` at M = m, other than the schedules in `exclude`; `gpu`
+    defaults to the nominal GPU of `arch`."""
+    ranked = [s for s in rank(problem, m, arch, gpu or GpuSpec.for_arch(arch)) if s not in exclude]
     if not ranked:
         raise ValueError(f"no schedule can run {problem.name} on {arch.name}")
     return ranked[0]

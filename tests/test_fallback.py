@@ -75,8 +75,24 @@ def test_the_nearest_tuned_layer_and_bucket_come_first():
 def test_without_a_fitting_winner_the_whole_space_is_ranked(monkeypatch):
     import runtime.fallback as fallback
 
-    monkeypatch.setattr(fallback, "best_schedule", lambda problem, m, arch, gpu: "ranked")
+    monkeypatch.setattr(fallback, "best_schedule", lambda problem, m, arch, gpu, exclude: "ranked")
     assert fallback_schedule(UNTUNED[0], 1, SM90, H200, ()) == ("ranked", "the cost model's pick of the whole search space")
+
+
+def test_a_schedule_that_failed_its_check_is_never_chosen_again():
+    """Replacing a kernel that failed its first-run check: excluded from the twins, the transfers and
+    the whole space's ranking (on an arch without tuned winners, the ranking alone)."""
+    import time
+
+
+    sm80, problem = get_arch("sm_80"), Problem(n=128, k=256, group=128)
+    start = time.perf_counter()
+    first, how = fallback_schedule(problem, 1, sm80, GpuSpec.for_arch(sm80), ())
+    second, _ = fallback_schedule(problem, 1, sm80, GpuSpec.for_arch(sm80), (), exclude=frozenset({first}))
+    assert "whole search space" in how and second != first, (first, second, time.perf_counter() - start)
+    tuned = TunedWinner(problem, 1, first)
+    assert fallback_schedule(problem, 1, sm80, GpuSpec.for_arch(sm80), (tuned,))[0] == first
+    assert fallback_schedule(problem, 1, sm80, GpuSpec.for_arch(sm80), (tuned,), exclude=frozenset({first}))[0] == second
 
 
 @pytest.fixture(scope="module")

@@ -272,3 +272,42 @@ def test_a_pool_takes_jobs_as_they_come_stops_when_cancelled_and_refuses_jobs_on
     pool.cancel()
     resume.set()
     assert list(pool.close()) == [(jobs[0], sm90)]
+
+
+def test_loading_a_stored_kernel_never_waits_for_another_kernels_build(monkeypatch, tmp_path):
+    """compile_schedule locks per kernel: a build (seconds of nvcc) holds up only callers of that kernel."""
+    import threading
+
+    from schedules.arch import get_arch
+    from schedules.marlin_mma import Knobs
+    from schedules.problem import Problem
+    from schedules.registry import Schedule
+
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "_LOADED", {})
+    building, release = threading.Event(), threading.Event()
+    slow, stored = Problem(n=128, k=256), Problem(n=256, k=256)
+    schedule, arch = Schedule("marlin_mma", Knobs()), get_arch("sm_90a")
+
+    def folder_of(problem, schedule, arch):
+        if problem == slow:            # missing from the store: its build takes a while
+            building.set()
+            assert release.wait(30)
+        return store.kernel_folder(problem, schedule, arch)
+
+    monkeypatch.setattr(store, "_stored", folder_of)
+    monkeypatch.setattr(store, "_load_library", lambda path: (lambda *args: None))
+    builder = threading.Thread(target=store.compile_schedule, args=(slow, schedule, arch))
+    builder.start()
+    loaded = []
+    try:
+        assert building.wait(30)
+        loader = threading.Thread(target=lambda: loaded.append(store.compile_schedule(stored, schedule, arch)))
+        loader.start()
+        loader.join(10)
+        assert not loader.is_alive(), "loading a stored kernel waited for another kernel's build"
+    finally:
+        release.set()
+        builder.join(30)
+    assert loaded[0].folder.parent.name == stored.name
+    assert store.compile_schedule(slow, schedule, arch) is store.compile_schedule(slow, schedule, arch)

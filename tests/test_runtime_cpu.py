@@ -123,6 +123,23 @@ def test_group_sizes_no_family_runs_are_refused(no_kernel_build, monkeypatch, k,
         QuantLinear.from_codes(codes, torch.ones(1 if group == -1 else k // group, 256, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("codes, scales, match", [
+    (torch.full((256, 128), 16, dtype=torch.uint8), torch.ones(2, 128), "code 16 at row 0, column 0"),
+    (torch.zeros(2, 256, 128, dtype=torch.uint8), torch.ones(2, 128), r"codes must be \[K, N\]"),
+    (torch.zeros(256, 128, dtype=torch.uint8), torch.ones(0, 128), r"scales \(0, 128\) do not fit"),
+])
+def test_codes_and_scales_that_cannot_be_packed_are_refused_before_any_build(no_kernel_build, codes, scales, match):
+    with pytest.raises(ValueError, match=match):
+        QuantLinear.from_codes(codes, scales.half())
+
+
+def test_replace_linear_names_a_layer_whose_weights_are_not_loaded():
+    with torch.device("meta"):
+        model = nn.Sequential(_linear())
+    with pytest.raises(ValueError, match="cannot convert '0'.*meta device"):
+        replace_linear(model, precompile=False)
+
+
 def test_a_group_size_of_a_multiple_of_64_dividing_k_is_taken():
     assert QuantLinear(3072, 256, group_size=192).group_size == 192
 
@@ -315,6 +332,17 @@ def test_fake_tensors_give_the_output_shape():
             w4a16_gemm(torch.empty(9, 128, dtype=torch.float16, device="cuda"), qweight, scales, 128, 256, 128)
 
 
+def test_sizes_traced_as_symbols_are_taken(cpu_op):
+    """Under torch.compile(dynamic=True) a K read off x's shape arrives as a SymInt."""
+    from schedules import marlin_mma
+
+    k, n, group = 256, 128, 128
+    qweight, scales = marlin_mma.pack(torch.randint(0, 16, (k, n), dtype=torch.uint8), torch.rand(k // group, n).half())
+    compiled = torch.compile(lambda x: w4a16_gemm(x, qweight, scales, n, x.shape[-1], group), fullgraph=True,
+                             dynamic=True, backend="aot_eager")
+    assert compiled(torch.randn(3, k).half()).shape == (3, n)
+
+
 def test_w4a8_fake_tensors_give_the_output_shape_and_trace_into_one_node():
     """tilemarlin::w4a8_gemm's fake implementation: the output's shape and dtype, its checks, and a
     graph that dynamo traces through it (W4A8 runs on the GPU only; this is the tracing side)."""
@@ -435,7 +463,7 @@ def dispatch(monkeypatch):
     monkeypatch.setattr(runtime.selfcheck, "check_once", lambda kernel, problem, schedule, bucket, device: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(runtime.fallback, "fallback_schedule",
-                        lambda problem, m, arch, gpu, winners, table=None: (calls["fallback"].append(m) or FALLBACK, "a stub"))
+                        lambda problem, m, arch, gpu, winners, table=None, exclude=frozenset(): (calls["fallback"].append(m) or FALLBACK, "a stub"))
     monkeypatch.setattr(runtime.kernels, "compile_schedule",
                         lambda problem, schedule, arch: calls["compile"].append(schedule) or f"kernel {schedule.name}")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stub GPU")
@@ -492,7 +520,7 @@ def test_resolving_one_shape_never_blocks_another(dispatch, monkeypatch):
     other = Problem(n=256, k=256, group=128)
     entered, release = threading.Event(), threading.Event()
 
-    def slow_fallback(problem, m, arch, gpu, winners, table=None):
+    def slow_fallback(problem, m, arch, gpu, winners, table=None, exclude=frozenset()):
         if problem == other:
             entered.set()
             assert release.wait(30), "the other shape was never resolved"
@@ -526,6 +554,32 @@ def test_a_kernel_that_fails_its_first_run_check_is_replaced_with_a_warning(disp
     with pytest.warns(op.KernelCheckWarning, match=f"{TUNED.name}.*relative error 0.5.*running {FALLBACK.name}"):
         launcher = op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
     assert launcher.schedule == FALLBACK and checked == [TUNED, FALLBACK] and calls["compile"] == [TUNED, FALLBACK]
+
+
+def test_a_first_call_inside_a_capture_is_checked_at_the_next_call_outside(dispatch, monkeypatch):
+    """Inside CUDA-graph capture the check cannot run: the kernel serves the capture unchecked and is not
+    remembered, so the first call outside capture checks it."""
+    import runtime.selfcheck
+
+    checked, capturing = [], [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(runtime.selfcheck, "is_verified", lambda kernel, bucket, device: False)
+    monkeypatch.setattr(runtime.selfcheck, "check_once", lambda kernel, problem, schedule, bucket, device:
+                        checked.append(schedule))
+    assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16).schedule == TUNED and checked == []
+    capturing[0] = False
+    first = op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
+    assert checked == [TUNED] and op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16) is first
+    assert checked == [TUNED]
+
+
+def test_a_kernel_checked_before_is_remembered_even_inside_a_capture(dispatch, monkeypatch):
+    import runtime.selfcheck
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(runtime.selfcheck, "is_verified", lambda kernel, bucket, device: True)
+    first = op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
+    assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16) is first
 
 
 def test_when_the_replacement_fails_too_the_call_fails(dispatch, monkeypatch):
@@ -582,6 +636,8 @@ def test_an_act_order_layer_keeps_its_permutation_as_int32_and_loads_an_int64_on
     state["perm"] = torch.randperm(256, generator=torch.Generator().manual_seed(1))
     layer.load_state_dict(state)
     assert layer.perm.dtype == torch.int32 and torch.equal(layer.perm.long(), state["perm"])
+    layer.load_state_dict(state, assign=True)      # assign takes the stored tensor: cast back to int32
+    assert layer.perm.dtype == torch.int32 and torch.equal(layer.perm.long(), state["perm"])
 
 
 def test_a_state_dict_whose_perm_is_not_a_permutation_is_refused():
@@ -594,3 +650,42 @@ def test_a_state_dict_whose_perm_is_not_a_permutation_is_refused():
     state["perm"][7] = 8                            # a repeat
     with pytest.raises(ValueError, match="perm must be a permutation of range"):
         layer.load_state_dict(state)
+
+
+# --- the first-run check's plan (runtime/selfcheck.py; its runs need a GPU) ------------------------------------
+
+def test_each_bucket_is_checked_at_a_ragged_m_of_its_own():
+    from runtime.selfcheck import checked_m
+    from runtime.table import BUCKETS, bucket_of
+
+    assert [checked_m(b) for b in (1, 2, 4, 8, 16, 4096)] == [1, 2, 3, 7, 15, 4097]
+    assert all(bucket_of(checked_m(b)) == b for b in BUCKETS)
+
+
+def test_a_kernels_check_is_stamped_per_bucket(monkeypatch, tmp_path):
+    """A kernel serving two buckets is checked in each: a stamp for M = 15 says nothing of M = 31."""
+    import runtime.selfcheck as selfcheck
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stub GPU")
+    kernel = type("Kernel", (), {"folder": tmp_path})()
+    runs = []
+    monkeypatch.setattr(selfcheck, "run_check", lambda kernel, problem, schedule, m, device: runs.append(m))
+    for bucket in (16, 16, 32):
+        selfcheck.check_once(kernel, PROBLEM, TUNED, bucket, CUDA0)
+    assert runs == [15, 31] and selfcheck.is_verified(kernel, 32, CUDA0)
+
+
+def test_the_reference_runs_in_full_fp32_whatever_the_caller_set():
+    """Under autocast or with TF32 allowed, the check's fp32 matmul would round like bf16 or TF32 and
+    fail right kernels."""
+    from runtime.selfcheck import _full_fp32
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16), _full_fp32():
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert not torch.is_autocast_enabled("cuda")
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(previous)
