@@ -163,7 +163,12 @@ class Entry:
 
 
 def _positive_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:      # an integer past float's range
+        return False
 
 
 def _timings(value) -> list[dict]:

@@ -177,6 +177,7 @@ GOOD_PROBLEM = Problem.make(n=4096, k=4096)
     (lambda e: e["schedule"]["knobs"].update(block_m=128, block_n=256, block_k=128, num_stages=6), "shared"),
     (lambda e: e.update(us="nan"), "finite and positive"),
     (lambda e: e.update(us=float("inf")), "finite and positive"),
+    (lambda e: e.update(us=10 ** 400), "finite and positive"),
     (lambda e: e.update(us=-1.0), "finite and positive"),
     (lambda e: e.update(fp16_us="12"), "finite and positive"),
     (lambda e: e.update(gbps="fast"), "GB/s must be finite and positive"),
