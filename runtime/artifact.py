@@ -3,25 +3,29 @@
 
 An artifact is a gzip'd tar holding
 
-- `manifest.json`: the format, what was exported (`about`: model, shapes, buckets), the table and
-  kernel paths, and `built_with`, everything that decides whether its kernels are the ones this
-  machine would build and can load: tilemarlin's version, the fingerprint of the kernel code
-  (schedules/, templates/), TileLang's version, the CUDA toolkit that built the kernels (from their
-  meta.json), the CUDA and torch versions (as the tuned tables record them), and the GPU (name, arch,
-  SM count) of the tuned table;
+- `manifest.json`: the format, what was exported (`about`: model, shapes, buckets, forms), the table
+  and kernel paths, the sha256 of every other file, and `built_with`, everything that decides whether
+  its kernels are the ones this machine would build and can load: tilemarlin's version, the
+  fingerprint of the kernel code (schedules/, templates/), TileLang's version, the CUDA toolkit that
+  built the kernels (from their meta.json), the CUDA and torch versions the tuned table was tuned with
+  (the serving machines'; a build host without a GPU exports for them), and the GPU (name, arch, SM
+  count) of the tuned table;
 - `tuned/<gpu slug>.json`: the tuned table's entries for the exported (problem, bucket) pairs;
 - `kernels/<arch>/<problem>/<schedule>-<hash>/{kernel.so, kernel.cu, meta.json}`: the store's
   entries, under the folder names the store finds them by (runtime/kernels.py: the hash of their
   identity).
 
 `load_artifact(path)` reads only members of exactly those names (no absolute paths, no `..`, no
-links), compares `built_with` with this machine and refuses, naming every field that differs, then
-unpacks into the cache root (TILEMARLIN_CACHE_DIR, else the default): each kernel folder renamed into
-the store whole, the entries written into this GPU's tuned table over those of the same keys. A
+links) whose bytes match their sha256, compares `built_with` with this machine and refuses, naming
+every field that differs, then unpacks into the cache root (TILEMARLIN_CACHE_DIR, else the default):
+each kernel folder whose files differ from the artifact's renamed into the store whole, the entries
+written into this GPU's tuned table over those of the same keys where they differ. Loading an
+artifact that is in place already writes nothing, so a read-only cache loads it at every start. A
 machine without nvcc skips the toolkit comparison, as the store does: it can only load what was built.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -30,10 +34,11 @@ import shutil
 import tarfile
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 FORMAT = "tilemarlin-kernel-artifact"
-SCHEMA = 1
+SCHEMA = 2          # 2: the sha256 of every file
 MANIFEST = "manifest.json"
 KERNEL_FILES = ("kernel.so", "kernel.cu", "meta.json")
 
@@ -112,7 +117,10 @@ def write_artifact(out, table, folders: list[Path], about: dict) -> dict:
         built[field] = next(iter(metas.values())).get(key)
     if built["arch"] != table.gpu.arch:
         raise ArtifactError(f"the kernels are for {built['arch']}, the tuned table for {table.gpu.arch}")
-    versions = current_versions()
+    versions = {**current_versions(), **{k: v for k, v in table.versions.items() if k in ("cuda", "torch")}}
+    files = {f"tuned/{table.gpu.slug}.json": (json.dumps(table.to_json(), indent=1) + "\n").encode()}
+    files.update({f"{relative}/{name}": (root / relative / name).read_bytes()
+                  for relative in sorted(metas) for name in KERNEL_FILES})
     manifest = {
         "format": FORMAT, "schema": SCHEMA, "created_at": now(), "about": about,
         "built_with": {"tilemarlin": versions["tilemarlin"], "kernel_code": built["kernel_code"],
@@ -121,17 +129,19 @@ def write_artifact(out, table, folders: list[Path], about: dict) -> dict:
                        "gpu": table.gpu.name, "arch": table.gpu.arch, "sm_count": table.gpu.sm_count},
         "table": f"tuned/{table.gpu.slug}.json",
         "kernels": sorted(metas),
+        "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()},
     }
     out = Path(out)
+    if out.is_dir() or not out.parent.is_dir():
+        raise ArtifactError(f"cannot write {out}: " + ("it is a folder" if out.is_dir() else
+                                                        f"no folder {out.parent}"))
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
     os.close(fd)
     try:
         with tarfile.open(tmp, "w:gz") as tar:
             _add(tar, MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
-            _add(tar, manifest["table"], (json.dumps(table.to_json(), indent=1) + "\n").encode())
-            for relative in manifest["kernels"]:
-                for name in KERNEL_FILES:
-                    _add(tar, f"{relative}/{name}", (root / relative / name).read_bytes())
+            for name, data in files.items():
+                _add(tar, name, data)
         os.chmod(tmp, 0o644)
         os.replace(tmp, out)
     except BaseException:
@@ -152,29 +162,41 @@ def load_artifact(path) -> dict:
     """Check the artifact at `path` against this machine and unpack it into the cache root, so that the
     op serves its kernels without compiling; returns its manifest. Call it before the model is built
     or converted. Raises ArtifactError naming every field that differs (versions, toolkit, GPU), and
-    for a file that is not an artifact or holds a member it should not."""
+    for a file that is not an artifact, is damaged or holds a member it should not."""
     from .kernels import cache_root
-
-    try:
-        tar = tarfile.open(path, "r:gz")
-    except (OSError, tarfile.TarError) as exc:
-        raise ArtifactError(f"{path} is not a tilemarlin artifact ({exc})") from None
-    with tar:
-        members = {_checked_name(m): m for m in tar.getmembers()}
-        manifest = _read_manifest(tar, members, path)
-        _check_contents(members, manifest, path)
-        mismatches = differences(manifest["built_with"], this_machine())
-        if mismatches:
-            raise ArtifactError(f"{path} does not fit this machine: " + "; ".join(mismatches))
-        table = _read_table(tar, members[manifest["table"]], path)
-        _install_kernels(tar, [members[name] for name in members if name.startswith("kernels/")
-                               and members[name].isfile()], manifest["kernels"], cache_root())
     from .op import forget_tables
     from .table import table_path
 
-    table.save(table_path(table.gpu), overwrite=True)
-    forget_tables()
+    contents, folders = _read_members(path)
+    manifest = _read_manifest(contents, path)
+    _check_contents(contents, folders, manifest, path)
+    mismatches = differences(manifest["built_with"], this_machine())
+    if mismatches:
+        raise ArtifactError(f"{path} does not fit this machine: " + "; ".join(mismatches))
+    table = _read_table(contents[manifest["table"]], manifest, path)
+    _install_kernels(contents, manifest, cache_root())
+    if not _holds_entries(table):
+        table.save(table_path(table.gpu), overwrite=True)
+        forget_tables()
     return manifest
+
+
+def _read_members(path) -> tuple[dict[str, bytes], set[str]]:
+    """(file name -> bytes, folder names) of the archive, names checked (_checked_name); ArtifactError
+    for a file that is not a gzip'd tar or is truncated or damaged."""
+    contents, folders = {}, set()
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            for member in tar:
+                name = _checked_name(member)
+                if member.isfile():
+                    contents[name] = tar.extractfile(member).read()
+                else:
+                    folders.add(name)
+    except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
+        raise ArtifactError(f"{path} is not a tilemarlin artifact, or is truncated or damaged "
+                            f"({type(exc).__name__}: {exc})") from None
+    return contents, folders
 
 
 def _checked_name(member: tarfile.TarInfo) -> str:
@@ -187,72 +209,114 @@ def _checked_name(member: tarfile.TarInfo) -> str:
     return name.rstrip("/")
 
 
-def _read_manifest(tar: tarfile.TarFile, members: dict, path) -> dict:
-    if MANIFEST not in members or not members[MANIFEST].isfile():
+def _read_manifest(contents: dict, path) -> dict:
+    if MANIFEST not in contents:
         raise ArtifactError(f"{path} has no {MANIFEST}: not a tilemarlin artifact")
     try:
-        manifest = json.loads(tar.extractfile(members[MANIFEST]).read())
+        manifest = json.loads(contents[MANIFEST])
     except (ValueError, UnicodeDecodeError) as exc:
         raise ArtifactError(f"{path}: {MANIFEST} is not valid JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a {FORMAT} file")
     if manifest.get("schema") != SCHEMA:
-        raise ArtifactError(f"{path} has artifact schema {manifest.get('schema')!r}; this tilemarlin reads {SCHEMA}")
-    table, kernels = manifest.get("table"), manifest.get("kernels")
+        raise ArtifactError(f"{path} has artifact schema {manifest.get('schema')!r}; this tilemarlin reads {SCHEMA} "
+                            "(export it again with this tilemarlin)")
+    table, kernels, hashes = manifest.get("table"), manifest.get("kernels"), manifest.get("sha256")
     well_formed = (isinstance(manifest.get("built_with"), dict)
                    and isinstance(table, str) and _TABLE_PATH.fullmatch(table)
                    and isinstance(kernels, list)
-                   and all(isinstance(k, str) and _KERNEL_PATH.fullmatch(k) for k in kernels))
+                   and all(isinstance(k, str) and _KERNEL_PATH.fullmatch(k) for k in kernels)
+                   and isinstance(hashes, dict) and all(isinstance(h, str) for h in hashes.values()))
     if not well_formed:
-        raise ArtifactError(f"{path}: {MANIFEST} is malformed (built_with, table or kernels)")
+        raise ArtifactError(f"{path}: {MANIFEST} is malformed (built_with, table, kernels or sha256)")
     return manifest
 
 
-def _check_contents(members: dict, manifest: dict, path) -> None:
-    """Exactly the manifest, its table and its kernels' files (and the folders above them)."""
-    files = {MANIFEST, manifest["table"]} | {f"{k}/{name}" for k in manifest["kernels"] for name in KERNEL_FILES}
-    folders = {parent.as_posix() for name in files for parent in Path(name).parents} - {"."}
-    for name, member in members.items():
-        if name not in (files if member.isfile() else folders):
+def _check_contents(contents: dict, folders: set, manifest: dict, path) -> None:
+    """Exactly the manifest, its table and its kernels' files (and the folders above them), each with
+    the sha256 the manifest gives it."""
+    files = {manifest["table"]} | {f"{k}/{name}" for k in manifest["kernels"] for name in KERNEL_FILES}
+    allowed_folders = {parent.as_posix() for name in files for parent in Path(name).parents} - {"."}
+    for name in [*contents, *folders]:
+        if name not in (files | {MANIFEST} if name in contents else allowed_folders):
             raise ArtifactError(f"unexpected member {name!r} in {path}; refusing the artifact")
-    absent = sorted(files - {name for name, member in members.items() if member.isfile()})
+    absent = sorted(files - set(contents))
     if absent:
         raise ArtifactError(f"{path} lacks {len(absent)} files its manifest lists, e.g. {absent[0]}")
+    damaged = sorted(name for name in files if hashlib.sha256(contents[name]).hexdigest() != manifest["sha256"].get(name))
+    if damaged:
+        raise ArtifactError(f"{path} is damaged: {len(damaged)} files differ from their sha256 in the manifest, "
+                            f"e.g. {damaged[0]}")
 
 
-def _read_table(tar: tarfile.TarFile, member: tarfile.TarInfo, path):
+def _read_table(data: bytes, manifest: dict, path):
     from .table import TableError, TunedTable
 
     try:
-        table = TunedTable.from_json(json.loads(tar.extractfile(member).read()))
+        table = TunedTable.from_json(json.loads(data))
     except (ValueError, UnicodeDecodeError, TableError) as exc:
         raise ArtifactError(f"{path}: its tuned table cannot be read ({exc})") from None
     if table.skipped:
         raise ArtifactError(f"{path}: its tuned table has entries this tilemarlin does not trust: "
                             + "; ".join(table.skipped))
+    built = manifest["built_with"]
+    if table.gpu is None or (table.gpu.name, table.gpu.arch, table.gpu.sm_count) != \
+            (built.get("gpu"), built.get("arch"), built.get("sm_count")):
+        raise ArtifactError(f"{path}: its tuned table is for {table.gpu}, its kernels for {built.get('gpu')}, "
+                            f"{built.get('arch')}, {built.get('sm_count')} SMs")
     return table
 
 
-def _install_kernels(tar: tarfile.TarFile, members: list, kernels: list[str], root: Path) -> None:
-    """Extract into a staging folder inside the cache, then rename each kernel folder into the store
-    (a reader sees a whole entry or none); an entry the store already holds, current, stays."""
-    from .kernels import _is_current
+def _holds_entries(table) -> bool:
+    """Whether this GPU's tuned table on disk already holds every entry of `table` as it is."""
+    from .table import TableError, TunedTable, table_path
+
+    path = table_path(table.gpu)
+    try:
+        on_disk = TunedTable.read(path) if path.is_file() else None
+    except (TableError, OSError, ValueError):
+        return False
+    return on_disk is not None and all(on_disk.entry(problem, bucket) is not None
+                                       and on_disk.entry(problem, bucket).schedule == entry.schedule
+                                       and on_disk.entry(problem, bucket).us == entry.us
+                                       for (problem, bucket), entry in table.items())
+
+
+def _installed(folder: Path, relative: str, manifest: dict) -> bool:
+    """Whether the store's folder holds the artifact's files byte for byte."""
+    try:
+        return all(hashlib.sha256((folder / name).read_bytes()).hexdigest() == manifest["sha256"][f"{relative}/{name}"]
+                   for name in KERNEL_FILES)
+    except OSError:
+        return False
+
+
+def _install_kernels(contents: dict, manifest: dict, root: Path) -> None:
+    """Write into a staging folder inside the cache, then rename each kernel folder into the store (a
+    reader sees a whole entry or none); a folder that already holds the artifact's files stays, and
+    nothing is written when all do."""
     from .cache_files import writable_folder
 
+    wanted = [relative for relative in manifest["kernels"] if not _installed(root / relative, relative, manifest)]
+    if not wanted:
+        return
     writable_folder(root / "kernels")
     staging = Path(tempfile.mkdtemp(dir=root, prefix=".artifact-"))
     try:
-        extra = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
-        tar.extractall(staging, members=members, **extra)
-        for relative in kernels:
+        for relative in wanted:
+            (staging / relative).mkdir(parents=True)
+            for name in KERNEL_FILES:
+                (staging / relative / name).write_bytes(contents[f"{relative}/{name}"])
             folder = root / relative
-            if _is_current(folder):
-                continue
             folder.parent.mkdir(parents=True, exist_ok=True)
             old = folder.with_name(f"{folder.name}.{os.getpid()}.old")
-            if folder.exists():        # stale or incomplete: moved aside, then removed
+            if folder.exists():        # stale, incomplete or damaged: moved aside, then removed
                 os.replace(folder, old)
-            os.replace(staging / relative, folder)
+            try:
+                os.replace(staging / relative, folder)
+            except OSError:            # another process put it in place meanwhile
+                if not _installed(folder, relative, manifest):
+                    raise
             shutil.rmtree(old, ignore_errors=True)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -246,10 +246,14 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
     staging = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    jit.export_library(str(staging / "kernel.so"))
-    (staging / "kernel.cu").write_text(jit.get_kernel_source())
-    meta = {**ident, "cuda": cuda_toolkit()}
-    (staging / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+    try:
+        jit.export_library(str(staging / "kernel.so"))
+        (staging / "kernel.cu").write_text(jit.get_kernel_source())
+        meta = {**ident, "cuda": cuda_toolkit()}
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+    except BaseException:          # a failed export leaves nothing behind in the store
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     old = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.old")
     if folder.exists():            # a stale entry (another toolkit): moved aside, then removed
         os.replace(folder, old)

@@ -40,7 +40,10 @@ class Problem:
             raise ValueError(f"N and K must be positive, got N={self.n}, K={self.k}")
         if not isinstance(self.zero_points, bool):
             raise ValueError(f"zero_points must be True or False, got {self.zero_points!r}")
-        if self.group <= 0 or self.k % self.group:
+        if self.group <= 0:
+            raise ValueError(f"group size {self.group}: a group holds a positive number of input rows (-1: "
+                             "channelwise)")
+        if self.k % self.group:
             raise ValueError(f"K={self.k} is not a multiple of the group size {self.group}")
         if self.act not in SUPPORTED_ACTS:
             raise ValueError(f"activations {self.act!r} are not supported; use one of {SUPPORTED_ACTS}")

@@ -2,6 +2,7 @@
 model's kernels, `load_artifact` unpacks them on a matching machine so that the op loads without
 building, and refuses, naming each field, any machine that differs, and any member that could write
 outside the cache."""
+import hashlib
 import io
 import json
 import shutil
@@ -31,15 +32,16 @@ THIS_GPU = GpuKey.__dict__["current"]
 
 @pytest.fixture
 def artifact(tmp_path, monkeypatch):
-    """An artifact of 4096x4096 exported for sm_90a from a store of fake entries (no GPU), then a
-    fresh cache on a machine like the one it was built on: (path, {bucket: schedule}, export cache)."""
+    """An artifact of 4096x4096 exported for sm_90a from a store of fake entries (no GPU, a CPU torch),
+    then a fresh cache on a machine like the one the table was tuned on (its torch and CUDA): (path,
+    {bucket: schedule}, export cache)."""
     source = tmp_path / "build"
     (source / "tuned").mkdir(parents=True)
     shutil.copy(COMMITTED, source / "tuned")
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(source))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(store, "cuda_toolkit", lambda: TOOLKIT)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.version, "cuda", None)
     chosen = {b: TunedTable.read(COMMITTED).lookup(PROBLEM, b) for b in BUCKETS}
     for schedule in set(chosen.values()):
         fake_entry(PROBLEM, schedule, toolkit=TOOLKIT)
@@ -47,6 +49,9 @@ def artifact(tmp_path, monkeypatch):
     assert gen_main(["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--out", str(out)]) == 0
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path / "serve"))
     monkeypatch.setattr(GpuKey, "current", classmethod(lambda cls, device=None: H200))
+    tuned_with = json.loads(COMMITTED.read_text())["versions"]
+    monkeypatch.setattr(torch.version, "cuda", tuned_with["cuda"])
+    monkeypatch.setattr(torch, "__version__", tuned_with["torch"])
     return out, chosen, source
 
 
@@ -64,8 +69,8 @@ def test_the_artifact_holds_the_entries_the_kernels_and_what_they_were_built_wit
     assert not any(n.startswith("/") or ".." in n for n in names)
     built = manifest["built_with"]
     assert set(built) == set(FIELDS)
-    assert (built["gpu"], built["arch"], built["sm_count"], built["cuda_toolkit"], built["cuda"]) == \
-        ("NVIDIA H200", "sm_90a", 132, TOOLKIT, "13.0")
+    assert (built["gpu"], built["arch"], built["sm_count"], built["cuda_toolkit"], built["cuda"], built["torch"]) == \
+        ("NVIDIA H200", "sm_90a", 132, TOOLKIT, "13.0", "2.11.0+cu130")      # the tune's, not the CPU host's
     assert built["tilelang"] == store.tilelang_version() and built["kernel_code"] == store._code_fingerprint()
     assert {e["bucket"] for e in table["entries"]} == set(BUCKETS)
     assert all("all_timings" not in e for e in table["entries"])
@@ -196,6 +201,88 @@ def test_a_file_that_is_not_an_artifact_is_refused(tmp_path):
         tar.addfile(tarfile.TarInfo("README"), io.BytesIO(b""))
     with pytest.raises(ArtifactError, match="has no manifest.json"):
         load_artifact(tmp_path / "y.tar.gz")
+
+
+def _with_member_changed(src, dst, name, change):
+    """The artifact at `src` with member `name`'s bytes changed by change(bytes) -> bytes."""
+    with tarfile.open(src) as old, tarfile.open(dst, "w:gz") as new:
+        for m in old.getmembers():
+            data = old.extractfile(m).read() if m.isfile() else None
+            if m.name == name:
+                data = change(data)
+                m.size = len(data)
+            new.addfile(m, io.BytesIO(data) if data is not None else None)
+    return dst
+
+
+def test_a_damaged_file_is_refused_before_anything_is_written(artifact, tmp_path):
+    out, _, _ = artifact
+    with tarfile.open(out) as tar:
+        kernel = next(n for n in tar.getnames() if n.endswith("kernel.so"))
+    flipped = _with_member_changed(out, tmp_path / "flipped.tar.gz", kernel,
+                                   lambda data: data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(ArtifactError, match=f"is damaged: 1 files differ from their sha256 .* {kernel}"):
+        load_artifact(flipped)
+    assert not store.cache_root().exists()
+
+
+def test_a_truncated_archive_is_an_artifact_error(artifact, tmp_path):
+    data = artifact[0].read_bytes()
+    (tmp_path / "cut.tar.gz").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ArtifactError, match="truncated or damaged"):
+        load_artifact(tmp_path / "cut.tar.gz")
+
+
+def test_loading_again_writes_nothing_and_repairs_a_damaged_kernel(artifact, monkeypatch):
+    """Every server start loads the artifact: once in place, into a read-only cache too. A kernel file
+    damaged on disk since is put back."""
+    import runtime.cache_files
+
+    out, _, _ = artifact
+    manifest = load_artifact(out)
+    installed = store.cache_root() / manifest["kernels"][0] / "kernel.so"
+    good = installed.read_bytes()
+
+    def read_only(folder):
+        raise PermissionError(f"{folder} is not writable")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(runtime.cache_files, "writable_folder", read_only)
+        mp.setattr(TunedTable, "save", lambda *args, **kwargs: pytest.fail("the table was written again"))
+        load_artifact(out)
+    installed.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    load_artifact(out)
+    assert installed.read_bytes() == good
+
+
+def test_a_table_for_another_gpu_than_the_kernels_is_refused(artifact, tmp_path):
+    out, _, _ = artifact
+    with tarfile.open(out) as tar:
+        manifest = json.loads(tar.extractfile("manifest.json").read())
+
+    def other_gpu(data):
+        table = json.loads(data)
+        table["gpu"]["sm_count"] = 114
+        return json.dumps(table).encode()
+
+    changed = _with_member_changed(out, tmp_path / "t.tar.gz", manifest["table"], other_gpu)
+
+    def rehash(data):
+        fixed = json.loads(data)
+        with tarfile.open(changed) as tar:
+            fixed["sha256"][manifest["table"]] = hashlib.sha256(tar.extractfile(manifest["table"]).read()).hexdigest()
+        return json.dumps(fixed).encode()
+
+    crafted = _with_member_changed(changed, tmp_path / "crafted.tar.gz", "manifest.json", rehash)
+    with pytest.raises(ArtifactError, match="its tuned table is for .*114.* its kernels for NVIDIA H200"):
+        load_artifact(crafted)
+
+
+def test_export_into_a_missing_folder_says_so(artifact, monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(artifact[2]))
+    assert gen_main(["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--out",
+                     str(tmp_path / "nowhere" / "a.tar.gz")]) != 0
+    assert f"no folder {tmp_path / 'nowhere'}" in capsys.readouterr().err
 
 
 def test_export_refuses_while_kernels_are_missing(artifact, monkeypatch, capsys):

@@ -644,3 +644,15 @@ def test_the_report_names_the_act_order_layers_timed_without_a_gather():
     assert report.gathers("tilemarlin_act", "o_proj") and not report.gathers("tilemarlin", "o_proj")
     without = {**data, "rows": [r for r in rows if r["kernel"] != "tilemarlin_act"]}
     assert report.act_order_notes(without) == []
+
+
+def test_an_incomplete_or_whole_model_file_is_named(tmp_path):
+    from gen.bench.report import load
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"meta": {}, "rows": []}))
+    with pytest.raises(ValueError, match=r"not a complete gen bench file \(its meta lacks \['ceilings', 'group'\]\)"):
+        load(path)
+    path.write_text(json.dumps({"meta": {"kind": "e2e"}, "variants": {}}))
+    with pytest.raises(ValueError, match="a whole-model file: read it with --e2e"):
+        load(path)

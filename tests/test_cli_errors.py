@@ -41,6 +41,19 @@ CASES = [
     (["profile", "--shape", "4096x100", "--m", "1"], "gen profile: N=100 must be a multiple of 64"),
     (["timeline", "--shape", "axb", "--m", "1"], "gen timeline: bad shape 'axb'"),
     (["timeline", "--shape", "4096x100", "--m", "1"], "gen timeline: N=100 must be a multiple of 64"),
+    (["tune", "--shapes", "4096x4096", "--group", "0", "--dry-run"],
+     "gen tune: layer 4096x4096 (4096x4096): group size 0: a group holds a positive number of input rows"),
+    (["tune", "--model", "llama-2-7b", "--act", "fp8", "--dry-run", "--arch", "sm_80"],
+     "gen tune: --act fp8 (W4A8) runs on FP8 wgmma, sm_90a; sm_80 has none"),
+    (["precompile", "--model", "llama-2-7b", "--act", "fp8", "--arch", "sm_80", "--dry-run"],
+     "gen precompile: --act fp8 (W4A8) runs on FP8 wgmma, sm_90a; sm_80 has none"),
+    (["precompile", "--shapes", "64x64", "--group", "64", "--arch", "sm_80", "--dry-run"],
+     "gen precompile: no schedule can run n64_k64_cw_float16_w4 on sm_80"),
+    (["precompile", "--checkpoint", "/nonexistent/folder", "--arch", "sm_90a", "--dry-run"],
+     "gen precompile: /nonexistent/folder: no such folder"),
+    (["compile", "--shape", "4096x4096", "--family", "nosuch"], "gen compile: unknown schedule family 'nosuch'"),
+    (["compile", "--shape", "4096x4096", "--family", "stream_wgmma", "--arch", "sm_80"],
+     "gen compile: no stream_wgmma schedule can run n4096_k4096_g128_float16_w4 on sm_80"),
 ]
 
 

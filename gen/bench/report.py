@@ -89,7 +89,12 @@ def load(path: str | Path) -> dict:
     """The recorded bench, checked for the fields the report relies on."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or "meta" not in data or "rows" not in data:
-        raise ValueError(f"{path}: not a gen bench file (expected an object with 'meta' and 'rows')")
+        e2e = " (a whole-model file: read it with --e2e)" if isinstance(data, dict) and "variants" in data else ""
+        raise ValueError(f"{path}: not a gen bench file (expected an object with 'meta' and 'rows'){e2e}")
+    missing = {"group", "ceilings"} - set(data["meta"]) if isinstance(data["meta"], dict) else {"meta"}
+    if missing or not isinstance(data["rows"], list) or not data["rows"]:
+        raise ValueError(f"{path}: not a complete gen bench file ("
+                         + (f"its meta lacks {sorted(missing)}" if missing else "it holds no rows") + ")")
     for i, row in enumerate(data["rows"]):
         missing = {"layer", "k", "n", "m", "kernel", "us"} - row.keys()
         if missing:

@@ -34,10 +34,10 @@ def run(args) -> int:
         if deployment.gpu is None:
             raise ValueError(f"no tuned table of {deployment.dispatch.arch.name} to export: an artifact is for one "
                              "GPU model; name its table with --gpu (see `gen cache list`)")
+        planned = deployment.plan()
     except ValueError as exc:
         print(f"gen export: {exc}", file=sys.stderr)
         return 2
-    planned = deployment.plan()
     arch = deployment.dispatch.arch
     activations = deployment.activation_kernels()
     missing = [f"{p.name} {s.name}" for p, s in planned if not is_stored(p, s, arch)]
@@ -59,8 +59,9 @@ def run(args) -> int:
               if deployment.dispatch.table.entry(problem, bucket) is not None and (problem, bucket) not in pairs]
     table = deployment.dispatch.table.subset(pairs)
     table.gpu = deployment.gpu
-    about = {"model": args.model, "tp": args.tp, "shapes": args.shapes, "group": args.group, "dtype": args.dtype,
-             "act": args.act, "checkpoint": args.checkpoint, "buckets": deployment.buckets}
+    about = {"model": args.model, "tp": args.tp, "unfused": args.unfused, "shapes": args.shapes, "group": args.group,
+             "dtype": args.dtype, "zero_points": args.zero_points, "act_order": args.act_order, "act": args.act,
+             "checkpoint": args.checkpoint, "buckets": deployment.buckets}
     folders = [kernel_folder(p, s, arch) for p, s in planned]
     folders += [activation_kernel_folder(*kernel, arch) for kernel in activations]
     try:
@@ -84,5 +85,5 @@ def _same_layers(args, with_target: bool = True) -> str:
     defaults = {"tp": 1, "group": 128, "dtype": "float16", "act": "dtype"}
     flags = [f"--{name} {getattr(args, name)}" for name in names
              if getattr(args, name) is not None and defaults.get(name) != getattr(args, name)]
-    return " ".join(flags + ["--zero-points"] * bool(args.zero_points)
+    return " ".join(flags + ["--unfused"] * bool(args.unfused) + ["--zero-points"] * bool(args.zero_points)
                     + ["--act-order"] * bool(with_target and args.act_order))

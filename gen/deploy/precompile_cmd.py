@@ -37,10 +37,10 @@ def run(args) -> int:
 
     try:
         deployment = deployment_from_args(args)
+        planned = deployment.plan()
     except ValueError as exc:
         print(f"gen precompile: {exc}", file=sys.stderr)
         return 2
-    planned = deployment.plan()
     arch = deployment.dispatch.arch
     labels = deployment.labels()
     jobs = [*planned, *(ActivationJob(*kernel) for kernel in deployment.activation_kernels())]

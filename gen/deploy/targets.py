@@ -83,6 +83,8 @@ def deployment_from_args(args) -> Deployment:
     targets = targets_from_args(args)
     buckets = parse_buckets(args.buckets)
     dispatch, gpu, here = _dispatch(args.arch, args.gpu)
+    if any(t.problem.fp8 for t in targets) and not dispatch.arch.hopper:
+        raise ValueError(f"--act fp8 (W4A8) runs on FP8 wgmma, sm_90a; {dispatch.arch.name} has none")
     return Deployment(targets, buckets, dispatch, gpu, here, args.act_order)
 
 

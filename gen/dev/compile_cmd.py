@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from gen.cli import positive_int
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("compile", help="compile one schedule for an arch and write its CUDA/PTX",
@@ -14,8 +16,10 @@ def register(subparsers) -> None:
     p.add_argument("--group", type=int, default=128, help="group size, -1 for channelwise (default 128)")
     p.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
     p.add_argument("--arch", default="sm_90a", help="nvcc arch: sm_90a (H100/H200), sm_80 (A100), ...")
-    p.add_argument("--m", type=int, default=1, help="batch size the cost model picks for (default 1)")
-    p.add_argument("--family", default="marlin_mma")
+    p.add_argument("--m", type=positive_int("a batch size of at least 1"), default=1,
+                   help="batch size the cost model picks for (default 1)")
+    p.add_argument("--family", help="the schedule family: with --knobs the one they belong to (default marlin_mma), "
+                   "without, the family the cost model picks in (default: any)")
     p.add_argument("--knobs", default="", help="comma-separated key=value overrides, e.g. split_k=2,block_n=128")
     p.add_argument("--out", type=Path, default=None, help="folder for kernel.cu and kernel.ptx")
     p.add_argument("--sass", action="store_true",
@@ -40,9 +44,21 @@ def parse_knobs(family, text: str):
     return family.Knobs(**values)
 
 
+def _best_in(problem, m: int, arch, family_name: str | None):
+    """The cost model's pick at M = m, within `family_name` where one is named; ValueError where that
+    family is unknown or has no valid schedule on the arch."""
+    from schedules.cost import GpuSpec, best_schedule, rank
+
+    if family_name is None:
+        return best_schedule(problem, m, arch, GpuSpec.for_arch(arch))
+    ranked = rank(problem, m, arch, GpuSpec.for_arch(arch), families=[family_name])
+    if not ranked:
+        raise ValueError(f"no {family_name} schedule can run {problem.name} on {arch.name}")
+    return ranked[0]
+
+
 def run(args) -> int:
     from schedules.arch import get_arch
-    from schedules.cost import GpuSpec, best_schedule
     from schedules.registry import Schedule, family
 
     from runtime.kernels import compile_schedule
@@ -62,9 +78,10 @@ def run(args) -> int:
         problem = problem_of(layers[0].n, layers[0].k, args.group, args.dtype)
         arch = get_arch(args.arch)
         if args.knobs:
-            schedule = Schedule(args.family, parse_knobs(family(args.family), args.knobs))
+            name = args.family or "marlin_mma"
+            schedule = Schedule(name, parse_knobs(family(name), args.knobs))
         else:
-            schedule = best_schedule(problem, args.m, arch, GpuSpec.for_arch(arch))
+            schedule = _best_in(problem, args.m, arch, args.family)
     except (ValueError, argparse.ArgumentTypeError) as exc:
         print(f"gen compile: {exc}", file=sys.stderr)
         return 2

@@ -194,7 +194,8 @@ def run(args) -> int:
         if args.fallback:
             return print_fallback(args.fallback, arch, gpu)
         if not args.table and not args.sweep:
-            raise ValueError("give recorded timings: --table T.json and/or --sweep S.json (or --reach T.json)")
+            raise ValueError("give recorded timings: --table T.json and/or --sweep S.json (or --reach T.json, "
+                             "or --fallback T.json)")
         groups = load_timings(args.table, args.sweep)
     except ValueError as exc:
         print(f"gen modelcheck: {exc}", file=sys.stderr)

@@ -85,6 +85,11 @@ def run(args) -> int:
             raise ValueError("--restart starts a forced re-tune over: it goes with --force")
         if args.between and args.dry_run:
             raise ValueError("--between chooses how candidates are timed on the GPU; a --dry-run times nothing")
+        if args.dry_run and args.arch and any(t.problem.fp8 for t in targets):
+            from schedules.arch import get_arch
+
+            if not get_arch(args.arch).hopper:
+                raise ValueError(f"--act fp8 (W4A8) runs on FP8 wgmma, sm_90a; {args.arch} has none")
         if args.refine < 0:
             raise ValueError(f"--refine must be 0 (no second round) or more, got {args.refine}")
         if args.time_budget <= 0:

@@ -72,6 +72,8 @@ def read_quantization_config(model_dir: Path) -> tuple[dict, str]:
     """(settings, place): config.json's quantization_config, else quantize_config.json's settings
     (GPTQ's unless they name another quant_method), with how errors name their place
     (checkpoint_format's `place`)."""
+    if not Path(model_dir).is_dir():
+        raise CheckpointError(str(model_dir), "no such folder")
     config = _read_json(Path(model_dir) / CONFIG_FILE)
     qcfg = config.get("quantization_config")
     if qcfg is not None:
