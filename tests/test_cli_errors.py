@@ -51,6 +51,8 @@ CASES = [
      "gen precompile: no schedule can run n64_k64_cw_float16_w4 on sm_80"),
     (["precompile", "--checkpoint", "/nonexistent/folder", "--arch", "sm_90a", "--dry-run"],
      "gen precompile: /nonexistent/folder: no such folder"),
+    (["precompile", "--shapes", "4096x4096", "--arch", "sm_80", "--gpu", "nvidia-h200_sm_90a_132sm", "--dry-run"],
+     "gen precompile: the tuned table 'nvidia-h200_sm_90a_132sm' is for sm_90a, not --arch sm_80"),
     (["compile", "--shape", "4096x4096", "--family", "nosuch"], "gen compile: unknown schedule family 'nosuch'"),
     (["compile", "--shape", "4096x4096", "--family", "stream_wgmma", "--arch", "sm_80"],
      "gen compile: no stream_wgmma schedule can run n4096_k4096_g128_float16_w4 on sm_80"),

@@ -123,6 +123,8 @@ def _tuned_table(arch, slug: str | None):
             header = TunedTable.read(path)
         except TableError:
             continue
+        if slug is not None and path.stem == slug and arch is not None and header.gpu.arch != arch.name:
+            raise ValueError(f"the tuned table {slug!r} is for {header.gpu.arch}, not --arch {arch.name}")
         if (slug is None or path.stem == slug) and (arch is None or header.gpu.arch == arch.name):
             found[path.stem] = header.gpu
     what = f"{slug!r}" if slug else "of " + arch.name
