@@ -113,8 +113,10 @@ def test_activations_that_overflow_l2_are_reread():
     down = Problem.make(n=4096, k=11008)
     narrow = Schedule("marlin_mma", Knobs(block_m=128, block_n=64, block_k=64, warps_m=2, warps_n=1, num_stages=3))
     wide = Schedule("marlin_mma", Knobs(block_m=128, block_n=256, block_k=64, warps_m=2, warps_n=4, num_stages=3))
-    small_l2 = replace(SPEC, l2_bytes=1 << 20)
-    assert estimate_us(down, narrow, 1024, small_l2) >= estimate_us(down, narrow, 1024, SPEC)
+    huge_l2 = replace(SPEC, l2_bytes=1 << 30)
+    for m, reread in ((1024, False), (4096, True)):
+        fitted = rank(down, m, H200, SPEC)[0]
+        assert (estimate_us(down, fitted, m, huge_l2) < estimate_us(down, fitted, m, SPEC)) == reread, m
     assert estimate_us(down, wide, 4096, SPEC) < estimate_us(down, narrow, 4096, SPEC)
 
 

@@ -135,6 +135,26 @@ def test_a_twin_winner_runs_as_it_is_where_it_fits(shipped, winners):
         assert schedule.module.check(zero_points, schedule.knobs, SM90) is None
 
 
+def test_a_twin_winner_that_cannot_run_the_problem_or_failed_its_check_is_passed_by(winners):
+    """marlin_mma decodes the zero point 8 only: its winner for the symmetric twin cannot serve the
+    zero-point problem, and the next twin's (bf16) can; excluded (it failed its first-run check),
+    that one is passed by too."""
+    from runtime.table import TunedTable
+    from schedules.marlin_mma import Knobs
+    from schedules.registry import Schedule
+
+    zero_points = Problem(4096, 4096, zero_points=True)
+    marlin = Schedule("marlin_mma", Knobs())
+    bf16_winner = TunedTable.read(shipped_tables_dir() / "nvidia-h200_sm_90a_132sm.json").lookup(Problem(4096, 4096), 16)
+    table = TunedTable()
+    table.record(Problem(4096, 4096), 16, marlin, 1.0)
+    table.record(dataclasses.replace(zero_points, dtype="bfloat16"), 16, bf16_winner, 1.0)
+    schedule, how = fallback_schedule(zero_points, 16, SM90, H200, winners, table)
+    assert schedule == bf16_winner and "bfloat16" in how
+    schedule, how = fallback_schedule(zero_points, 16, SM90, H200, winners, table, exclude=frozenset({bf16_winner}))
+    assert schedule not in (marlin, bf16_winner) and "nearest" in how
+
+
 def test_a_twin_winner_runs_in_the_form_the_problem_takes():
     """FP8 activations take 128-deep k-tiles, no ring and the scales on the sums; channelwise scales
     take no scale_on_acc: a winner transfers in that form, its tiles, splits and pipeline unchanged."""

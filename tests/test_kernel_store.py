@@ -107,14 +107,32 @@ def test_another_cuda_toolkit_or_a_damaged_entry_is_not_current(stored, monkeypa
         assert not store._is_current(folder)
     finally:
         meta.write_text(text)
+    library = folder / "kernel.so"
+    library.rename(folder / "kernel.so.aside")
+    try:
+        assert not store._is_current(folder)          # a meta.json without its library
+    finally:
+        (folder / "kernel.so.aside").rename(library)
+    assert store._is_current(folder)
 
 
 def test_the_identity_covers_the_code_and_the_schedule(monkeypatch):
+    """A kernel's folder changes with any byte of schedules/ or templates/, and with its schedule."""
+    from pathlib import Path
+
     problem, schedule, arch = _small_kernel()
     before = store.kernel_folder(problem, schedule, arch)
-    monkeypatch.setattr(store, "_code_fingerprint", lambda: "schedules changed")
-    assert store.kernel_folder(problem, schedule, arch) != before
-    monkeypatch.undo()
+    read_bytes = Path.read_bytes
+    for edited in ("templates/dequant.cuh.j2", "schedules/stream_mma/kernel.py"):
+        monkeypatch.setattr(Path, "read_bytes",
+                            lambda path, edited=edited: read_bytes(path) + (b"//" if path.as_posix().endswith(edited) else b""))
+        store._code_fingerprint.cache_clear()
+        try:
+            assert store.kernel_folder(problem, schedule, arch) != before, f"{edited} is not in the identity"
+        finally:
+            monkeypatch.undo()
+            store._code_fingerprint.cache_clear()
+    assert store.kernel_folder(problem, schedule, arch) == before
     other = type(schedule)("stream_mma", type(schedule.knobs)(warps=4, unroll=4, ahead=3))
     assert store.kernel_folder(problem, other, arch) != before
 

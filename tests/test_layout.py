@@ -152,6 +152,8 @@ def test_family_pack_checks_scales_fit_the_codes():
     codes = torch.zeros(256, 64, dtype=torch.uint8)
     with pytest.raises(ValueError, match="do not fit"):
         marlin_mma.pack(codes, torch.ones(3, 64, dtype=torch.float16))
-    qw, qs = marlin_mma.pack(codes, torch.ones(2, 64, dtype=torch.float16))
+    codes = torch.randint(0, 16, (256, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    scales = torch.rand(2, 64, generator=torch.Generator().manual_seed(4)).half() + 0.01
+    qw, qs = marlin_mma.pack(codes, scales)
     back_codes, back_scales = marlin_mma.unpack(qw, qs)
-    assert torch.equal(back_codes, codes) and torch.equal(back_scales, qs)
+    assert torch.equal(back_codes, codes) and torch.equal(back_scales, scales)

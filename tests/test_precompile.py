@@ -571,3 +571,10 @@ def test_the_plan_of_a_w4a8_layer_names_the_twins_kernels_at_its_small_buckets(h
     assert {(problem.act, tuple(b for b, _ in served)) for (problem, _), served in planned.items()} == \
         {("dtype", (1,)), ("fp8", (4096,))}
 
+
+
+@pytest.mark.parametrize("value, on", [("0", False), ("false", False), (" No ", False), ("OFF", False),
+                                       ("1", True), ("yes", True), ("", True)])
+def test_the_environment_switch_reads_the_usual_spellings(monkeypatch, value, on):
+    monkeypatch.setenv(PRECOMPILE_ENV, value)
+    assert precompile.enabled() is on

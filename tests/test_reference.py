@@ -71,3 +71,19 @@ def test_seeds_are_fixed_per_case():
     assert seed_of("o", 128, 17) == seed_of("o", 128, 17) != seed_of("o", 128, 18)
     draw = lambda seed: torch.randn(8, generator=generator(seed, "cpu"))
     assert torch.equal(draw(5), draw(5)) and not torch.equal(draw(5), draw(6))
+
+
+def test_the_tuner_and_first_run_checks_verdict_sees_one_wrong_element(case):
+    """schedules.quant.mismatch, which decides whether the tuner times a candidate and whether a served
+    kernel passes its first-run check: a correct output passes; one element off by 5 % of the largest
+    magnitude, far below the norm's tolerance over 4M outputs, fails; so does a NaN."""
+    from schedules.quant import mismatch
+
+    a, codes, scales, ref = case
+    out = kernel_like(a, codes, scales, torch.float16)
+    assert mismatch(out, ref, "float16") is None
+    out[517, 3001] += 0.05 * ref.abs().max()
+    assert relative_norm_error(out, ref) < TOLERANCES[torch.float16].rel
+    assert "an element is off by" in mismatch(out, ref, "float16")
+    out[517, 3001] = float("nan")
+    assert "over the tolerance" in mismatch(out, ref, "float16")       # (its error reads inf or nan)

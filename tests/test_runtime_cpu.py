@@ -452,7 +452,7 @@ def dispatch(monkeypatch):
     import schedules.arch
     import schedules.cost
 
-    calls = {"compile": [], "fallback": []}
+    calls = {"compile": [], "fallback": [], "excluded": []}
     table = StubTable({(PROBLEM, 16): TUNED})
     monkeypatch.setattr(op, "_LAUNCHERS", {})
     monkeypatch.setattr(op, "_WARNED", set())
@@ -462,8 +462,12 @@ def dispatch(monkeypatch):
     monkeypatch.setattr(op, "_winners", lambda arch: ())
     monkeypatch.setattr(runtime.selfcheck, "check_once", lambda kernel, problem, schedule, bucket, device: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(runtime.fallback, "fallback_schedule",
-                        lambda problem, m, arch, gpu, winners, table=None, exclude=frozenset(): (calls["fallback"].append(m) or FALLBACK, "a stub"))
+    def fallback(problem, m, arch, gpu, winners, table=None, exclude=frozenset()):
+        calls["fallback"].append(m)
+        calls["excluded"].append(exclude)
+        return FALLBACK, "a stub"
+
+    monkeypatch.setattr(runtime.fallback, "fallback_schedule", fallback)
     monkeypatch.setattr(runtime.kernels, "compile_schedule",
                         lambda problem, schedule, arch: calls["compile"].append(schedule) or f"kernel {schedule.name}")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stub GPU")
@@ -554,6 +558,7 @@ def test_a_kernel_that_fails_its_first_run_check_is_replaced_with_a_warning(disp
     with pytest.warns(op.KernelCheckWarning, match=f"{TUNED.name}.*relative error 0.5.*running {FALLBACK.name}"):
         launcher = op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
     assert launcher.schedule == FALLBACK and checked == [TUNED, FALLBACK] and calls["compile"] == [TUNED, FALLBACK]
+    assert calls["excluded"] == [frozenset({TUNED})]          # the kernel that failed is not its own replacement
 
 
 def test_a_first_call_inside_a_capture_is_checked_at_the_next_call_outside(dispatch, monkeypatch):
@@ -682,10 +687,12 @@ def test_the_reference_runs_in_full_fp32_whatever_the_caller_set():
 
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
+    torch.set_autocast_enabled("cuda", True)         # as inside a caller's torch.autocast("cuda")
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16), _full_fp32():
+        with _full_fp32():
             assert torch.get_float32_matmul_precision() == "highest"
             assert not torch.is_autocast_enabled("cuda")
-        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.get_float32_matmul_precision() == "high" and torch.is_autocast_enabled("cuda")
     finally:
+        torch.set_autocast_enabled("cuda", False)
         torch.set_float32_matmul_precision(previous)

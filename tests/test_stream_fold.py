@@ -59,10 +59,16 @@ def test_raw_decode_gives_exact_offset_codes_in_a_order(dtype):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_offsets_come_off_the_sums(dtype):
-    """What one batch computes, with the MMAs as exact float64 products: (P - off) * scale equals the
-    reference sum of (code - 8) * scale * x, for every weight column and row of M."""
+    """What one batch computes, with the MMAs as exact float64 products and the offsets the kernel's
+    plan gives its constant-A MMA: (P - off) * scale equals the reference sum of (code - 8) * scale * x,
+    for every weight column and row of M."""
+    from schedules.problem import Problem
+    from schedules.stream_mma import Knobs
+    from schedules.stream_mma.plan import Plan
+
     _, lo_magic, hi_magic = raw_decode(dtype)
-    lo_off, hi_off = lo_magic + 8, hi_magic + 8                     # as kernel.py builds a_off
+    plan = Plan(Problem(4096, 4096, dtype=dtype), Knobs(fold_zero_point=True))
+    lo_off, hi_off = plan.lo_off, plan.hi_off
     rng = np.random.default_rng(2)
     k, n, m = 64, 16, 3                                             # 4 k-steps, one group
     codes = rng.integers(0, 16, size=(k, n))

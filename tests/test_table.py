@@ -302,6 +302,19 @@ def test_a_schema_1_file_with_inline_timings_is_read(tmp_path):
     assert entry.us == 5.0 and entry.all_timings == [{"schedule": SCHEDULE.to_dict(), "us": 5.0}]
 
 
+def test_a_history_record_of_another_measurement_is_not_attached(tmp_path):
+    """A winner re-measured later (a table written by another tuner) keeps no timings of the old run."""
+    path = tmp_path / "t.json"
+    table = TunedTable(GPU)
+    table.record(PROBLEM, 16, SCHEDULE, 7.5, all_timings=[{"schedule": SCHEDULE.to_dict(), "us": 7.5}],
+                 measured_at="2026-12-01T00:00:00+00:00")
+    table.save(path)
+    data = json.loads(path.read_text())
+    data["entries"][0]["measured_at"] = "2026-12-02T00:00:00+00:00"
+    path.write_text(json.dumps(data))
+    assert TunedTable.load(path, GPU, history=True).entry(PROBLEM, 16).all_timings == []
+
+
 def test_a_corrupt_history_loses_its_timings_not_the_winners(tmp_path):
     path = tmp_path / "tuned" / "t.json"
     table = TunedTable(GPU)
