@@ -77,7 +77,6 @@ class Scheme:
         return bool(weights.get("symmetric", True)), group_size
 
 
-
 def _implied_strategy(group_size) -> str:
     """The strategy compressed-tensors infers where a scheme names none: from its group size."""
     if group_size is None:
