@@ -129,10 +129,12 @@ def test_weight_shape_that_disagrees_with_the_config(copy_of):
 
 def test_a_tensor_no_module_reads(copy_of):
     """AutoAWQ's activation scales (`mlp.act.scales`) would change the outputs: refused, not dropped.
-    An FP8 KV cache's scales are done without by design (the cache stays in the model's dtype)."""
+    An FP8 KV cache's scales are done without by design (the cache stays in the model's dtype), and the
+    per-layer rotary frequencies of older checkpoints are computed at construction now."""
     folder = copy_of("awq")
     edit_tensors(folder, lambda t: t.update({"model.layers.0.mlp.act.scales": torch.ones(512, dtype=torch.float16),
-                                             "model.layers.0.self_attn.k_scale": torch.ones(())}))
+                                             "model.layers.0.self_attn.k_scale": torch.ones(()),
+                                             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(16)}))
     refused(folder, "model.safetensors: model.layers.0.mlp.act.scales", "no module", "reads this tensor")
     edit_tensors(folder, lambda t: t.pop("model.layers.0.mlp.act.scales"))
     load_quantized(folder, device="cpu")

@@ -17,7 +17,8 @@ served by tilemarlin's kernels.
    without a gather (runtime/checkpoint/fold.py).
 4. The other parameters are read from the files in `dtype`, tied parameters once. A tensor that
    nothing reads is refused rather than dropped (AWQ's activation scales, say, would change the
-   outputs), unless serving does without it by design (an FP8 KV cache's scales).
+   outputs), unless serving does without it by design (an FP8 KV cache's scales, the per-layer rotary
+   frequencies older checkpoints saved).
 5. Layers that read one input with one act-order permutation (q_proj, k_proj and v_proj; gate_proj
    and up_proj) leave the gather to the module that calls them, once for all of them
    (runtime/checkpoint/input_gather.py), and where that input is an RMSNorm's output read by nothing
@@ -235,20 +236,23 @@ def _bias(t: LayerTensors, module: nn.Linear) -> torch.Tensor | None:
                      floating=True)
 
 
-# Tensors serving does without: an FP8 KV cache's (or attention's) scales; the cache stays in the
-# model's dtype.
-UNREAD_BY_DESIGN = re.compile(r"\.(k|v|kv|q|prob)_scale$")
+# Tensors serving does without: an FP8 KV cache's (or attention's) scales, the cache staying in the
+# model's dtype; and buffers that older checkpoints saved and transformers now computes at
+# construction (each layer's rotary frequencies, position ids), which transformers skips too.
+UNREAD_BY_DESIGN = (r"\.(k|v|kv|q|prob)_scale$", r"rotary_emb\.inv_freq$", r"(^|\.)position_ids$")
 
 
 def refuse_unread_tensors(model: nn.Module, files: TensorFiles) -> None:
     """A CheckpointError naming the first tensor in `files` that no QuantLinear's tensors, parameter
     or buffer of the model accounts for (once the quantized layers are in place), unless
-    UNREAD_BY_DESIGN."""
+    UNREAD_BY_DESIGN or the model class's own `_keys_to_ignore_on_load_unexpected` names it."""
     quantized = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, QuantLinear))
     held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     held |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    ignored = re.compile("|".join(f"({p})" for p in (*UNREAD_BY_DESIGN,
+                                                      *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))))
     unread = sorted(name for name in files.names()
-                    if name not in held and not name.startswith(quantized) and not UNREAD_BY_DESIGN.search(name))
+                    if name not in held and not name.startswith(quantized) and not ignored.search(name))
     if unread:
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
         raise CheckpointError(f"{files.file_of(unread[0]).name}: {unread[0]}",
