@@ -243,7 +243,8 @@ def _check_contents(contents: dict, folders: set, manifest: dict, path) -> None:
     absent = sorted(files - set(contents))
     if absent:
         raise ArtifactError(f"{path} lacks {len(absent)} files its manifest lists, e.g. {absent[0]}")
-    damaged = sorted(name for name in files if hashlib.sha256(contents[name]).hexdigest() != manifest["sha256"].get(name))
+    damaged = sorted(name for name in files
+                     if hashlib.sha256(contents[name]).hexdigest() != manifest["sha256"].get(name))
     if damaged:
         raise ArtifactError(f"{path} is damaged: {len(damaged)} files differ from their sha256 in the manifest, "
                             f"e.g. {damaged[0]}")

@@ -249,8 +249,8 @@ def refuse_unread_tensors(model: nn.Module, files: TensorFiles) -> None:
     quantized = tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, QuantLinear))
     held = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     held |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    ignored = re.compile("|".join(f"({p})" for p in (*UNREAD_BY_DESIGN,
-                                                      *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))))
+    own = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    ignored = re.compile("|".join(f"({pattern})" for pattern in (*UNREAD_BY_DESIGN, *own)))
     unread = sorted(name for name in files.names()
                     if name not in held and not name.startswith(quantized) and not ignored.search(name))
     if unread:
