@@ -6,14 +6,13 @@ So the first time a kernel serves a bucket on a GPU model with this torch and CU
 on seeded random weights and activations and compares with schedules.quant.problem_reference, before
 it serves any request of that bucket. The M checked is a ragged one of the bucket (`checked_m`: the
 last tile part full), so that the kernel's bounds on M are checked as well as its full tiles. The
-check costs one kernel call, one dequantization, one fp32 matmul (TF32 and autocast off, whatever the
-caller set), and the drawing and packing of its inputs, all on the GPU. A passing kernel gets a stamp
+check costs one kernel call, one dequantization, one float64 matmul (which no TF32 or autocast
+setting of the caller rounds), and the drawing and packing of its inputs, all on the GPU. A passing kernel gets a stamp
 per M checked in its store folder (`verified/<gpu and versions>_m<M>.json`), so later processes skip
 the check; in a read-only store the check simply runs again in each process.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -71,16 +70,6 @@ def check_once(kernel, problem: Problem, schedule: Schedule, bucket: int, device
         pass
 
 
-@contextlib.contextmanager
-def _full_fp32():
-    """fp32 matmuls in full fp32 for the reference: no TF32, no autocast, whatever the caller set."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        with torch.autocast("cuda", enabled=False):
-            yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 def run_check(kernel, problem: Problem, schedule: Schedule, m: int, device: torch.device) -> str | None:
@@ -94,6 +83,8 @@ def run_check(kernel, problem: Problem, schedule: Schedule, m: int, device: torc
     zeros = torch.randint(0, 16, scales.shape, generator=gen, device=device) if problem.zero_points else None
     qweight, packed_scales = schedule.module.pack(codes, scales, zeros)
     out = torch.full((m, problem.n), float("nan"), dtype=dtype, device=device)
-    with _full_fp32():
-        launch_schedule(kernel, schedule, problem, kernel_activations(problem, a), qweight, packed_scales, out)
-        return mismatch(out, problem_reference(problem, a, codes, scales, zeros), problem.dtype)
+    launch_schedule(kernel, schedule, problem, kernel_activations(problem, a), qweight, packed_scales, out)
+    # in float64, which neither the caller's TF32 setting nor its autocast (thread-local, off here) rounds
+    with torch.autocast(device.type, enabled=False):
+        reference = problem_reference(problem, a, codes, scales, zeros, precision=torch.float64)
+    return mismatch(out, reference, problem.dtype)

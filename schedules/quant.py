@@ -88,10 +88,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, bits: int = 4, zeros: 
 
 
 def reference_matmul(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int = 4,
-                     zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """The fp32 reference: A @ dequantize(W), computed in fp32 on A's device."""
+                     zeros: torch.Tensor | None = None, precision: torch.dtype = torch.float32) -> torch.Tensor:
+    """The fp32 reference: A @ dequantize(W), computed in fp32 on A's device (in `precision`, float64,
+    where no TF32 or autocast setting of the caller may round it: autocast leaves float64 alone)."""
     w = dequantize(codes.to(a.device), scales.to(a.device), bits, None if zeros is None else zeros.to(a.device))
-    return a.float() @ w
+    return a.to(precision) @ w.to(precision)
 
 
 FP8_E4M3_MAX = 448.0     # the largest finite float8_e4m3fn
@@ -109,11 +110,11 @@ def quantize_fp8_per_token(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def reference_w4a8(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int = 4,
-                   zeros: torch.Tensor | None = None) -> torch.Tensor:
+                   zeros: torch.Tensor | None = None, precision: torch.dtype = torch.float32) -> torch.Tensor:
     """The fp32 product W4A8 kernels must match: a's per-token FP8 values times their scales, times
-    the dequantized weights."""
+    the dequantized weights (in `precision`, as reference_matmul)."""
     a8, token_scales = quantize_fp8_per_token(a)
-    return (a8.float() * token_scales) @ dequantize(codes, scales, bits, zeros).float()
+    return (a8.float() * token_scales).to(precision) @ dequantize(codes, scales, bits, zeros).to(precision)
 
 
 def fp8_kernel_activations(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,12 +128,12 @@ def fp8_kernel_activations(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def problem_reference(problem, a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                      zeros: torch.Tensor | None = None) -> torch.Tensor:
+                      zeros: torch.Tensor | None = None, precision: torch.dtype = torch.float32) -> torch.Tensor:
     """The fp32 product a kernel of `problem` must match: W4A16's reference_matmul, or with FP8
-    activations reference_w4a8."""
+    activations reference_w4a8 (in `precision`, as reference_matmul)."""
     if problem.fp8:
-        return reference_w4a8(a, codes.to(a.device), scales.to(a.device), problem.bits)
-    return reference_matmul(a, codes, scales, problem.bits, zeros)
+        return reference_w4a8(a, codes.to(a.device), scales.to(a.device), problem.bits, precision=precision)
+    return reference_matmul(a, codes, scales, problem.bits, zeros, precision)
 
 
 def kernel_activations(problem, a: torch.Tensor):

@@ -153,10 +153,12 @@ def test_awq_layouts_of_other_kernels(copy_of, edit, field, words):
     refused(folder, f"config.json: quantization_config.{field}", words)
 
 
-@pytest.mark.parametrize("version", ["exllama", "ipex"])
-def test_awq_versions_that_run_the_gemm_tensors_load(copy_of, version):
+@pytest.mark.parametrize("fields", [{"version": "exllama"}, {"version": "ipex"}, {"backend": "auto"},
+                                    {"backend": "autoawq"}])
+def test_awq_versions_that_run_the_gemm_tensors_load(copy_of, fields):
+    """Current transformers writes `backend: "auto"` beside `version: "gemm"`."""
     folder = copy_of("awq")
-    edit_config(folder, lambda q: q.update(version=version))
+    edit_config(folder, lambda q: q.update(fields))
     load_quantized(folder, device="cpu")
 
 

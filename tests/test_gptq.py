@@ -137,6 +137,37 @@ def test_v1_zero_points_of_zero_borrow_from_the_nibble_above_and_read_back_exact
     assert module.zeros()[0, :9].tolist() == [*zeros, 8]
 
 
+def _older_autogptq_words(zeros: list[list[int]]) -> torch.Tensor:
+    """v1 zero points as AutoGPTQ before 0.8 packed them: z - 1 as an unsigned 32-bit value, shifted
+    into its nibble and ORed in unmasked, so z = 0 (0xffffffff) sets every nibble from its own up."""
+    words = torch.zeros(len(zeros), 8, dtype=torch.int32)
+    for g, row in enumerate(zeros):
+        word = 0
+        for i, z in enumerate(row):
+            word |= ((z - 1) % 2 ** 32 << (4 * i)) % 2 ** 32
+        words[g, 0] = word - 2 ** 32 if word >= 2 ** 31 else word
+        words[g, 1:] = 0x77777777
+    return words
+
+
+def test_v1_zero_points_an_older_autogptq_overwrote_are_refused():
+    """z = 0 below the top nibble left 15 from there up: the zero points above it are lost."""
+    qzeros = _older_autogptq_words([[3, 4, 0, 5, 6, 7, 8, 9]])
+    with pytest.raises(ValueError, match=r"qzeros: group 0, columns 0..7 read 15 from a zero point up: an older "
+                                         r"AutoGPTQ's v1 packing"):
+        QuantLinear.from_gptq(torch.zeros(8, 64, dtype=torch.int32), qzeros, torch.ones(1, 64, dtype=torch.float16),
+                              None, group_size=-1)
+
+
+def test_v1_zero_points_of_an_older_autogptq_without_loss_read_back():
+    """Its words are read as v1's: z = 0 at a word's top nibble alone loses nothing."""
+    zeros = [[3, 4, 1, 5, 6, 7, 8, 0]]
+    qzeros = _older_autogptq_words(zeros)
+    module = QuantLinear.from_gptq(torch.zeros(8, 64, dtype=torch.int32), qzeros,
+                                   torch.ones(1, 64, dtype=torch.float16), None, group_size=-1)
+    assert module.zeros()[0, :9].tolist() == [*zeros[0], 8]
+
+
 def test_uneven_act_order_groups_are_refused():
     tensors = _tensors()
     tensors["g_idx"][0] = 1   # group 0 loses a row to group 1

@@ -680,19 +680,23 @@ def test_a_kernels_check_is_stamped_per_bucket(monkeypatch, tmp_path):
     assert runs == [15, 31] and selfcheck.is_verified(kernel, 32, CUDA0)
 
 
-def test_the_reference_runs_in_full_fp32_whatever_the_caller_set():
-    """Under autocast or with TF32 allowed, the check's fp32 matmul would round like bf16 or TF32 and
-    fail right kernels."""
-    from runtime.selfcheck import _full_fp32
+def test_the_reference_is_computed_in_float64_whatever_the_caller_set(monkeypatch):
+    """Under the caller's autocast, or with TF32 on (by the API that makes the old precision getter
+    raise), the check neither fails a right kernel nor touches the caller's settings."""
+    import runtime.selfcheck as selfcheck
+    from schedules.quant import dequantize
 
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    torch.set_autocast_enabled("cuda", True)         # as inside a caller's torch.autocast("cuda")
+    def exact_kernel(kernel, schedule, problem, a, qweight, scales, out):
+        codes, packed = schedule.module.unpack(qweight, scales)
+        out.copy_((a.double() @ dequantize(codes, packed).double()).to(out.dtype))
+
+    monkeypatch.setattr(selfcheck, "launch_schedule", exact_kernel)
+    schedule = TUNED
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
     try:
-        with _full_fp32():
-            assert torch.get_float32_matmul_precision() == "highest"
-            assert not torch.is_autocast_enabled("cuda")
-        assert torch.get_float32_matmul_precision() == "high" and torch.is_autocast_enabled("cuda")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert selfcheck.run_check(None, Problem(n=256, k=256), schedule, 37, torch.device("cpu")) is None
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
-        torch.set_autocast_enabled("cuda", False)
-        torch.set_float32_matmul_precision(previous)
+        torch.backends.cuda.matmul.fp32_precision = before

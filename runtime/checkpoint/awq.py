@@ -32,8 +32,9 @@ class AwqFormat:
         problem = group_size_problem(self.group_size)
         if problem:
             raise config_error("group_size", problem)
-        if str(qcfg.get("backend", "autoawq")).lower() != "autoawq":
-            raise config_error("backend", f"{qcfg['backend']!r}: tilemarlin reads AutoAWQ's layout only")
+        if str(qcfg.get("backend", "auto")).lower() == "llm-awq":   # "auto" / "autoawq": AutoAWQ's tensors
+            raise config_error("backend", "'llm-awq': its own layout (int16 words, scaled zeros); tilemarlin reads "
+                                          "AutoAWQ's")
         key = "version" if "version" in qcfg else "format"
         version = str(qcfg.get(key, "gemm")).lower()
         if version not in GEMM_TENSORS:

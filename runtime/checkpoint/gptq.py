@@ -5,10 +5,16 @@ Per linear layer with K input and N output features, group size g (-1: one group
 - qzeros int32 [K / g, N / 8], packed along N: column 8c + i is nibble i of word column c;
 - scales [K / g, N]; g_idx int32 [K], the group of each input row (act-order when not k // g);
 - w[k, n] = scales[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]).
-`checkpoint_format` "gptq" (v1, the default) stores z - 1; GPTQModel's "gptq_v2" stores z. Writers of
-v1 (GPTQModel, AutoGPTQ, optimum) subtract 0x11111111 from each whole packed word, so z = 0 borrows
-from the nibble above; adding it back to the word, as they do when they read v1, recovers every z
-in 0..15 exactly (adding 1 per nibble would read z = 0 as 16 and its neighbour one too high).
+`checkpoint_format` "gptq" (v1, the default) stores z - 1; GPTQModel's "gptq_v2" stores z. v1 has two
+packings of z = 0, which a nibble of 15 marks:
+- GPTQModel (and AutoGPTQ from 0.8) subtract 0x11111111 from each whole word, so z = 0 borrows from
+  the nibble above; adding the word back, as they do to read v1, recovers every z in 0..15 exactly;
+- older AutoGPTQ ORs each nibble's z - 1 into the word unmasked, so z = 0 (-1) sets every nibble from
+  its own up to 15, and the zero points above it are lost.
+A layer with a 15 below a nibble other than 15 can only be the first (a borrow), and so is a layer
+whose 15s are each the word's top nibble alone (both packings read z = 0 there): those are read word
+by word. A layer whose 15s all run to the word's top, some over two nibbles or more, is the second,
+and is refused: no reading gives its zero points back.
 Symmetric or not (`sym`) and act-order or not (`desc_act`) are read from the tensors themselves (zero
 points all 8, g_idx the trivial map), so the flags need not be trusted.
 
@@ -53,12 +59,33 @@ def gptq_layer(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{field}: expected shape {shape} {shapes}, found {tuple(tensor.shape)}")
     if checkpoint_format == "gptq":
+        _refuse_lost_v1_zero_points(qzeros, n)
         qzeros = _v1_words_to_v2(qzeros)
     zeros = unpack_columns(qzeros)[:, :n]
     return build_layer(unpack_rows(qweight), scales, zeros, g_idx, group_size, bias, dtype)
 
 
 V1_OFFSET = 0x11111111     # one in every nibble: what v1's writers take off each packed zero-point word
+
+
+def _refuse_lost_v1_zero_points(qzeros: torch.Tensor, n: int) -> None:
+    """A ValueError for v1 zero-point words that older AutoGPTQ's packing overwrote (module docstring);
+    nothing for words that GPTQModel's whole-word packing wrote."""
+    nibbles = unpack_columns(qzeros).view(qzeros.shape[0], qzeros.shape[1], NIBBLES)
+    real = (torch.arange(qzeros.shape[1] * NIBBLES, device=qzeros.device) < n).view(1, -1, NIBBLES)
+    fifteen = (nibbles == 15) & real
+    if not bool(fifteen.any()):
+        return
+    # a 15 below a real nibble other than 15 in its word: a borrow, which only the whole-word packing makes
+    above_fifteen = fifteen.int().cummax(dim=2).values.bool()
+    if bool((above_fifteen & real & ~fifteen).any()):
+        return
+    runs = fifteen.sum(dim=2)            # each word's 15s run from the first to its top real nibble
+    if bool((runs >= 2).any()):
+        group, word = (runs >= 2).nonzero()[0].tolist()
+        raise ValueError(f"qzeros: group {group}, columns {8 * word}..{min(8 * word + 7, n - 1)} read 15 from a zero "
+                         "point up: an older AutoGPTQ's v1 packing, which overwrites the zero points above a zero "
+                         "point of 0; quantize the model again, or save it as gptq_v2 with GPTQModel")
 
 
 def _v1_words_to_v2(qzeros: torch.Tensor) -> torch.Tensor:
