@@ -7,9 +7,9 @@ An artifact is a gzip'd tar holding
   and kernel paths, the sha256 of every other file, and `built_with`, everything that decides whether
   its kernels are the ones this machine would build and can load: tilemarlin's version, the
   fingerprint of the kernel code (schedules/, templates/), TileLang's version, the CUDA toolkit that
-  built the kernels (from their meta.json), the CUDA and torch versions the tuned table was tuned with
-  (the serving machines'; a build host without a GPU exports for them), and the GPU (name, arch, SM
-  count) of the tuned table;
+  built the kernels (from their meta.json), the CUDA and torch versions of the exporting machine (of
+  the machine the table was tuned on where the exporting torch has no CUDA: a build host without a
+  GPU exports for the servers), and the GPU (name, arch, SM count) of the tuned table;
 - `tuned/<gpu slug>.json`: the tuned table's entries for the exported (problem, bucket) pairs;
 - `kernels/<arch>/<problem>/<schedule>-<hash>/{kernel.so, kernel.cu, meta.json}`: the store's
   entries, under the folder names the store finds them by (runtime/kernels.py: the hash of their
@@ -92,6 +92,8 @@ def write_artifact(out, table, folders: list[Path], about: dict) -> dict:
     """Write an artifact of `table` (a TunedTable: the entries to ship, and the GPU they are for) and
     the store entries `folders` to `out`, atomically; returns its manifest. Raises ArtifactError when
     an entry is incomplete, outside the store, or the entries were not all built alike."""
+    import torch
+
     from .kernels import cache_root
     from .table import current_versions, now
 
@@ -117,7 +119,9 @@ def write_artifact(out, table, folders: list[Path], about: dict) -> dict:
         built[field] = next(iter(metas.values())).get(key)
     if built["arch"] != table.gpu.arch:
         raise ArtifactError(f"the kernels are for {built['arch']}, the tuned table for {table.gpu.arch}")
-    versions = {**current_versions(), **{k: v for k, v in table.versions.items() if k in ("cuda", "torch")}}
+    versions = current_versions()
+    if torch.version.cuda is None:       # a build host without CUDA torch exports for the tune's machines
+        versions.update({k: v for k, v in table.versions.items() if k in ("cuda", "torch")})
     files = {f"tuned/{table.gpu.slug}.json": (json.dumps(table.to_json(), indent=1) + "\n").encode()}
     files.update({f"{relative}/{name}": (root / relative / name).read_bytes()
                   for relative in sorted(metas) for name in KERNEL_FILES})

@@ -278,6 +278,19 @@ def test_a_table_for_another_gpu_than_the_kernels_is_refused(artifact, tmp_path)
         load_artifact(crafted)
 
 
+def test_an_export_with_cuda_torch_names_its_own_versions(artifact, monkeypatch, tmp_path):
+    """Exported on a GPU machine (a CUDA torch), the artifact is for machines like it: its torch and
+    CUDA, not the tune's (a fleet upgraded since its tune exports again)."""
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(artifact[2]))
+    monkeypatch.setattr(torch.version, "cuda", "13.1")
+    monkeypatch.setattr(torch, "__version__", "2.12.0+cu131")
+    out = tmp_path / "upgraded.tar.gz"
+    assert gen_main(["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--out", str(out)]) == 0
+    with tarfile.open(out) as tar:
+        built = json.loads(tar.extractfile("manifest.json").read())["built_with"]
+    assert (built["torch"], built["cuda"]) == ("2.12.0+cu131", "13.1")
+
+
 def test_export_into_a_missing_folder_says_so(artifact, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(artifact[2]))
     assert gen_main(["export", "--arch", "sm_90a", "--shapes", "4096x4096", "--out",
