@@ -440,6 +440,7 @@ class _Launcher:
 
 _LOCK = threading.Lock()     # guards the dicts below; held for lookups and inserts only
 _LAUNCHERS: dict[tuple, _Launcher] = {}
+_UNCHECKED: dict[tuple, _Launcher] = {}  # chosen inside a CUDA-graph capture, checked at the next call outside
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
 _TABLES: dict[int, object] = {}          # device index -> this GPU's TunedTable
 _WINNERS: dict[str, tuple] = {}          # arch -> the tuned winners an untuned shape chooses from
@@ -459,22 +460,42 @@ def _launcher(device: torch.device, problem: Problem, layout: str, bucket: int) 
         with _key_lock(key):
             launcher = _LAUNCHERS.get(key)
             if launcher is None:
-                served = dispatch_for(device).serving_problem(problem, bucket)
-                schedule = schedule_for(served, bucket, device, layout)
-                checked = _checked_kernel(served, schedule, bucket, device)
-                launcher = _Launcher(served, *checked[:2])
-                if checked[2]:      # one not checked yet (inside a capture) is looked up again next call
+                launcher = _UNCHECKED.get(key) or _chosen(device, problem, layout, bucket)
+                if _must_wait_for_check(launcher, bucket, device):
                     with _LOCK:
-                        _LAUNCHERS[key] = launcher
+                        _UNCHECKED[key] = launcher
+                    return launcher
+                launcher = _checked(launcher, bucket, device)
+                with _LOCK:
+                    _LAUNCHERS[key] = launcher
+                    _UNCHECKED.pop(key, None)
     return launcher
 
 
-def _checked_kernel(problem: Problem, schedule: Schedule, bucket: int, device: torch.device):
-    """(schedule, kernel, checked) after the kernel's first-run check at this bucket
-    (runtime/selfcheck.py); a kernel that fails it is replaced, with a warning, by the fallback's
-    choice among the other schedules, which must pass too. Inside CUDA-graph capture nothing can be
-    compared: a kernel not checked before serves the capture unchecked (checked False), and the
-    first call outside capture checks it (warm-up before capture, as CUDA graphs need anyway)."""
+def _chosen(device: torch.device, problem: Problem, layout: str, bucket: int) -> _Launcher:
+    """The kernel that serves `problem` at `bucket` (Dispatch.serving_problem, schedule_for), loaded."""
+    from schedules.arch import current_arch
+
+    from .kernels import compile_schedule
+
+    served = dispatch_for(device).serving_problem(problem, bucket)
+    schedule = schedule_for(served, bucket, device, layout)
+    return _Launcher(served, schedule, compile_schedule(served, schedule, current_arch(device)))
+
+
+def _must_wait_for_check(launcher: _Launcher, bucket: int, device: torch.device) -> bool:
+    """Inside CUDA-graph capture nothing can be compared: a kernel not checked at this bucket before
+    serves the capture unchecked (kept apart, not looked up again), and the first call outside capture
+    checks it (warm-up before capture, as CUDA graphs need anyway, does)."""
+    from . import selfcheck
+
+    return torch.cuda.is_current_stream_capturing() and not selfcheck.is_verified(launcher.kernel, bucket, device)
+
+
+def _checked(launcher: _Launcher, bucket: int, device: torch.device) -> _Launcher:
+    """The launcher after its kernel's first-run check at this bucket (runtime/selfcheck.py); a kernel
+    that fails it is replaced, with a warning, by the fallback's choice among the other schedules,
+    which must pass too."""
     from schedules.arch import current_arch
     from schedules.cost import GpuSpec
 
@@ -482,21 +503,19 @@ def _checked_kernel(problem: Problem, schedule: Schedule, bucket: int, device: t
     from .fallback import fallback_schedule
     from .kernels import compile_schedule
 
-    arch = current_arch(device)
-    kernel = compile_schedule(problem, schedule, arch)
-    if torch.cuda.is_current_stream_capturing():
-        return schedule, kernel, selfcheck.is_verified(kernel, bucket, device)
+    problem, schedule = launcher.problem, launcher.schedule
     try:
-        selfcheck.check_once(kernel, problem, schedule, bucket, device)
-        return schedule, kernel, True
+        selfcheck.check_once(launcher.kernel, problem, schedule, bucket, device)
+        return launcher
     except selfcheck.KernelCheckError as exc:
         # (compared in the problem's form: a winner of another form may become the kernel that failed)
+        arch = current_arch(device)
         replacement, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), _winners(arch.name),
                                              exclude=frozenset({schedule}))
         warnings.warn(f"{exc}; running {replacement.name} ({how}) instead", KernelCheckWarning, stacklevel=3)
         kernel = compile_schedule(problem, replacement, arch)
         selfcheck.check_once(kernel, problem, replacement, bucket, device)
-        return replacement, kernel, True
+        return _Launcher(problem, replacement, kernel)
 
 
 def schedule_for(problem: Problem, m: int, device=None, layout: str = DEFAULT_LAYOUT) -> Schedule:

@@ -174,6 +174,17 @@ def test_qweight_of_the_wrong_dtype(copy_of):
     refused(folder, "model.safetensors", f"{LAYER}.qweight", "torch.int32", "torch.int64")
 
 
+def test_weights_files_that_cannot_be_told_apart(copy_of):
+    folder = copy_of("gptq")
+    shutil.copy(folder / "model.safetensors", folder / "b.safetensors")
+    (folder / "model.safetensors").rename(folder / "a.safetensors")
+    refused(folder, "no model.safetensors.index.json or model.safetensors, and 2 other .safetensors files: "
+                    "a.safetensors, b.safetensors")
+    for path in folder.glob("*.safetensors"):
+        path.unlink()
+    refused(folder, "and 0 other .safetensors files")
+
+
 def test_gptq_rules_that_change_bits_or_group_size(copy_of):
     folder = copy_of("gptq")
     edit_config(folder, lambda q: q.update(dynamic={r"-:.*\.0\..*": {}, r"+:.*down_proj": {"bits": 8}}))

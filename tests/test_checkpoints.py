@@ -66,14 +66,17 @@ def test_gptq(tmp_path, dtype, checkpoint_format, symmetric, act_order, group):
 
 def test_gptq_settings_in_quantize_config_json(tmp_path):
     """Older GPTQ folders (AutoGPTQ's) keep their settings in quantize_config.json, without
-    quant_method, and none in config.json: read as GPTQ, the same layers."""
+    quant_method, and none in config.json, and name their one weights file after the quantization:
+    read as GPTQ, the same layers."""
     folder = tmp_path / "gptq"
     drawn = write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
     config = json.loads((folder / "config.json").read_text())
     settings = config.pop("quantization_config")
     settings.pop("quant_method")
     (folder / "config.json").write_text(json.dumps(config))
-    (folder / "quantize_config.json").write_text(json.dumps({**settings, "model_file_base_name": "model"}))
+    base = "gptq_model-4bit-128g"
+    (folder / "quantize_config.json").write_text(json.dumps({**settings, "model_file_base_name": base}))
+    (folder / "model.safetensors").rename(folder / f"{base}.safetensors")
     assert_same_layers(read_layers(folder, torch.float16), drawn, torch.float16)
     model = load_quantized(folder, device="cpu")
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(drawn)

@@ -455,6 +455,7 @@ def dispatch(monkeypatch):
     calls = {"compile": [], "fallback": [], "excluded": []}
     table = StubTable({(PROBLEM, 16): TUNED})
     monkeypatch.setattr(op, "_LAUNCHERS", {})
+    monkeypatch.setattr(op, "_UNCHECKED", {})
     monkeypatch.setattr(op, "_WARNED", set())
     monkeypatch.setattr(op, "_tuned_table", lambda device: table)
     monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: schedules.arch.get_arch("sm_90a"))
@@ -562,8 +563,8 @@ def test_a_kernel_that_fails_its_first_run_check_is_replaced_with_a_warning(disp
 
 
 def test_a_first_call_inside_a_capture_is_checked_at_the_next_call_outside(dispatch, monkeypatch):
-    """Inside CUDA-graph capture the check cannot run: the kernel serves the capture unchecked and is not
-    remembered, so the first call outside capture checks it."""
+    """Inside CUDA-graph capture the check cannot run: the kernel serves the capture unchecked (chosen and
+    loaded once for all the capture's calls), and the first call outside capture checks it."""
     import runtime.selfcheck
 
     checked, capturing = [], [True]
@@ -571,11 +572,14 @@ def test_a_first_call_inside_a_capture_is_checked_at_the_next_call_outside(dispa
     monkeypatch.setattr(runtime.selfcheck, "is_verified", lambda kernel, bucket, device: False)
     monkeypatch.setattr(runtime.selfcheck, "check_once", lambda kernel, problem, schedule, bucket, device:
                         checked.append(schedule))
-    assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16).schedule == TUNED and checked == []
+    _, calls = dispatch
+    for _ in range(2):
+        assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16).schedule == TUNED and checked == []
+    assert calls["compile"] == [TUNED] and not op._LAUNCHERS
     capturing[0] = False
     first = op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
     assert checked == [TUNED] and op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16) is first
-    assert checked == [TUNED]
+    assert checked == [TUNED] and calls["compile"] == [TUNED] and not op._UNCHECKED
 
 
 def test_a_kernel_checked_before_is_remembered_even_inside_a_capture(dispatch, monkeypatch):

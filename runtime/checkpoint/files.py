@@ -1,7 +1,8 @@
 """A checkpoint folder's safetensors shards, read tensor by tensor, and errors that say where.
 
 Shards are listed in `model.safetensors.index.json` (`weight_map`: tensor name -> file) or the
-folder holds one `model.safetensors`. Tensors are read one at a time (safetensors.safe_open), so a
+folder holds one `model.safetensors` (or one other .safetensors file, as older GPTQ folders name
+theirs). Tensors are read one at a time (safetensors.safe_open), so a
 model never has to fit in host memory twice.
 """
 from __future__ import annotations
@@ -36,16 +37,26 @@ class TensorFiles:
                 raise CheckpointError(str(index), f"not a safetensors index with a weight_map ({exc})") from None
             self._file_of = {name: self.model_dir / file for name, file in weight_map.items()}
             self.source = INDEX_FILE
-        elif (self.model_dir / SINGLE_FILE).exists():
+        else:
+            path = self._single_file()
             from safetensors import safe_open
 
-            path = self.model_dir / SINGLE_FILE
             with safe_open(str(path), framework="pt") as f:
                 self._file_of = {name: path for name in f.keys()}
-            self.source = SINGLE_FILE
-        else:
-            raise CheckpointError(str(self.model_dir), f"no {INDEX_FILE} or {SINGLE_FILE}")
+            self.source = path.name
         self._open: dict[Path, object] = {}
+
+    def _single_file(self) -> Path:
+        """model.safetensors, else the folder's only .safetensors file (older GPTQ folders name theirs
+        after the quantization, e.g. gptq_model-4bit-128g.safetensors)."""
+        if (self.model_dir / SINGLE_FILE).exists():
+            return self.model_dir / SINGLE_FILE
+        found = sorted(self.model_dir.glob("*.safetensors"))
+        if len(found) != 1:
+            listed = f": {', '.join(p.name for p in found)}" if found else ""
+            raise CheckpointError(str(self.model_dir), f"no {INDEX_FILE} or {SINGLE_FILE}, and {len(found)} other "
+                                                       f".safetensors files{listed}")
+        return found[0]
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of

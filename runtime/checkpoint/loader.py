@@ -102,7 +102,8 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     ----------
     model_dir : a local folder with config.json (its `quantization_config`: quant_method "gptq",
         "awq" or "compressed-tensors"; or, for GPTQ, quantize_config.json beside it) and
-        model.safetensors or model.safetensors.index.json + shards.
+        model.safetensors (or the folder's one .safetensors file) or model.safetensors.index.json and
+        its shards.
     dtype : torch.float16 or torch.bfloat16, for activations, scales and the dense parameters.
     device : where the model goes. On a machine without CUDA, "cpu" builds the same model (its
         QuantLinear layers hold the repacked weights), but running it needs a GPU.
