@@ -168,7 +168,7 @@ def load_artifact(path) -> dict:
     or converted. Raises ArtifactError naming every field that differs (versions, toolkit, GPU), and
     for a file that is not an artifact, is damaged or holds a member it should not."""
     from .kernels import cache_root
-    from .op import forget_tables
+    from .dispatch import forget_tables
     from .table import table_path
 
     contents, folders = _read_members(path)

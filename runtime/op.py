@@ -28,18 +28,14 @@ import torch
 from schedules.problem import Problem
 from schedules.registry import FAMILIES, Schedule, group_size_problem
 
+from . import selfcheck
+from .dispatch import DEFAULT_LAYOUT, dispatch_for, schedule_for
+from .launch import launch_schedule
+from .precompile import activation_kernels, build_missing, plan
 from .table import bucket_of
-from .workspace import split_k_workspace
-
-DEFAULT_LAYOUT = FAMILIES["marlin_mma"].LAYOUT
 # A layout belongs to the family whose package defines it (the stream families read marlin_mma's).
 _FAMILY_OF_LAYOUT = {fam.LAYOUT: fam for fam in FAMILIES.values() if fam.layout.__name__.startswith(fam.__name__ + ".")}
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-class UntunedShapeWarning(UserWarning):
-    """A problem has no tuned kernel on this GPU; the fallback's choice among the tuned winners runs
-    (runtime/fallback.py)."""
 
 
 class KernelCheckWarning(UserWarning):
@@ -239,7 +235,7 @@ def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: i
     scale = the row's largest magnitude / 448), then multiplied by the same packed INT4 weights and
     scales that w4a16_gemm takes (symmetric weights; no zero points). At the buckets where the tuned
     table times the W4A16 kernel faster (small M), x is instead rounded to those FP8 values times
-    their scale, in x's dtype, and runs on it (runtime.precompile.Dispatch.serving_problem).
+    their scale, in x's dtype, and runs on it (runtime.dispatch.Dispatch.serving_problem).
     Arguments and result as w4a16_gemm's. Raises RuntimeError on a GPU without FP8 wgmma.
     """
     return _W4A8_OP(x, qweight, scales, n, k, group, layout)
@@ -264,15 +260,6 @@ def _rows_for_kernels(a: torch.Tensor) -> torch.Tensor:
     if not a.is_contiguous() or a.data_ptr() % 16:
         a = a.clone(memory_format=torch.contiguous_format)
     return a
-
-
-def launch_schedule(kernel, schedule: Schedule, problem: Problem, a, qweight, scales, out: torch.Tensor) -> None:
-    """Run `kernel`, compiled from `schedule` for `problem`, on kernel-ready activations a (contiguous;
-    FP8 problems: the (values, token scales) pair), with the split-K workspace of out's stream."""
-    fam, knobs = schedule.module, schedule.knobs
-    fp32_elems, counters = fam.workspace_elems(problem, knobs, out.shape[0])
-    partials, tile_counters = split_k_workspace(out.device, fp32_elems, counters) if fp32_elems or counters else (None, None)
-    kernel(*fam.kernel_args(problem, knobs, a, qweight, scales, out, partials, tile_counters))
 
 
 def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,9 +429,6 @@ _LOCK = threading.Lock()     # guards the dicts below; held for lookups and inse
 _LAUNCHERS: dict[tuple, _Launcher] = {}
 _UNCHECKED: dict[tuple, _Launcher] = {}  # chosen inside a CUDA-graph capture, checked at the next call outside
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
-_TABLES: dict[int, object] = {}          # device index -> this GPU's TunedTable
-_WINNERS: dict[str, tuple] = {}          # arch -> the tuned winners an untuned shape chooses from
-_WARNED: set[Problem] = set()
 
 
 def _key_lock(key) -> threading.Lock:
@@ -487,8 +471,6 @@ def _must_wait_for_check(launcher: _Launcher, bucket: int, device: torch.device)
     """Inside CUDA-graph capture nothing can be compared: a kernel not checked at this bucket before
     serves the capture unchecked (kept apart, not looked up again), and the first call outside capture
     checks it (warm-up before capture, as CUDA graphs need anyway, does)."""
-    from . import selfcheck
-
     return torch.cuda.is_current_stream_capturing() and not selfcheck.is_verified(launcher.kernel, bucket, device)
 
 
@@ -496,10 +478,6 @@ def _checked(launcher: _Launcher, bucket: int, device: torch.device) -> _Launche
     """The launcher after its kernel's first-run check at this bucket (runtime/selfcheck.py); a kernel
     that fails it is replaced, with a warning, by the fallback's choice among the other schedules,
     which must pass too."""
-    from schedules.arch import current_arch
-    from schedules.cost import GpuSpec
-
-    from . import selfcheck
     from .fallback import fallback_schedule
     from .kernels import compile_schedule
 
@@ -509,86 +487,13 @@ def _checked(launcher: _Launcher, bucket: int, device: torch.device) -> _Launche
         return launcher
     except selfcheck.KernelCheckError as exc:
         # (compared in the problem's form: a winner of another form may become the kernel that failed)
-        arch = current_arch(device)
-        replacement, how = fallback_schedule(problem, bucket, arch, GpuSpec.current(device), _winners(arch.name),
+        dispatch = dispatch_for(device)
+        replacement, how = fallback_schedule(problem, bucket, dispatch.arch, dispatch.gpu, dispatch.winners,
                                              exclude=frozenset({schedule}))
         warnings.warn(f"{exc}; running {replacement.name} ({how}) instead", KernelCheckWarning, stacklevel=3)
-        kernel = compile_schedule(problem, replacement, arch)
+        kernel = compile_schedule(problem, replacement, dispatch.arch)
         selfcheck.check_once(kernel, problem, replacement, bucket, device)
         return _Launcher(problem, replacement, kernel)
-
-
-def schedule_for(problem: Problem, m: int, device=None, layout: str = DEFAULT_LAYOUT) -> Schedule:
-    """The schedule the op runs for `problem` at M = m on `device`: the tuned table's, else its twin's
-    winner or the best of the tuned winners that fit (runtime/fallback.py), warning once per problem.
-    Its family must use `layout`."""
-    device = _cuda_device(device)
-    # The bucket's upper edge, as the tuner measures it: one choice per bucket.
-    schedule, how = dispatch_for(device).choose(problem, bucket_of(m), layout)
-    if how is not None:
-        _warn_untuned(problem, device, schedule, how)
-    return schedule
-
-
-def dispatch_for(device=None):
-    """What the op's choices on `device` depend on (runtime.precompile.Dispatch): its arch, its cost-model
-    numbers, its tuned table and the arch's tuned winners, each read once per process."""
-    from schedules.arch import current_arch
-    from schedules.cost import GpuSpec
-
-    from .precompile import Dispatch
-
-    device = _cuda_device(device)
-    arch = current_arch(device)
-    return Dispatch(arch, GpuSpec.current(device), _tuned_table(device), _winners(arch.name))
-
-
-def _tuned_table(device: torch.device):
-    table = _TABLES.get(device.index)
-    if table is None:
-        from .table import GpuKey, load_tuned_table
-
-        table = load_tuned_table(GpuKey.current(device))
-        with _LOCK:
-            table = _TABLES.setdefault(device.index, table)
-    return table
-
-
-def forget_tables() -> None:
-    """Read the tuned tables again at the next choice (runtime.load_artifact installs entries); the
-    kernels already chosen keep serving."""
-    with _LOCK:
-        _TABLES.clear()
-        _WINNERS.clear()
-
-
-def _winners(arch: str) -> tuple:
-    winners = _WINNERS.get(arch)
-    if winners is None:
-        from .table import winners_for_arch
-
-        winners = winners_for_arch(arch)
-        with _LOCK:
-            winners = _WINNERS.setdefault(arch, winners)
-    return winners
-
-
-def _warn_untuned(problem: Problem, device: torch.device, schedule: Schedule, how: str) -> None:
-    with _LOCK:
-        if problem in _WARNED:
-            return
-        _WARNED.add(problem)
-    command = f"gen tune --shapes {problem.k}x{problem.n} --group {-1 if problem.channelwise else problem.group}"
-    if problem.dtype != "float16":
-        command += f" --dtype {problem.dtype}"
-    if problem.zero_points:
-        command += " --zero-points"
-    if problem.fp8:
-        command += " --act fp8"
-    warnings.warn(
-        f"no tuned kernel for {problem.name} on {torch.cuda.get_device_name(device)}; running {schedule.name}, "
-        f"{how}, which may be slower. Tune this shape with: {command}",
-        UntunedShapeWarning, stacklevel=2)
 
 
 def precompile(problems: Iterable[Problem], ms: Iterable[int], device=None, layout: str = DEFAULT_LAYOUT,
@@ -599,15 +504,8 @@ def precompile(problems: Iterable[Problem], ms: Iterable[int], device=None, layo
     already there are not rebuilt. Returns {job: error or None}, a job being a (problem, schedule) pair
     or a runtime.kernels.ActivationJob."""
     from .kernels import ActivationJob
-    from .precompile import activation_kernels, build_missing, plan
 
     problems = list(problems)
     dispatch = dispatch_for(device)
     jobs = [*plan(problems, ms, dispatch, layout), *(ActivationJob(*kernel) for kernel in activation_kernels(problems))]
     return build_missing(jobs, dispatch.arch, workers)
-
-
-def _cuda_device(device) -> torch.device:
-    """`device` as a torch.device with an index; None is the current CUDA device."""
-    device = torch.device("cuda") if device is None else torch.device(device)
-    return torch.device("cuda", torch.cuda.current_device()) if device.index is None else device

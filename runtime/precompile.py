@@ -1,13 +1,12 @@
 """Compiling ahead: the kernels a set of layers will run, planned as the op chooses them, built in
 parallel before the first call.
 
-The op (runtime/op.py) runs one kernel per (problem, M bucket): the tuned table's entry for this GPU,
-else the fallback's pick (runtime/fallback.py: its twin's winner, or one of the arch's tuned
-winners), for the problem that serves the bucket (`Dispatch.serving_problem`: a W4A8 problem's
-W4A16 twin at some). `Dispatch` makes those choices as functions of their inputs alone, and the
-op's `_launcher` makes them through the same functions, so `plan` (problems x buckets -> the (served
-problem, schedule) pairs to build) names exactly the kernels the op will load. Only a kernel that fails its first-run check is replaced by one the plan
-could not foresee (runtime/selfcheck.py).
+The op (runtime/op.py) runs one kernel per (problem, M bucket), chosen by runtime/dispatch.py: the
+tuned table's entry for this GPU, else the fallback's pick, for the problem that serves the bucket.
+`Dispatch` makes those choices as functions of their inputs alone, and the op makes them through the
+same functions, so `plan` (problems x buckets -> the (served problem, schedule) pairs to build) names
+exactly the kernels the op will load. Only a kernel that fails its first-run check is replaced by
+one the plan could not foresee (runtime/selfcheck.py).
 
 Converting a model (`replace_linear`), loading a checkpoint and constructing a `QuantLinear` on a GPU
 build every kernel of every bucket up to `max_m`, each distinct problem once, kernels already in the
@@ -21,55 +20,17 @@ build for is the GPU's).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Iterable
 
 from schedules.arch import Arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
 
+from .dispatch import DEFAULT_LAYOUT, Dispatch, dispatch_for
 from .table import BUCKETS, bucket_of
 
 PRECOMPILE_ENV = "TILEMARLIN_PRECOMPILE"
 _OFF = ("0", "false", "no", "off")
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """What the op's choice of a kernel depends on, for one GPU: its arch, its cost-model numbers
-    (schedules.cost.GpuSpec), its tuned table, and the arch's tuned winners an untuned shape
-    chooses from (runtime.table.winners_for_arch)."""
-
-    arch: Arch
-    gpu: object
-    table: object
-    winners: tuple   # runtime.fallback.TunedWinner
-
-    def serving_problem(self, problem: Problem, bucket: int) -> Problem:
-        """The problem whose kernel runs `problem` at `bucket`: itself, except that a W4A8 problem runs
-        on its W4A16 twin (the same packed weights; FP16 / BF16 MMAs fed the FP8-rounded activations,
-        the same products) where the tuned table times the twin's kernel faster at that bucket: at
-        small M, memory-bound, the FP8 kernels' 128-deep k-tiles and promoted sums cost more than their
-        math saves. Without both entries, the problem itself."""
-        if not problem.fp8:
-            return problem
-        twin = problem.w4a16_twin
-        fp8, dense = self.table.entry(problem, bucket), self.table.entry(twin, bucket)
-        return twin if fp8 is not None and dense is not None and dense.us < fp8.us else problem
-
-    def choose(self, problem: Problem, bucket: int, layout: str) -> tuple[Schedule, str | None]:
-        """(schedule, how it was chosen: None for the tuned table's entry, else the fallback's note).
-        The schedule's family must read weights packed in `layout`."""
-        from . import fallback
-
-        schedule, how = self.table.lookup(problem, bucket), None
-        if schedule is None:
-            schedule, how = fallback.fallback_schedule(problem, bucket, self.arch, self.gpu, self.winners,
-                                                       self.table)
-        if schedule.module.LAYOUT != layout:
-            raise ValueError(f"{schedule.name} reads weights in layout {schedule.module.LAYOUT}, but these are "
-                             f"packed in {layout}; repack the layer for it")
-        return schedule, how
 
 
 def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = (),
@@ -231,7 +192,6 @@ def _planned_jobs(layers, gathered, normed, max_m, layout) -> dict[Arch, list]:
     """arch -> the jobs (compile_many's) that the layers' kernels need, in plan's order, the activation
     kernels last."""
     from . import kernels
-    from .op import DEFAULT_LAYOUT, dispatch_for
 
     by_device: dict = {}
     gathers_by_device: dict = {}

@@ -22,7 +22,7 @@ from schedules.problem import Problem
 from schedules.quant import kernel_activations, mismatch, problem_reference, torch_dtype
 from schedules.registry import Schedule
 
-from .op import launch_schedule
+from .launch import launch_schedule
 from .table import bucket_range
 
 SEED = 20261202

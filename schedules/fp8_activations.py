@@ -124,7 +124,7 @@ def build(k: int, dtype: str, arch: Arch):
 def build_rounded(k: int, dtype: str, arch: Arch):
     """The TileLang prim_func round_fp8(X [M, K] `dtype`, Y [M, K] `dtype`), M dynamic, for `arch`
     (Hopper): Y = the FP8 e4m3 value of each element times its row's scale, in X's order and dtype, for
-    W4A8 calls that run on the W4A16 kernels (runtime.precompile.Dispatch.serving_problem). e4m3
+    W4A8 calls that run on the W4A16 kernels (runtime.dispatch.Dispatch.serving_problem). e4m3
     values are exact in float16 and bfloat16; the product with the scale is rounded once, to `dtype`."""
     import tilelang.language as T
 

@@ -69,7 +69,7 @@ class Problem:
     @property
     def w4a16_twin(self) -> "Problem":
         """The same weights with activations in the problem's dtype: the W4A16 problem whose kernels
-        serve a W4A8 one at the buckets where they are faster (runtime.precompile.Dispatch.serving_problem)."""
+        serve a W4A8 one at the buckets where they are faster (runtime.dispatch.Dispatch.serving_problem)."""
         return dataclasses.replace(self, act="dtype")
 
     @property

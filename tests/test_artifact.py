@@ -11,6 +11,7 @@ import tarfile
 import pytest
 import torch
 
+import runtime.dispatch as dispatching
 import runtime.kernels as store
 import runtime.op as op
 import runtime.table as tables
@@ -80,21 +81,21 @@ def test_a_loaded_artifact_serves_without_building(artifact, monkeypatch):
     import schedules.arch
 
     out, chosen, source = artifact
-    monkeypatch.setattr(op, "_TABLES", {0: "read before the artifact came"})
+    monkeypatch.setattr(dispatching, "_TABLES", {0: "read before the artifact came"})
     manifest = load_artifact(out)
-    assert op._TABLES == {}                 # the next choice reads the new table
+    assert dispatching._TABLES == {}                 # the next choice reads the new table
     root = store.cache_root()
     for relative in manifest["kernels"]:
         for name in ("kernel.so", "kernel.cu", "meta.json"):
             assert (root / relative / name).read_bytes() == (source / relative / name).read_bytes()
     monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: SM90)
     monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: GpuSpec.for_arch(SM90)))
-    monkeypatch.setattr(op, "_WINNERS", {})
+    monkeypatch.setattr(dispatching, "_WINNERS", {})
     monkeypatch.setattr(store, "_LOADED", {})
     monkeypatch.setattr(store, "build_kernel", lambda *a: pytest.fail("built although the artifact holds it"))
     monkeypatch.setattr(store, "_load_library", lambda path: lambda *args: f"library {path}")
     for bucket, schedule in chosen.items():
-        assert op.schedule_for(PROBLEM, bucket, torch.device("cuda", 0)) == schedule      # the tuned entry
+        assert dispatching.schedule_for(PROBLEM, bucket, torch.device("cuda", 0)) == schedule      # the tuned entry
         kernel = store.compile_schedule(PROBLEM, schedule, SM90)
         assert kernel.folder.is_relative_to(root) and kernel("x") == f"library {kernel.folder / 'kernel.so'}"
     load_artifact(out)                      # loading it again changes nothing
@@ -317,7 +318,8 @@ def test_export_without_a_table_for_the_arch_names_the_fix(artifact, monkeypatch
 
 def test_untuned_pairs_ship_the_fallbacks_kernels_and_no_entries(artifact, monkeypatch, capsys, tmp_path):
     from runtime.op import DEFAULT_LAYOUT
-    from runtime.precompile import Dispatch, plan
+    from runtime.dispatch import Dispatch
+    from runtime.precompile import plan
     from runtime.table import winners_for_arch
 
     out, _, source = artifact
@@ -341,7 +343,7 @@ def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, ca
     """--act fp8: refused while the per-token activation kernels are not in the store (the command to
     build them named), packed beside the GEMMs once they are: the FP8 kernels, the W4A16 twin's at
     the buckets it serves, and the FP8 entries that decide those buckets."""
-    from runtime.precompile import Dispatch
+    from runtime.dispatch import Dispatch
     from tests.test_precompile import fake_activation_entry
 
     _, _, source = artifact

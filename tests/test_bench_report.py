@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from gen.bench import command as bench
+from gen.bench import common as bench_common
 from gen.bench import contenders, report
 
 SAMPLE = Path(__file__).parent / "data" / "bench_sample.json"
@@ -333,8 +334,8 @@ def test_rounds_take_turns_and_the_median_counts(monkeypatch):
 
 def test_errors_keep_the_line_that_says_what_went_wrong():
     traceback = ValueError("Traceback (most recent call last):\n  File x\nTVMError: bad")
-    assert bench._error_text(traceback) == "ValueError: TVMError: bad"
-    assert bench._error_text(RuntimeError("")) == "RuntimeError: "
+    assert bench_common.error_text(traceback) == "ValueError: TVMError: bad"
+    assert bench_common.error_text(RuntimeError("")) == "RuntimeError: "
 
 
 def bench_dequant(w):
@@ -608,9 +609,8 @@ def test_tilemarlin_untuned_chooses_as_if_the_shape_had_no_entry(monkeypatch):
     """tilemarlin_untuned (timed only when named) serves a tuned shape with the fallback's kernels: the
     op's choices on this GPU with the shape left out in every form, so Llama-2-7B's tuned o_proj is
     chosen for from the other shapes' winners, and its table entry is not taken."""
-    from runtime import op
+    from runtime import dispatch
     from runtime.fallback import TunedWinner
-    from runtime.precompile import Dispatch
     from runtime.table import TunedTable, shipped_tables_dir
     from schedules.arch import get_arch
     from schedules.cost import GpuSpec
@@ -619,15 +619,16 @@ def test_tilemarlin_untuned_chooses_as_if_the_shape_had_no_entry(monkeypatch):
     table = TunedTable.read(shipped_tables_dir() / "nvidia-h200_sm_90a_132sm.json")
     winners = tuple(TunedWinner(p, b, entry.schedule) for (p, b), entry in table.items())
     sm90 = get_arch("sm_90a")
-    monkeypatch.setattr(op, "dispatch_for", lambda device=None: Dispatch(sm90, GpuSpec.for_arch(sm90), table, winners))
+    monkeypatch.setattr(dispatch, "dispatch_for",
+                        lambda device=None: dispatch.Dispatch(sm90, GpuSpec.for_arch(sm90), table, winners))
     assert bench.parse_kernels("tilemarlin,tilemarlin_untuned,fp16") == ["tilemarlin", "tilemarlin_untuned", "fp16"]
     assert "tilemarlin_untuned" not in bench.KERNELS
     o_proj = Problem.make(n=4096, k=4096, group=128, dtype="float16")
-    dispatch = contenders.untuned_dispatch(o_proj)
+    untuned = contenders.untuned_dispatch(o_proj)
     for bucket in (1, 64, 4096):
-        schedule, how = dispatch.choose(o_proj, bucket, op.DEFAULT_LAYOUT)
+        schedule, how = untuned.choose(o_proj, bucket, dispatch.DEFAULT_LAYOUT)
         assert how is not None and "nearest" in how
-        assert op.dispatch_for().choose(o_proj, bucket, op.DEFAULT_LAYOUT)[1] is None    # the op's own: tuned
+        assert dispatch.dispatch_for().choose(o_proj, bucket, dispatch.DEFAULT_LAYOUT)[1] is None    # the op's own: tuned
 
 
 def test_the_report_names_the_act_order_layers_timed_without_a_gather():

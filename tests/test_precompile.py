@@ -12,13 +12,15 @@ import pytest
 import torch
 from torch import nn
 
+import runtime.dispatch as dispatching
 import runtime.kernels as store
 import runtime.op as op
 import runtime.precompile as precompile
 from gen.cli import main as gen_main
 import runtime.linear as linear_module
 from runtime import QuantLinear, replace_linear
-from runtime.precompile import PRECOMPILE_ENV, Dispatch, buckets_up_to, plan
+from runtime.dispatch import Dispatch
+from runtime.precompile import PRECOMPILE_ENV, buckets_up_to, plan
 from runtime.table import BUCKETS, TunedTable, winners_for_arch
 from schedules import marlin_mma
 from schedules.arch import get_arch
@@ -59,9 +61,9 @@ def test_the_plan_is_the_ops_choice_for_every_problem_and_bucket(h200, monkeypat
     import schedules.arch
 
     dispatch, tuned = h200
-    monkeypatch.setattr(op, "_tuned_table", lambda device: dispatch.table)
-    monkeypatch.setattr(op, "_winners", lambda arch: dispatch.winners)
-    monkeypatch.setattr(op, "_WARNED", set())
+    monkeypatch.setattr(dispatching, "_tuned_table", lambda device: dispatch.table)
+    monkeypatch.setattr(dispatching, "_winners", lambda arch: dispatch.winners)
+    monkeypatch.setattr(dispatching, "_WARNED", set())
     monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: SM90)
     monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: H200))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Stub GPU")
@@ -71,9 +73,9 @@ def test_the_plan_is_the_ops_choice_for_every_problem_and_bucket(h200, monkeypat
     assert sorted(served, key=lambda k: (k[0].name, k[1])) == sorted(
         ((p, b) for p in problems for b in BUCKETS), key=lambda k: (k[0].name, k[1]))   # each pair once
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", op.UntunedShapeWarning)
+        warnings.simplefilter("ignore", dispatching.UntunedShapeWarning)
         for (problem, bucket), schedule in served.items():
-            assert op.schedule_for(problem, bucket, CUDA0) == schedule, (problem.name, bucket)
+            assert dispatching.schedule_for(problem, bucket, CUDA0) == schedule, (problem.name, bucket)
 
 
 def test_the_plan_of_a_w4a8_problem_is_what_the_ops_launcher_loads(h200, monkeypatch):
@@ -84,8 +86,8 @@ def test_the_plan_of_a_w4a8_problem_is_what_the_ops_launcher_loads(h200, monkeyp
     import schedules.arch
 
     dispatch, _ = h200
-    monkeypatch.setattr(op, "_tuned_table", lambda device: dispatch.table)
-    monkeypatch.setattr(op, "_winners", lambda arch: dispatch.winners)
+    monkeypatch.setattr(dispatching, "_tuned_table", lambda device: dispatch.table)
+    monkeypatch.setattr(dispatching, "_winners", lambda arch: dispatch.winners)
     monkeypatch.setattr(op, "_LAUNCHERS", {})
     monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: SM90)
     monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: H200))
@@ -186,7 +188,7 @@ def compiler(monkeypatch):
 
     monkeypatch.delenv(PRECOMPILE_ENV, raising=False)
     monkeypatch.setattr(precompile, "_on_cuda", lambda device: True)
-    monkeypatch.setattr(op, "dispatch_for", lambda device=None: Dispatch(SM90, None, StubTable(), ()))
+    monkeypatch.setattr(precompile, "dispatch_for", lambda device=None: Dispatch(SM90, None, StubTable(), ()))
     monkeypatch.setattr(store, "is_stored", lambda problem, schedule, arch: False)
     monkeypatch.setattr(store, "is_activation_kernel_stored", lambda kind, k, dtype, arch: False)
     monkeypatch.setattr(store, "CompilePool", RecordingPool)
@@ -354,7 +356,7 @@ def test_precompile_off_by_option_or_environment(compiler, monkeypatch):
 
 
 def test_weights_off_the_gpu_are_not_precompiled(monkeypatch):
-    monkeypatch.setattr(op, "dispatch_for", lambda device=None: pytest.fail("planned for CPU weights"))
+    monkeypatch.setattr(precompile, "dispatch_for", lambda device=None: pytest.fail("planned for CPU weights"))
     monkeypatch.setattr(store, "CompilePool", lambda *a, **k: pytest.fail("compiled for CPU weights"))
     monkeypatch.delenv(PRECOMPILE_ENV, raising=False)
     replace_linear(_model(), group_size=64)

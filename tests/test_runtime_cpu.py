@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+import runtime.dispatch as dispatching
 import runtime.op as op
 from runtime import QuantLinear, replace_linear, w4a16_gemm
 from schedules import marlin_mma
@@ -456,11 +457,11 @@ def dispatch(monkeypatch):
     table = StubTable({(PROBLEM, 16): TUNED})
     monkeypatch.setattr(op, "_LAUNCHERS", {})
     monkeypatch.setattr(op, "_UNCHECKED", {})
-    monkeypatch.setattr(op, "_WARNED", set())
-    monkeypatch.setattr(op, "_tuned_table", lambda device: table)
+    monkeypatch.setattr(dispatching, "_WARNED", set())
+    monkeypatch.setattr(dispatching, "_tuned_table", lambda device: table)
     monkeypatch.setattr(schedules.arch, "current_arch", lambda device=None: schedules.arch.get_arch("sm_90a"))
     monkeypatch.setattr(schedules.cost.GpuSpec, "current", classmethod(lambda cls, device=None: None))
-    monkeypatch.setattr(op, "_winners", lambda arch: ())
+    monkeypatch.setattr(dispatching, "_winners", lambda arch: ())
     monkeypatch.setattr(runtime.selfcheck, "check_once", lambda kernel, problem, schedule, bucket, device: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     def fallback(problem, m, arch, gpu, winners, table=None, exclude=frozenset()):
@@ -489,10 +490,10 @@ def test_tuned_bucket_runs_the_tuned_schedule_compiled_once(dispatch):
 
 def test_untuned_bucket_falls_back_to_the_cost_model_warning_once_per_problem(dispatch):
     _, calls = dispatch
-    with pytest.warns(op.UntunedShapeWarning, match="gen tune --shapes 256x128 --group 128") as record:
+    with pytest.warns(dispatching.UntunedShapeWarning, match="gen tune --shapes 256x128 --group 128") as record:
         for bucket in (1, 1, 4, 1024):
             assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, bucket).schedule == FALLBACK
-    assert len([w for w in record if issubclass(w.category, op.UntunedShapeWarning)]) == 1
+    assert len([w for w in record if issubclass(w.category, dispatching.UntunedShapeWarning)]) == 1
     assert calls["fallback"] == [1, 4, 1024]
 
 
@@ -515,7 +516,7 @@ def test_concurrent_first_calls_compile_once(dispatch):
 
 def test_a_schedule_for_another_layout_is_refused(dispatch):
     with pytest.raises(ValueError, match="reads weights in layout marlin_mma.v1, but these are packed in other.v9"):
-        op.schedule_for(PROBLEM, 16, CUDA0, layout="other.v9")
+        dispatching.schedule_for(PROBLEM, 16, CUDA0, layout="other.v9")
 
 
 def test_resolving_one_shape_never_blocks_another(dispatch, monkeypatch):
@@ -536,7 +537,7 @@ def test_resolving_one_shape_never_blocks_another(dispatch, monkeypatch):
     slow.start()
     assert entered.wait(30)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", op.UntunedShapeWarning)
+        warnings.simplefilter("ignore", dispatching.UntunedShapeWarning)
         assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16).schedule == TUNED   # while the other waits
         assert op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 1).schedule == FALLBACK
     release.set()
@@ -605,7 +606,7 @@ def test_when_the_replacement_fails_too_the_call_fails(dispatch, monkeypatch):
 
 def test_the_untuned_warning_names_the_tune_of_a_zero_point_bf16_layer(dispatch):
     problem = Problem.make(n=128, k=256, group=128, dtype="bfloat16", zero_points=True)
-    with pytest.warns(op.UntunedShapeWarning,
+    with pytest.warns(dispatching.UntunedShapeWarning,
                       match="gen tune --shapes 256x128 --group 128 --dtype bfloat16 --zero-points"):
         op._launcher(CUDA0, problem, op.DEFAULT_LAYOUT, 1)
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+import runtime.dispatch as dispatching
 import runtime.op as op
 from runtime import QuantLinear, replace_linear, w4a16_gemm
 from runtime.table import BUCKETS, bucket_of
@@ -51,7 +52,7 @@ def kernels():
     """Compile the op's picks for this file's shapes and M values in parallel, before the first test
     loads one (the pinned SPLIT_K kernel compiles on first use)."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", op.UntunedShapeWarning)
+        warnings.simplefilter("ignore", dispatching.UntunedShapeWarning)
         results = op.precompile([Problem(n=n, k=k) for k, n in LLAMA2_7B], ODD_M + SMALL_M + LARGE_M)
         results.update(op.precompile([Problem(n=n, k=k) for k, n in SMALL_SHAPES], SMALL_M))
     for (problem, schedule), error in results.items():
@@ -106,7 +107,7 @@ class PinnedTable:
 
 @pytest.fixture
 def pinned_split_k(monkeypatch):
-    monkeypatch.setattr(op, "_tuned_table", lambda device: PinnedTable(SPLIT_K))
+    monkeypatch.setattr(dispatching, "_tuned_table", lambda device: PinnedTable(SPLIT_K))
     monkeypatch.setattr(op, "_LAUNCHERS", {})
 
 

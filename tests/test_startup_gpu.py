@@ -55,7 +55,8 @@ FIRST_CHOICE = """
     import json, time, warnings
     start = time.perf_counter()
     import torch
-    from runtime.op import DEFAULT_LAYOUT, dispatch_for, problem_of
+    from runtime.dispatch import DEFAULT_LAYOUT, dispatch_for
+    from runtime.op import problem_of
     imported = time.perf_counter()
     problem = problem_of(N, K, 128, "float16")
     with warnings.catch_warnings():
@@ -88,7 +89,7 @@ CONVERT_A_MODEL = """
         precompile_layers([(m.problem, m.qweight.device) for m in layers])
     ready = time.perf_counter()
     from runtime.kernels import is_stored
-    from runtime.op import DEFAULT_LAYOUT, dispatch_for
+    from runtime.dispatch import DEFAULT_LAYOUT, dispatch_for
     from runtime.precompile import plan
     from runtime.table import BUCKETS
     dispatch = dispatch_for(layers[0].qweight.device)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import os
 import shlex
 import statistics
 import sys
@@ -28,12 +26,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from gen.bench import report
+from gen.bench.common import (DEFAULT_GROUP, DEFAULT_MODEL, DEFAULT_MS, DEFAULT_ROUNDS, KERNELS, NO_GPU_EXIT,
+                               error_text, parse_ms, save_json, versions)
 from gen.bench.clocks import ClockLog, summarize
 from gen.bench.contenders import CONTENDERS, KernelUnavailable, LayerWeights, layer_weights
 from gen.cli import positive_int
 
-DEFAULT_MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-KERNELS = ("tilemarlin", "fp16", "torch_int4", "humming")
 # Timed only when named, beside the symmetric kernels in the same run: tilemarlin on the same codes
 # and scales with zero points drawn over 0..15 (asymmetric checkpoints' layers), and with act-order
 # (the activations' columns gathered by a permutation before each GEMM).
@@ -44,28 +42,9 @@ OPTIONAL_KERNELS = ("tilemarlin_zp", "tilemarlin_act", "tilemarlin_w4a8", "fp8_w
 # fp16 results land near 1e-3 and bf16 ones (torch_int4) near 5e-3 of the reference; a wrong layout,
 # scale or reduction lands near 1.
 REL_ERR_LIMIT = 2e-2
-NO_GPU_EXIT = 2
-# FP16's sum moves by up to 3 % between runs on the H200 at M >= 512 while ours stays
-# (docs/performance.md, "How things are measured"): rounds in which every kernel takes its turn put
-# both under the same drift.
-DEFAULT_ROUNDS = 3
-DEFAULT_MODEL = "llama-2-7b"
-DEFAULT_GROUP = 128
 
 
 # --- command line ------------------------------------------------------------------------------------
-
-def parse_ms(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4] (sorted, duplicates dropped); anything but positive integers is an error."""
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part.isdigit() or int(part) == 0:
-            raise argparse.ArgumentTypeError(
-                f"{part!r} is not a positive integer; expected a list such as 1,2,4,16,512")
-        values.append(int(part))
-    return sorted(set(values))
-
 
 def parse_seconds(text: str) -> float:
     try:
@@ -218,14 +197,6 @@ def replays_for(m: int) -> int:
     return 30 if m <= 256 else 10
 
 
-def _error_text(exc: BaseException) -> str:
-    """One line for the row: the message's first line, or its last where it carries a traceback
-    (TVM and TileLang errors end with the statement that matters)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    line = (lines[-1] if lines[0].startswith("Traceback") else lines[0]) if lines else ""
-    return f"{type(exc).__name__}: {line}"[:300]
-
-
 def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rounds: int,
                     between: bool = False, sustain: float | None = None, nvml=None) -> dict:
     """A row per kernel at one point: each checked (where exact), then timed `rounds` times, the
@@ -251,7 +222,7 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
                     raise ValueError(f"wrong result: relative error {err:.2e} > {REL_ERR_LIMIT:.0e}")
             times[kernel] = []
         except Exception as exc:  # a kernel that fails is a result, not a crash
-            rows[kernel].update(us=None, error=_error_text(exc))
+            rows[kernel].update(us=None, error=error_text(exc))
     order, producer, sustained = list(times), [], {kernel: [] for kernel in times}
     produce = activation_producer(x)
     if between:
@@ -271,7 +242,7 @@ def _measure_points(contenders: dict, x, reference, w: LayerWeights, m: int, rou
                 times[kernel].append(us - producer[-1] if between else us)
             except Exception as exc:
                 del times[kernel]
-                rows[kernel].update(us=None, error=_error_text(exc))
+                rows[kernel].update(us=None, error=error_text(exc))
     for kernel, samples in times.items():
         if between:
             rows[kernel]["producer_us"] = statistics.median(producer)
@@ -304,7 +275,7 @@ def _measure_layer(w: LayerWeights, args, skipped: dict, rows: list, windows: di
             skipped[kernel] = str(exc)
             print(f"skipping {kernel}: {exc}", file=sys.stderr)
         except Exception as exc:  # this layer's shape or format does not suit the kernel
-            layer_errors[kernel] = _error_text(exc)
+            layer_errors[kernel] = error_text(exc)
     for m in args.ms:
         x = torch.randn(m, w.k, dtype=w.scales.dtype, device="cuda")
         reference = functools.cache(lambda: reference_matmul(x, w.codes, w.scales))   # only if needed
@@ -338,7 +309,7 @@ def _meta(args, model: str, layers: list) -> dict:
     return {
         "gpu": torch.cuda.get_device_name(0),
         "sm_count": props.multi_processor_count,
-        "versions": _versions(),
+        "versions": versions(),
         "ceilings": {"hbm_read_gbps": hbm_read_bandwidth() / 1e9, "fp16_tflops": fp16_tensor_flops() / 1e12},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["gen", *sys.argv[1:]]),
@@ -356,27 +327,6 @@ def _meta(args, model: str, layers: list) -> dict:
     }
 
 
-def _versions() -> dict:
-    import importlib.metadata
-
-    import torch
-
-    versions = {}
-    try:
-        versions["tilemarlin"] = importlib.metadata.version("tilemarlin")
-    except importlib.metadata.PackageNotFoundError:   # run from a source checkout
-        import tomllib
-
-        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
-        versions["tilemarlin"] = tomllib.loads(pyproject.read_text())["project"]["version"] + "+source"
-    for package in ("tilelang", "humming"):
-        try:
-            versions[package] = __import__(package).__version__
-        except Exception:   # absent or broken: the run notes what it skipped
-            pass
-    versions["torch"] = torch.__version__
-    versions["cuda"] = torch.version.cuda
-    return versions
 
 
 def _precompile_tilemarlin(layers: list, args) -> None:
@@ -399,7 +349,7 @@ def _precompile_tilemarlin(layers: list, args) -> None:
         if "tilemarlin_untuned" in args.kernels:
             failed.update(_precompile_untuned(layers, args))
     except Exception as exc:   # the first calls compile instead, and record any failure per point
-        print(f"precompiling failed ({_error_text(exc)}); kernels compile at first call", file=sys.stderr)
+        print(f"precompiling failed ({error_text(exc)}); kernels compile at first call", file=sys.stderr)
         return
     from runtime.precompile import job_name
 
@@ -454,13 +404,6 @@ def clock_record(clocks: ClockLog, windows: dict) -> dict:
     return {"by_m": {str(m): summarize(clocks.between(spans), top) for m, spans in sorted(windows.items())}}
 
 
-def _save(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)   # a reader never sees half a file
-
-
 def _measure_and_report(args, model: str, layers: list) -> int:
     import torch
 
@@ -478,10 +421,10 @@ def _measure_and_report(args, model: str, layers: list) -> int:
             weights = layer_weights(layer, args.group, bench_dtype(args))
             _measure_layer(weights, args, data["meta"]["skipped"], data["rows"], windows, nvml)
             del weights
-            _save(data, json_path)   # a crash later still leaves the layers done
+            save_json(data, json_path)   # a crash later still leaves the layers done
     data["meta"]["clocks"] = clock_record(clocks, windows)
     data["meta"]["complete"] = True
-    _save(data, json_path)
+    save_json(data, json_path)
     print(f"wrote {json_path}")
     for message in report.write_report(data, args.out, stem, args.markdown):
         print(message, file=sys.stderr)

@@ -64,13 +64,13 @@ def tilemarlin_contender(w: LayerWeights) -> Contender:
 
 
 def untuned_dispatch(problem: Problem):
-    """The op's choices on this GPU (runtime.precompile.Dispatch) as if nobody had tuned `problem`'s
+    """The op's choices on this GPU (runtime.dispatch.Dispatch) as if nobody had tuned `problem`'s
     shape: its entries, in every dtype and form, left out of the tuned table and of the winners the
     fallback transfers from (gen.dev.fallback_check.left_out)."""
     import dataclasses
 
     from gen.dev.fallback_check import left_out
-    from runtime.op import dispatch_for
+    from runtime.dispatch import dispatch_for
 
     dispatch = dispatch_for()
     table, winners = left_out(dispatch.table, dispatch.winners, problem, whole_shape=True)
@@ -83,7 +83,8 @@ def tilemarlin_untuned_contender(w: LayerWeights) -> Contender:
     weights as tilemarlin. Beside tilemarlin on shapes tuned just before, it measures what the
     fallback costs against a tune of the shape."""
     try:
-        from runtime.op import DEFAULT_LAYOUT, dtype_name, launch_schedule
+        from runtime.launch import launch_schedule
+        from runtime.op import DEFAULT_LAYOUT, dtype_name
     except ImportError as exc:
         raise KernelUnavailable(f"runtime.op is not importable: {exc}") from None
     from runtime.kernels import compile_schedule

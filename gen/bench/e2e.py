@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from gen.bench import command, e2e_report
+from gen.bench import common, e2e_report
 from gen.bench import e2e_models as models
 from gen.bench import e2e_steps as steps
 
@@ -84,11 +84,11 @@ def add_arguments(parser) -> None:
                             "weight memory; greedy tokens of tilemarlin against its dequantized weights")
     group.add_argument("--dtype", choices=tuple(models.DTYPES),
                        help="the activations' and scales' dtype, or with --e2e the model's (default: float16)")
-    group.add_argument("--batches", type=command.parse_ms, metavar="B,...",
+    group.add_argument("--batches", type=common.parse_ms, metavar="B,...",
                        help="decode batch sizes (default: %s)" % ",".join(map(str, DEFAULT_BATCHES)))
-    group.add_argument("--contexts", type=command.parse_ms, metavar="T,...",
+    group.add_argument("--contexts", type=common.parse_ms, metavar="T,...",
                        help="decode context lengths (default: %s)" % ",".join(map(str, DEFAULT_CONTEXTS)))
-    group.add_argument("--prefill", type=command.parse_ms, metavar="N,...",
+    group.add_argument("--prefill", type=common.parse_ms, metavar="N,...",
                        help="prefill lengths at batch 1 (default: %s)" % ",".join(map(str, DEFAULT_PREFILL)))
     group.add_argument("--variants", type=parse_variants, metavar="NAME,...",
                        help="variants to measure (default: %s)" % ",".join(models.VARIANTS))
@@ -111,8 +111,8 @@ def misplaced_e2e_flags(args) -> list[str]:
 def _gemm_only_flags(args) -> list[str]:
     """The GEMM bench's flags given to an --e2e run."""
     given = {"--shapes": args.shapes is not None, "--between": args.between, "--sustain": args.sustain is not None,
-             "--ms": args.ms != list(command.DEFAULT_MS), "--kernels": args.kernels != list(command.KERNELS),
-             "--rounds": args.rounds != command.DEFAULT_ROUNDS}
+             "--ms": args.ms != list(common.DEFAULT_MS), "--kernels": args.kernels != list(common.KERNELS),
+             "--rounds": args.rounds != common.DEFAULT_ROUNDS}
     return [flag for flag, present in given.items() if present]
 
 
@@ -124,8 +124,8 @@ def options(args) -> Options:
         raise ValueError(f"{', '.join(wrong)} belong to the GEMM bench; --e2e takes --model, --dtype, --batches, "
                          "--contexts, --prefill, --variants, --group, --compile, --checkpoint")
     if args.checkpoint is not None:
-        given = [flag for flag, present in (("--model", args.model != command.DEFAULT_MODEL),
-                                            ("--group", args.group != command.DEFAULT_GROUP)) if present]
+        given = [flag for flag, present in (("--model", args.model != common.DEFAULT_MODEL),
+                                            ("--group", args.group != common.DEFAULT_GROUP)) if present]
         if given:
             raise ValueError(f"{', '.join(given)}: --checkpoint's config.json says which model it is, and its "
                              "layers carry their own group size")
@@ -199,7 +199,7 @@ def run(args) -> int:
     why = missing_requirement()
     if why:
         print(why, file=sys.stderr)
-        return command.NO_GPU_EXIT
+        return common.NO_GPU_EXIT
     try:
         config = model_config(opts)
     except (ValueError, OSError, KeyError) as exc:
@@ -270,7 +270,7 @@ def _timed_point(point: dict, make_step, replays: int, tokens: int) -> dict:
         step.prime()    # else a compiled forward would compile again inside the capture (a CUDA error)
         us = time_calls([step], replays=replays)
     except Exception as exc:
-        return {**point, "us": None, "error": command._error_text(exc)}
+        return {**point, "us": None, "error": common.error_text(exc)}
     finally:
         _free_memory()
     return {**point, "us": us, "tokens_per_s": tokens / us * 1e6}
@@ -389,7 +389,7 @@ def _built(variant: str, config, opts: Options, data: dict):
         data["meta"]["skipped"][variant] = str(exc)
         say(f"skipping {variant}: {exc}")
     except Exception as exc:  # a model this GPU cannot hold, a layer a kernel does not take
-        data["variants"][variant] = {"error": command._error_text(exc)}
+        data["variants"][variant] = {"error": common.error_text(exc)}
         say(f"{variant} could not be built: {data['variants'][variant]['error']}")
     _free_memory()
     return None
@@ -417,7 +417,8 @@ def _measure_variant(variant: str, config, opts: Options, data: dict) -> None:
     """Build, measure and free one variant, into data["variants"] (or meta's skipped). The tilemarlin
     runtime's warnings (untuned shapes, kernels replaced after their first-run check) are kept in
     the variant's notes."""
-    from runtime.op import KernelCheckWarning, UntunedShapeWarning
+    from runtime.dispatch import UntunedShapeWarning
+    from runtime.op import KernelCheckWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UntunedShapeWarning)
@@ -438,7 +439,7 @@ def _guarded(measure, *args) -> dict:
     try:
         return measure(*args)
     except Exception as exc:
-        return {"error": command._error_text(exc)}
+        return {"error": common.error_text(exc)}
 
 
 def _meta(opts: Options, config, method: str | None = None) -> dict:
@@ -451,7 +452,7 @@ def _meta(opts: Options, config, method: str | None = None) -> dict:
         "kind": "e2e",
         "gpu": torch.cuda.get_device_name(0),
         "sm_count": torch.cuda.get_device_properties(0).multi_processor_count,
-        "versions": {**command._versions(), "transformers": transformers.__version__},
+        "versions": {**common.versions(), "transformers": transformers.__version__},
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["gen", *sys.argv[1:]]),
         "model": model_label(opts.model, opts.checkpoint),
@@ -472,9 +473,9 @@ def _measure_and_report(opts: Options, config, method: str | None = None) -> int
     json_path = e2e_report.output_paths(opts.out, stem)["json"]
     for variant in opts.variants:
         _measure_variant(variant, config, opts, data)
-        command._save(data, json_path)   # a crash later still leaves the variants done
+        common.save_json(data, json_path)   # a crash later still leaves the variants done
     data["meta"]["complete"] = True
-    command._save(data, json_path)
+    common.save_json(data, json_path)
     print(f"wrote {json_path}")
     for message in e2e_report.write_report(data, opts.out, stem, opts.markdown):
         print(message, file=sys.stderr)

@@ -2,7 +2,7 @@
 kernel choices they follow, this one or, with --arch, the tuned table of another (no GPU needed).
 
 With a GPU whose arch is --arch (or no --arch) the choices are exactly the op's on this GPU
-(runtime.op.dispatch_for). Otherwise they follow the tuned table named by --gpu, or the only one of
+(runtime.dispatch.dispatch_for). Otherwise they follow the tuned table named by --gpu, or the only one of
 --arch, and rank untuned shapes with the arch's nominal GPU numbers (schedules.cost.GpuSpec.for_arch):
 a tuned (problem, bucket) is planned exactly, an untuned one as closely as the cost model's numbers
 for that GPU allow.
@@ -33,7 +33,7 @@ class Deployment:
 
     targets: list
     buckets: list[int]
-    dispatch: object          # runtime.precompile.Dispatch
+    dispatch: object          # runtime.dispatch.Dispatch
     gpu: object               # runtime.table.GpuKey of the table followed; None where there is none
     here: bool                # the choices are this GPU's own
     act_order: bool = False   # the layers gather their input's columns first (act-order checkpoints)
@@ -92,8 +92,7 @@ def _dispatch(arch_name: str | None, slug: str | None):
     """(Dispatch, GpuKey or None, whether it is this GPU's)."""
     import torch
 
-    from runtime.op import dispatch_for
-    from runtime.precompile import Dispatch
+    from runtime.dispatch import Dispatch, dispatch_for
     from runtime.table import GpuKey, winners_for_arch
     from schedules.arch import get_arch
     from schedules.cost import GpuSpec

@@ -54,7 +54,7 @@ def run(args) -> int:
     from schedules.quant import quantize_rtn
 
     k, n, dtype = layer.k, layer.n, getattr(torch, args.dtype)
-    schedule = op.schedule_for(problem, args.m)
+    schedule = dispatch.schedule_for(problem, args.m)
     codes, scales = quantize_rtn(torch.randn(k, n, device="cuda", dtype=dtype), args.group, dtype=args.dtype)
     qweight, qscales = op.layout_family(op.DEFAULT_LAYOUT).pack(codes, scales)
     x = torch.randn(args.m, k, device="cuda", dtype=dtype)

@@ -195,7 +195,7 @@ def run(args) -> int:
 
     import torch
 
-    from runtime import op
+    from runtime import dispatch, op
     from schedules.arch import current_arch
     from schedules.registry import Schedule, family
 
@@ -218,7 +218,7 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         print("gen timeline: no CUDA GPU is visible; it runs the kernel", file=sys.stderr)
         return 2
-    schedule = Schedule(args.family, knobs) if args.family else op.schedule_for(problem, args.m)
+    schedule = Schedule(args.family, knobs) if args.family else dispatch.schedule_for(problem, args.m)
     arch = current_arch()
     fam = schedule.module
     reason = fam.check(problem, schedule.knobs, arch)
