@@ -7,12 +7,12 @@ only the output (and a split-K workspace the first time a size is seen on a stre
 the GEMM kernel on the current stream (W4A8: after its activation kernel; act-order layers call
 `tilemarlin::gather_columns` first).
 
-Dispatch: M = x.numel() // K picks an M bucket; the tuned table of this GPU names the schedule for
-(problem, bucket), else its twin's winner or the best of the tuned winners that fit the problem
-(runtime/fallback.py; one warning per problem says how to tune it). The choice and its compiled kernel are cached per (device,
-problem, layout, bucket), so after the first call of a bucket a call costs dictionary lookups; a
-kernel is loaded from the store (or compiled) at most once per process, under a lock of its own, so
-that threads running other shapes never wait for it.
+Choosing a kernel: M = x.numel() // K picks an M bucket, and runtime/dispatch.py the schedule for
+(problem, bucket): the tuned table's, else the fallback's (one warning per problem says how to tune
+it). The choice and its compiled kernel are cached per (device, problem, layout, bucket), so after
+the first call of a bucket a call costs dictionary lookups; a kernel is loaded from the store (or
+compiled) at most once per process, under a lock of its own, so that threads running other shapes
+never wait for it, and checked on its first run (runtime/selfcheck.py).
 """
 from __future__ import annotations
 
