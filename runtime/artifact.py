@@ -67,6 +67,8 @@ def this_machine() -> dict:
         gpu = GpuKey.current()
     except RuntimeError:
         raise ArtifactError("an artifact is checked against this machine's GPU, and no CUDA GPU is visible") from None
+    except ValueError as exc:     # a GPU of an arch that tilemarlin has no kernels for
+        raise ArtifactError(f"this machine's GPU cannot load an artifact: {exc}") from None
     versions = current_versions()
     return {"tilemarlin": versions["tilemarlin"], "kernel_code": _code_fingerprint(), "tilelang": versions["tilelang"],
             "cuda_toolkit": cuda_toolkit(), "cuda": versions["cuda"], "torch": versions["torch"],

@@ -163,6 +163,15 @@ def test_a_machine_without_a_gpu_is_refused(artifact, monkeypatch):
         load_artifact(artifact[0])
 
 
+
+def test_a_gpu_of_an_arch_without_kernels_is_refused_as_an_artifact_error(artifact, monkeypatch):
+    def unknown_arch(device=None):
+        raise ValueError("unknown arch 'sm_120'; known: ['sm_80', 'sm_86', 'sm_89', 'sm_90a']")
+
+    monkeypatch.setattr(GpuKey, "current", unknown_arch)
+    with pytest.raises(ArtifactError, match="this machine's GPU cannot load an artifact: unknown arch 'sm_120'"):
+        load_artifact(artifact[0])
+
 def _repacked(src, dst, member: tarfile.TarInfo, data: bytes = b""):
     """The artifact at `src` with one more member."""
     with tarfile.open(src) as old, tarfile.open(dst, "w:gz") as new:
@@ -298,6 +307,19 @@ def test_export_into_a_missing_folder_says_so(artifact, monkeypatch, capsys, tmp
                      str(tmp_path / "nowhere" / "a.tar.gz")]) != 0
     assert f"no folder {tmp_path / 'nowhere'}" in capsys.readouterr().err
 
+
+
+def test_the_commands_export_suggests_quote_paths_with_spaces():
+    import argparse
+    import shlex
+
+    from gen.deploy.export_cmd import _same_layers
+
+    args = argparse.Namespace(model="/models/my llama/config.json", tp=1, shapes=None, group=128, dtype="float16",
+                              act="dtype", checkpoint=None, buckets=None, arch="sm_90a", gpu=None, unfused=False,
+                              zero_points=False, act_order=False)
+    flags = shlex.split(_same_layers(args))
+    assert flags == ["--model", "/models/my llama/config.json", "--arch", "sm_90a"]
 
 def test_export_refuses_while_kernels_are_missing(artifact, monkeypatch, capsys):
     out, chosen, source = artifact

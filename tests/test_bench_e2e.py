@@ -254,6 +254,35 @@ def test_terminal_report_and_markdown(sample):
     assert "| fp16 | 13.00 | 0.00 | 1.00 |" in md and "- humming not measured" in md
 
 
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(meta=None), "not a gen bench --e2e file"),
+    (lambda d: d.update(variants=[]), "not a gen bench --e2e file"),
+    (lambda d: d["meta"].pop("config"), r"its meta lacks \['config'\]"),
+    (lambda d: d["meta"].update(replays={}), "replays lack decode or prefill"),
+    (lambda d: d["variants"].update(dense="oops"), "variant dense is not an object"),
+    (lambda d: d["variants"]["dense"]["decode"].append(3), "dense decode point"),
+])
+def test_a_malformed_record_is_one_clear_error(sample, tmp_path, capsys, change, message):
+    change(sample)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(sample))
+    with pytest.raises(ValueError, match=message):
+        e2e_report.load(path)
+    args = parse(["--e2e", "--from-json", str(path), "--out", str(tmp_path)])
+    assert args.func(args) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_says_so_in_the_heading(sample):
+    sample["meta"]["complete"] = False
+    del sample["variants"]["tilemarlin"]
+    measured = [v for v in sample["meta"]["variants"] if v in sample["variants"]]
+    note = (f"Incomplete run: {len(measured)} of {len(sample['meta']['variants'])} variants measured "
+            f"({', '.join(measured)})")
+    assert e2e_report.terminal_report(sample).startswith(note)
+    assert note in e2e_report.markdown(sample)
+
 def test_a_checkpoint_run_says_what_its_layers_hold(sample):
     sample["meta"].update(group=None, model="llama-2-7b-gptq", checkpoint={"path": "/m/llama-2-7b-gptq",
                                                                            "quant_method": "gptq"})

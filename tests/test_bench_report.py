@@ -171,6 +171,23 @@ def test_from_json_with_a_missing_file_is_a_clear_error(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
+
+def test_an_interrupted_run_says_its_sums_cover_the_layers_measured(sample):
+    assert report.incomplete_note(sample) is None
+    sample["meta"]["complete"] = False
+    sample["rows"] = [row for row in sample["rows"] if row["layer"] == "qkv"]
+    note = "Incomplete run: 1 of 2 layers measured (qkv); the sums cover those layers only"
+    assert report.incomplete_note(sample) == note
+    assert note in report.terminal_report(sample) and note in report.markdown(sample)
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_anything_runs(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    args = parse(["--from-json", str(SAMPLE), "--out", str(tmp_path / "file" / "sub")])
+    assert args.func(args) == 2
+    assert f"{tmp_path / 'file'} is not a folder" in capsys.readouterr().err
+    assert not (tmp_path / "file" / "sub").exists()
+
 # --- the command line -----------------------------------------------------------------------------------
 
 def test_defaults():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from gen.bench import report
 from gen.bench.common import (DEFAULT_GROUP, DEFAULT_MODEL, DEFAULT_MS, DEFAULT_ROUNDS, KERNELS, NO_GPU_EXIT,
-                               error_text, parse_ms, save_json, versions)
+                               check_output_folder, error_text, parse_ms, save_json, versions)
 from gen.bench.clocks import ClockLog, summarize
 from gen.bench.contenders import CONTENDERS, KernelUnavailable, LayerWeights, layer_weights
 from gen.cli import positive_int
@@ -121,7 +121,7 @@ def register(subparsers) -> None:
                         help="folder for the JSON, plots and markdown (default: %(default)s)")
     parser.add_argument("--markdown", action="store_true",
                         help="also write the layers-summed table as markdown, for the docs")
-    from gen.bench import e2e   # it builds on this module's helpers
+    from gen.bench import e2e   # the --e2e flags
 
     e2e.add_arguments(parser)
     parser.set_defaults(func=run)
@@ -130,6 +130,11 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from gen.bench import e2e
 
+    try:
+        check_output_folder(args.out)
+    except ValueError as exc:
+        print(f"gen bench: {exc}", file=sys.stderr)
+        return 2
     if args.e2e:
         return e2e.run(args)
     misplaced = e2e.misplaced_e2e_flags(args)

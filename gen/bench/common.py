@@ -1,6 +1,6 @@
 """What both of `gen bench`'s modes (gen/bench/command.py, and --e2e: gen/bench/e2e.py) share: the
 command line's defaults and list parser, and how a run is recorded (the versions it ran with, one
-line per error, its JSON saved so that a reader never sees half a file)."""
+line per error, where it goes, its JSON saved so that a reader never sees half a file)."""
 from __future__ import annotations
 
 import argparse
@@ -64,9 +64,20 @@ def versions() -> dict:
     return found
 
 
+def check_output_folder(folder: str | Path) -> None:
+    """A ValueError, before anything is measured, where `folder` (--out) could not be created or
+    written to; creates nothing."""
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {folder}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {folder}: {existing} is not writable")
+
+
 def save_json(data: dict, path: Path) -> None:
-    """Write the run's JSON to `path` through a temporary file and a rename."""
+    """Write the run's JSON to `path` whole (a reader, or a crash, never leaves half a file)."""
+    from runtime.cache_files import atomic_write   # a measuring run has the runtime loaded already
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)   # a reader never sees half a file
+    atomic_write(path, json.dumps(data, indent=1) + "\n")

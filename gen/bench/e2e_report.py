@@ -20,17 +20,44 @@ _LINESTYLES = ("-", "--", ":", "-.")
 GIB = 1 << 30
 
 
+_META_FIELDS = {"gpu", "model", "dtype", "date", "command", "config", "batches", "contexts", "prefill", "variants",
+                "replays"}
+
+
 def load(path: str | Path) -> dict:
-    """A recorded --e2e run, checked for the fields the report relies on."""
+    """A recorded --e2e run, checked for the fields the report relies on (a ValueError that names the
+    first one missing)."""
     data = json.loads(Path(path).read_text())
-    if not isinstance(data, dict) or data.get("meta", {}).get("kind") != "e2e" or "variants" not in data:
-        raise ValueError(f"{path}: not a gen bench --e2e file (expected meta.kind 'e2e' and 'variants')")
+    meta = data.get("meta") if isinstance(data, dict) else None
+    if not isinstance(meta, dict) or meta.get("kind") != "e2e" or not isinstance(data.get("variants"), dict):
+        raise ValueError(f"{path}: not a gen bench --e2e file (expected meta.kind 'e2e' and an object 'variants')")
+    missing = _META_FIELDS - meta.keys()
+    if missing:
+        raise ValueError(f"{path}: its meta lacks {sorted(missing)}")
+    if not isinstance(meta["config"], dict) or {"num_hidden_layers", "hidden_size"} - meta["config"].keys():
+        raise ValueError(f"{path}: its meta's config lacks num_hidden_layers or hidden_size")
+    if not isinstance(meta["replays"], dict) or {"decode", "prefill"} - meta["replays"].keys():
+        raise ValueError(f"{path}: its meta's replays lack decode or prefill")
     for name, record in data["variants"].items():
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}: variant {name} is not an object")
         for kind, keys in (("decode", {"batch", "context", "us"}), ("prefill", {"tokens", "us"})):
             for i, point in enumerate(record.get(kind, [])):
-                if keys - point.keys():
-                    raise ValueError(f"{path}: {name} {kind} point {i} lacks {sorted(keys - point.keys())}")
+                if not isinstance(point, dict) or keys - point.keys():
+                    raise ValueError(f"{path}: {name} {kind} point {i} lacks "
+                                     f"{sorted(keys - point.keys()) if isinstance(point, dict) else sorted(keys)}")
     return data
+
+
+def incomplete_note(data: dict) -> str | None:
+    """What an interrupted run (meta.complete false) measured, for the report's heading; None for a
+    complete run."""
+    meta = data["meta"]
+    if meta.get("complete", True):
+        return None
+    done = [v for v in meta["variants"] if v in data["variants"]]
+    return (f"Incomplete run: {len(done)} of {len(meta['variants'])} variants measured "
+            f"({', '.join(done) or 'none'})")
 
 
 def stem(meta: dict) -> str:
@@ -205,9 +232,11 @@ def _quantization(data: dict) -> str:
 def _heading(data: dict) -> str:
     meta, config = data["meta"], data["meta"]["config"]
     versions = ", ".join(f"{k} {v}" for k, v in meta.get("versions", {}).items())
-    return (f"{meta['gpu']}, {meta['model']} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}), "
-            f"{meta['dtype']}, {_quantization(data)}{', torch.compile' if meta.get('compile') else ''}; "
-            f"{meta['date']}; {versions}")
+    heading = (f"{meta['gpu']}, {meta['model']} ({config['num_hidden_layers']} layers, hidden "
+               f"{config['hidden_size']}), {meta['dtype']}, {_quantization(data)}"
+               f"{', torch.compile' if meta.get('compile') else ''}; {meta['date']}; {versions}")
+    note = incomplete_note(data)
+    return f"{note}. {heading}" if note else heading
 
 
 def terminal_report(data: dict) -> str:
@@ -268,7 +297,8 @@ def plot_tokens(data: dict, path: str | Path) -> Path:
     ax.set_ylabel("tokens/s")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(f"Decode: {data['meta']['model']} on {data['meta']['gpu']}, {data['meta']['dtype']}", fontsize=10)
+    title = f"Decode: {data['meta']['model']} on {data['meta']['gpu']}, {data['meta']['dtype']}"
+    ax.set_title(title + (" (incomplete run)" if incomplete_note(data) else ""), fontsize=10)
     fig.savefig(path, dpi=130)
     return Path(path)
 

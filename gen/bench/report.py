@@ -17,8 +17,8 @@ from pathlib import Path
 BASELINE = "fp16"        # every speedup is over torch.matmul in FP16
 OURS = "tilemarlin"
 PER_ROUND = f"{OURS} speedup per round"   # the summary's column of a --rounds run
-CLOCK = "SM clock (MHz)"                     # ... of a run with nvidia-smi's readings (gen/clocks.py)
-ENERGY = "{} mJ per call (sum)"              # ... of a --sustain run with NVML's energy counter (gen/energy.py)
+CLOCK = "SM clock (MHz)"                     # ... of a run with nvidia-smi's readings (gen/bench/clocks.py)
+ENERGY = "{} mJ per call (sum)"              # ... of a --sustain run with NVML's energy counter (gen/bench/energy.py)
 HELD = f"SM clock held, {BASELINE} / {OURS} (MHz)"   # ... of a --sustain run: the median over the layers
 
 
@@ -305,11 +305,26 @@ def act_order_notes(data: dict) -> list[str]:
     return [f"tilemarlin_act gathers x's columns before each layer's GEMM except {reasons}."]
 
 
+def incomplete_note(data: dict) -> str | None:
+    """What an interrupted run (meta.complete false) measured, since its sums cover those layers only;
+    None for a complete run (or a recording from before the field)."""
+    meta = data["meta"]
+    if meta.get("complete", True):
+        return None
+    done = [name for name, _, _ in layers(data)]
+    planned = meta.get("layers") or []
+    of = f" of {len(planned)}" if planned else ""
+    return (f"Incomplete run: {len(done)}{of} layers measured ({', '.join(done)}); "
+            "the sums cover those layers only")
+
+
 def terminal_report(data: dict) -> str:
     meta = data["meta"]
     parts = [f"{meta.get('gpu', '?')}  {meta.get('model', '?')}  group {meta['group']}  "
              f"HBM read {meta['ceilings']['hbm_read_gbps'] / 1000:.2f} TB/s  "
              f"FP16 {meta['ceilings']['fp16_tflops']:.0f} TFLOP/s"]
+    if incomplete_note(data):
+        parts.append(incomplete_note(data))
     for name, k, n in layers(data):
         parts.append(f"\n{name} (K={k}, N={n})\n" + text_table(*layer_table(data, name)))
     parts.append("\nall layers summed\n" + text_table(*summary_table(data)))
@@ -327,7 +342,8 @@ def markdown(data: dict) -> str:
     return render("bench_table.md.j2", meta=data["meta"], header=header, rows=rows, per_round=PER_ROUND in header,
                   clocks=CLOCK in header,
                   layers=[f"{name} {k}x{n}" for name, k, n in layers(data)],
-                  notes=[f"{k} not measured: {why}" for k, why in data["meta"].get("skipped", {}).items()]
+                  notes=[note for note in [incomplete_note(data)] if note]
+                  + [f"{k} not measured: {why}" for k, why in data["meta"].get("skipped", {}).items()]
                   + clock_notes(data["meta"]) + act_order_notes(data),
                   failures=failures(data))
 
@@ -393,7 +409,7 @@ def plot_speedup(data: dict, path: str | Path) -> Path:
         ax.set_visible(False)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"W4A16 speedup over {baseline_label(meta)}: {meta.get('model', '')} on {meta.get('gpu', '')}, "
-                 f"group {meta['group']}")
+                 f"group {meta['group']}" + (" (incomplete run)" if incomplete_note(data) else ""))
     fig.savefig(path, dpi=130)
     return Path(path)
 

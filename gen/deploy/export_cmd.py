@@ -10,6 +10,7 @@ and a manifest of the versions and the GPU they were built for. Serving machines
 """
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def _same_layers(args, with_target: bool = True) -> str:
     names = ("model", "tp", "shapes", "group", "dtype", "act", "checkpoint", "buckets") + (
         ("arch", "gpu") if with_target else ())
     defaults = {"tp": 1, "group": 128, "dtype": "float16", "act": "dtype"}
-    flags = [f"--{name} {getattr(args, name)}" for name in names
+    flags = [f"--{name} {shlex.quote(str(getattr(args, name)))}" for name in names
              if getattr(args, name) is not None and defaults.get(name) != getattr(args, name)]
     return " ".join(flags + ["--unfused"] * bool(args.unfused) + ["--zero-points"] * bool(args.zero_points)
                     + ["--act-order"] * bool(with_target and args.act_order))

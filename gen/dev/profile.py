@@ -31,7 +31,7 @@ def run(args) -> int:
 
     if args.read_ncu:
         return _read_ncu(args.read_ncu, args.top)
-    from runtime import op      # importing it registers torch.ops.tilemarlin
+    from runtime import dispatch, op      # importing op registers torch.ops.tilemarlin
 
     try:
         if args.shape is None or args.m is None:
