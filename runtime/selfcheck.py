@@ -70,10 +70,15 @@ def check_once(kernel, problem: Problem, schedule: Schedule, bucket: int, device
         pass
 
 
-
-
 def run_check(kernel, problem: Problem, schedule: Schedule, m: int, device: torch.device) -> str | None:
-    """Why the kernel's output at M = m differs from the reference, or None."""
+    """Why the kernel's output at M = m differs from the reference, or None. Runs with the caller's
+    autocast off (it is thread-local and would reach the packing and the reference), and computes the
+    reference in float64, which no TF32 setting rounds."""
+    with torch.autocast(device.type, enabled=False):
+        return _compare(kernel, problem, schedule, m, device)
+
+
+def _compare(kernel, problem: Problem, schedule: Schedule, m: int, device: torch.device) -> str | None:
     # drawn and packed on the device: on the host, packing a Llama-size layer takes most of a second
     gen = torch.Generator(device=device).manual_seed(SEED)
     dtype = torch_dtype(problem.dtype)
@@ -84,7 +89,5 @@ def run_check(kernel, problem: Problem, schedule: Schedule, m: int, device: torc
     qweight, packed_scales = schedule.module.pack(codes, scales, zeros)
     out = torch.full((m, problem.n), float("nan"), dtype=dtype, device=device)
     launch_schedule(kernel, schedule, problem, kernel_activations(problem, a), qweight, packed_scales, out)
-    # in float64, which neither the caller's TF32 setting nor its autocast (thread-local, off here) rounds
-    with torch.autocast(device.type, enabled=False):
-        reference = problem_reference(problem, a, codes, scales, zeros, precision=torch.float64)
+    reference = problem_reference(problem, a, codes, scales, zeros, precision=torch.float64)
     return mismatch(out, reference, problem.dtype)

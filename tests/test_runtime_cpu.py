@@ -705,3 +705,49 @@ def test_the_reference_is_computed_in_float64_whatever_the_caller_set(monkeypatc
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     finally:
         torch.backends.cuda.matmul.fp32_precision = before
+
+
+def test_the_check_of_a_zero_point_kernel_runs_under_the_callers_autocast(monkeypatch):
+    """The drawing, packing and launch run with autocast off too: under a caller's bf16 autocast the
+    packing of fp16 zero points used to fail inside torch.stack."""
+    import runtime.selfcheck as selfcheck
+    from schedules.quant import dequantize
+
+    seen = []
+
+    def exact_kernel(kernel, schedule, problem, a, qweight, scales, out):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        codes, stacked = schedule.module.unpack(qweight, scales)     # each group's scale row, then its zeros
+        weights = dequantize(codes, stacked[0::2], zeros=stacked[1::2])
+        out.copy_((a.double() @ weights.double()).to(out.dtype))
+
+    monkeypatch.setattr(selfcheck, "launch_schedule", exact_kernel)
+    problem = Problem(n=256, k=256, zero_points=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert selfcheck.run_check(None, problem, TUNED, 7, torch.device("cpu")) is None
+        assert torch.is_autocast_enabled("cpu")           # the caller's setting, as it was
+    assert seen == [False]
+
+
+def test_a_read_only_store_checks_again_instead_of_failing(monkeypatch, tmp_path):
+    import pathlib
+
+    import runtime.selfcheck as selfcheck
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100/PCIe")
+    runs = []
+    monkeypatch.setattr(selfcheck, "run_check", lambda kernel, problem, schedule, m, device: runs.append(m))
+
+    def read_only(self, *args, **kwargs):
+        raise PermissionError(13, "read-only", str(self))
+
+    kernel = type("Kernel", (), {"folder": tmp_path})()
+    with monkeypatch.context() as patched:
+        patched.setattr(pathlib.Path, "write_text", read_only)
+        for _ in range(2):
+            selfcheck.check_once(kernel, PROBLEM, TUNED, 16, CUDA0)
+    assert runs == [15, 15] and not selfcheck.is_verified(kernel, 16, CUDA0)
+    selfcheck.check_once(kernel, PROBLEM, TUNED, 16, CUDA0)    # writable again: stamped, under a safe name
+    assert selfcheck.is_verified(kernel, 16, CUDA0)
+    monkeypatch.setattr(torch, "__version__", "9.9.9")       # another torch checks again
+    assert not selfcheck.is_verified(kernel, 16, CUDA0)
