@@ -72,6 +72,41 @@ def test_the_nearest_tuned_layer_and_bucket_come_first():
         distance(problem, 16, winners[2]) + 1.0)
 
 
+
+@pytest.mark.parametrize("faster", ["near", "far"])
+def test_beyond_the_same_shape_the_cost_model_picks_between_the_two_nearest(monkeypatch, faster):
+    """The two nearest winners, nearest first, and the one the cost model estimates faster runs; all
+    but the same shape, the nearest runs whatever the estimates, even where it also won farther away."""
+    import runtime.fallback as fallback
+    from schedules import stream_mma
+    from schedules.registry import Schedule
+
+    near, far = (Schedule("stream_mma", stream_mma.Knobs(1, w, 4, 8, ahead=2)) for w in (4, 8))
+    winners = [TunedWinner(Problem(4096, 4096), 16, far), TunedWinner(Problem(5120, 4096), 16, near),
+               TunedWinner(Problem(5120, 4096), 64, near)]
+    fast = {"near": near, "far": far}[faster]
+    monkeypatch.setattr(fallback, "estimate_us", lambda problem, schedule, bucket, gpu: 1.0 if schedule == fast else 2.0)
+    assert nearest_transfers(Problem(5120, 5120), 16, SM90, winners) == [near, far]
+    assert transferred(Problem(5120, 5120), 16, SM90, H200, winners) == fast
+    assert transferred(Problem(5120, 4352), 16, SM90, H200, winners) == near
+
+
+def test_an_fp8_layers_failed_kernel_is_excluded_in_the_form_it_ran():
+    """W4A16 winners run an FP8 problem in its form (128-deep k-tiles, scales on the sums): the one that
+    failed its check is that form, and the fallback passes it by."""
+    from runtime.fallback import for_problem
+    from schedules.registry import Schedule
+
+    fp8 = Problem(4096, 4096, act="fp8")
+    base = stream_wgmma.Knobs(block_m=64, block_k=64, stages=4, split_k=1)
+    winners = [TunedWinner(Problem(4096, 4096), 256, Schedule("stream_wgmma", base)),
+               TunedWinner(Problem(4096, 4096), 128, Schedule("stream_wgmma", dataclasses.replace(base, stages=6)))]
+    forms = [for_problem(fp8, w.schedule) for w in winners]
+    assert all(form not in (w.schedule for w in winners) for form in forms)
+    first, _ = fallback_schedule(fp8, 256, SM90, H200, winners)
+    second, _ = fallback_schedule(fp8, 256, SM90, H200, winners, exclude=frozenset({first}))
+    assert first in forms and second in forms and second != first
+
 def test_without_a_fitting_winner_the_whole_space_is_ranked(monkeypatch):
     import runtime.fallback as fallback
 
