@@ -220,6 +220,34 @@ def test_replace_linear_builds_every_layers_kernels_in_one_call(compiler):
     assert set(jobs) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
 
 
+
+def test_layers_on_two_gpus_of_one_arch_build_each_kernel_once(compiler):
+    """Every device's kernels are planned, and a kernel two devices share is queued once."""
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    shared, own = Problem(128, 128, 64), Problem(256, 128, 64)
+    build = precompile.start_precompile([(shared, gpu0)])
+    build.add([(shared, gpu1), (own, gpu1)])
+    build.wait()
+    (jobs, _), = compiler
+    assert len(jobs) == len(set(jobs)) and {p for p, _ in jobs} == {shared, own}
+
+
+def test_the_layout_asked_for_is_the_one_planned(compiler):
+    with pytest.raises(ValueError, match="these are packed in other.v9"):
+        precompile.precompile_layers([(Problem(128, 128, 64), torch.device("cuda", 0))], layout="other.v9")
+
+
+def test_ctrl_c_while_waiting_stops_the_workers(compiler, monkeypatch):
+    build = precompile.start_precompile([(Problem(128, 128, 64), torch.device("cuda", 0))])
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build._pool, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build.wait()
+    assert compiler.cancelled == 1
+
 def test_replace_linear_builds_while_it_quantizes(compiler, monkeypatch):
     """The kernels' build starts before the first layer is quantized: quantizing waits (here) until
     the build has begun, which it could not if the build followed the conversion."""
