@@ -489,7 +489,7 @@ def _checked(launcher: _Launcher, bucket: int, device: torch.device) -> _Launche
         # (compared in the problem's form: a winner of another form may become the kernel that failed)
         dispatch = dispatch_for(device)
         replacement, how = fallback_schedule(problem, bucket, dispatch.arch, dispatch.gpu, dispatch.winners,
-                                             exclude=frozenset({schedule}))
+                                             dispatch.table, exclude=frozenset({schedule}))
         warnings.warn(f"{exc}; running {replacement.name} ({how}) instead", KernelCheckWarning, stacklevel=3)
         kernel = compile_schedule(problem, replacement, dispatch.arch)
         selfcheck.check_once(kernel, problem, replacement, bucket, device)

@@ -453,7 +453,7 @@ def dispatch(monkeypatch):
     import schedules.arch
     import schedules.cost
 
-    calls = {"compile": [], "fallback": [], "excluded": []}
+    calls = {"compile": [], "fallback": [], "excluded": [], "tables": []}
     table = StubTable({(PROBLEM, 16): TUNED})
     monkeypatch.setattr(op, "_LAUNCHERS", {})
     monkeypatch.setattr(op, "_UNCHECKED", {})
@@ -467,6 +467,7 @@ def dispatch(monkeypatch):
     def fallback(problem, m, arch, gpu, winners, table=None, exclude=frozenset()):
         calls["fallback"].append(m)
         calls["excluded"].append(exclude)
+        calls["tables"].append(table)
         return FALLBACK, "a stub"
 
     monkeypatch.setattr(runtime.fallback, "fallback_schedule", fallback)
@@ -561,6 +562,7 @@ def test_a_kernel_that_fails_its_first_run_check_is_replaced_with_a_warning(disp
         launcher = op._launcher(CUDA0, PROBLEM, op.DEFAULT_LAYOUT, 16)
     assert launcher.schedule == FALLBACK and checked == [TUNED, FALLBACK] and calls["compile"] == [TUNED, FALLBACK]
     assert calls["excluded"] == [frozenset({TUNED})]          # the kernel that failed is not its own replacement
+    assert calls["tables"] == [dispatch[0]]                   # the twins' winners are offered too
 
 
 def test_a_first_call_inside_a_capture_is_checked_at_the_next_call_outside(dispatch, monkeypatch):
