@@ -24,19 +24,6 @@ def test_without_a_gpu_it_says_so(capsys, monkeypatch):
 
 
 
-def test_on_a_gpu_it_asks_the_runtime_for_the_layers_kernel(monkeypatch):
-    import torch
-
-    from runtime import dispatch
-
-    def chosen(problem, m):
-        raise LookupError(f"asked for {problem.name} at M={m}")
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(dispatch, "schedule_for", chosen)
-    with pytest.raises(LookupError, match="asked for n4096_k4096_g128_float16_w4 at M=16"):
-        main(["profile", "--shape", "4096x4096", "--m", "16"])
-
 NCU_SAMPLE = __import__("pathlib").Path(__file__).parent / "data" / "ncu_source_sample.csv"
 
 
@@ -64,7 +51,8 @@ def test_read_ncu_rejects_other_files(tmp_path, capsys):
     assert main(["profile", "--read-ncu", str(tmp_path / "missing.csv")]) == 2
 
 
-def test_gen_timeline_on_a_gpu_asks_the_runtime_for_the_layers_kernel(monkeypatch):
+@pytest.mark.parametrize("command", ["profile", "timeline"])
+def test_on_a_gpu_it_asks_the_runtime_for_the_layers_kernel(monkeypatch, command):
     import torch
 
     from runtime import dispatch
@@ -75,4 +63,4 @@ def test_gen_timeline_on_a_gpu_asks_the_runtime_for_the_layers_kernel(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dispatch, "schedule_for", chosen)
     with pytest.raises(LookupError, match="asked for n4096_k4096_g128_float16_w4 at M=16"):
-        main(["timeline", "--shape", "4096x4096", "--m", "16"])
+        main([command, "--shape", "4096x4096", "--m", "16"])
