@@ -189,6 +189,55 @@ def test_gptq_rules_that_change_bits_or_group_size(copy_of):
     folder = copy_of("gptq")
     edit_config(folder, lambda q: q.update(dynamic={r"-:.*\.0\..*": {}, r"+:.*down_proj": {"bits": 8}}))
     refused(folder, "config.json: quantization_config.dynamic", "'+:.*down_proj'", "only '-:' rules")
+    edit_config(folder, lambda q: q.update(dynamic={r"+:.*down_proj": {"group_size": 64}}))
+    refused(folder, "config.json: quantization_config.dynamic", "'+:.*down_proj'")
+
+
+def test_gptq_rules_that_repeat_the_global_settings_load(copy_of):
+    """auto-round writes a "+:lm_head" rule with the global bits and group size when it quantizes lm_head."""
+    folder = copy_of("gptq")
+    edit_config(folder, lambda q: q.update(dynamic={"+:lm_head": {"bits": 4, "group_size": 128, "sym": True}}))
+    load_quantized(folder, device="cpu")
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("rotation", "hadamard", "'hadamard'"),
+    ("is_marlin_format", True, "Marlin"),
+])
+def test_gptq_forms_that_need_other_kernels(copy_of, field, value, words):
+    folder = copy_of("gptq")
+    edit_config(folder, lambda q: q.update({field: value}))
+    refused(folder, f"config.json: quantization_config.{field}", words)
+
+
+def test_autogptq_zero_biases_on_layers_without_one_are_dropped(copy_of):
+    """AutoGPTQ up to 0.7 saved a bias for every quantized layer, zeros where the model has none."""
+    folder = copy_of("gptq")
+    edit_tensors(folder, lambda t: t.update({f"{LAYER}.bias": torch.zeros(256, dtype=torch.float16)}))
+    model = load_quantized(folder, device="cpu")
+    assert model.get_submodule(LAYER).bias is None
+    edit_tensors(folder, lambda t: t[f"{LAYER}.bias"].__setitem__(3, 0.5))
+    refused(folder, "model.safetensors", f"{LAYER}.bias", "non-zero bias", "config.json")
+
+
+def test_settings_where_older_writers_kept_them(copy_of):
+    """compressed-tensors up to 0.6 wrote config.json's compression_config; AutoAWQ up to 0.1.5 wrote
+    quant_config.json (no quant_method in it) and nothing in config.json."""
+    for fmt, move in (("compressed-tensors", "compression_config"), ("awq", "quant_config.json")):
+        folder = copy_of(fmt)
+        config = json.loads((folder / "config.json").read_text())
+        settings = config.pop("quantization_config")
+        if move == "compression_config":
+            config[move] = settings
+        else:
+            settings.pop("quant_method")
+            (folder / move).write_text(json.dumps({**settings, "bits": 3}))
+        (folder / "config.json").write_text(json.dumps(config))
+        if move == "quant_config.json":
+            refused(folder, "quant_config.json: bits: 3-bit weights")
+            (folder / move).write_text(json.dumps(settings))
+        model = load_quantized(folder, device="cpu")
+        assert type(model.get_submodule(LAYER)).__name__ == "QuantLinear"
 
 
 def test_errors_in_quantize_config_json_name_that_file(copy_of):
@@ -201,7 +250,8 @@ def test_errors_in_quantize_config_json_name_that_file(copy_of):
     (folder / "quantize_config.json").write_text(json.dumps({**settings, "quant_method": "hqq"}))
     refused(folder, "quantize_config.json: quant_method: 'hqq'")
     (folder / "quantize_config.json").unlink()
-    refused(folder, "config.json: quantization_config: missing (and no quantize_config.json)")
+    refused(folder, "config.json: quantization_config: missing (and no compression_config, quantize_config.json "
+                    "or quant_config.json)")
 
 
 def test_uneven_act_order_groups(copy_of):

@@ -123,14 +123,17 @@ class LayerTensors:
 
 
 CONFIG_FILE = "config.json"
-# AutoGPTQ's settings file: older GPTQ folders have it in place of config.json's quantization_config.
-QUANTIZE_CONFIG_FILE = "quantize_config.json"
+# Where older writers keep the settings, in the order they are looked for when config.json has no
+# quantization_config: compressed-tensors up to 0.6 in config.json's compression_config; AutoGPTQ in
+# quantize_config.json and AutoAWQ up to 0.1.5 in quant_config.json, files that name no quant_method
+# (the method each implies).
+OLDER_CONFIG_KEY = "compression_config"
+SETTINGS_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
 # How errors name a field of the quantization settings, by where they were read: prefix + field.
 QUANTIZATION_CONFIG = f"{CONFIG_FILE}: quantization_config."
-QUANTIZE_CONFIG = f"{QUANTIZE_CONFIG_FILE}: "
 
 
 def config_error(field: str, message: str) -> CheckpointError:
     """An error in config.json's quantization_config, naming the field (the loader renames the place
-    for settings read from QUANTIZE_CONFIG_FILE)."""
+    for settings read elsewhere: OLDER_CONFIG_KEY, SETTINGS_FILES)."""
     return CheckpointError(f"{QUANTIZATION_CONFIG}{field}".rstrip("."), message)

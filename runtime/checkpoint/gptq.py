@@ -7,10 +7,10 @@ Per linear layer with K input and N output features, group size g (-1: one group
 - w[k, n] = scales[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]).
 `checkpoint_format` "gptq" (v1, the default) stores z - 1; GPTQModel's "gptq_v2" stores z. v1 has two
 packings of z = 0, which a nibble of 15 marks:
-- GPTQModel (and AutoGPTQ from 0.8) subtract 0x11111111 from each whole word, so z = 0 borrows from
-  the nibble above; adding the word back, as they do to read v1, recovers every z in 0..15 exactly;
-- older AutoGPTQ ORs each nibble's z - 1 into the word unmasked, so z = 0 (-1) sets every nibble from
-  its own up to 15, and the zero points above it are lost.
+- GPTQModel subtracts 0x11111111 from each whole word, so z = 0 borrows from the nibble above; adding
+  the word back, as it does to read v1, recovers every z in 0..15 exactly;
+- AutoGPTQ ORs each nibble's z - 1 into the word unmasked, so z = 0 (-1) sets every nibble from its
+  own up to 15, and the zero points above it are lost.
 A layer with a 15 below a nibble other than 15 can only be the first (a borrow), and so is a layer
 whose 15s are each the word's top nibble alone (both packings read z = 0 there): those are read word
 by word. A layer whose 15s all run to the word's top, some over two nibbles or more, is the second,
@@ -113,10 +113,27 @@ class GptqFormat:
                                     f"{CHECKPOINT_FORMATS}")
         if str(qcfg.get("pack_dtype", "int32")) != "int32":
             raise config_error("pack_dtype", f"{qcfg['pack_dtype']!r}: only int32 words are read")
-        overrides = [rule for rule in qcfg.get("dynamic") or {} if not str(rule).startswith("-:")]
+        overrides = [rule for rule, settings in (qcfg.get("dynamic") or {}).items()
+                     if not str(rule).startswith("-:") and self._overrides(settings)]
         if overrides:   # GPTQModel's "-:" rules only leave layers unquantized, which the files show
             raise config_error("dynamic", f"per-layer overrides of bits or group size ({overrides[0]!r}) are not "
-                                          "supported; only '-:' rules, which skip layers, are")
+                                          "supported; only '-:' rules, which skip layers, and rules that repeat "
+                                          "the global bits and group size are")
+        if qcfg.get("is_marlin_format"):
+            raise config_error("is_marlin_format", "AutoGPTQ's Marlin repacking (tensors B and s) is not read; "
+                                                   "save the model in the GPTQ layout (qweight, qzeros, scales)")
+        if qcfg.get("rotation"):
+            raise config_error("rotation", f"{qcfg['rotation']!r}: weights quantized after a rotation need "
+                                           "the rotation applied to activations at run time, which tilemarlin "
+                                           "does not do")
+
+    def _overrides(self, settings) -> bool:
+        """Whether a `dynamic` rule's settings change bits or group size (auto-round writes "+:lm_head"
+        rules that repeat the global ones)."""
+        if not isinstance(settings, dict):
+            return True
+        return (settings.get("bits", BITS) != BITS
+                or settings.get("group_size", self.group_size) != self.group_size)
 
     def convert(self, t: LayerTensors, module: nn.Module, bias: torch.Tensor | None,
                 dtype: torch.dtype) -> QuantizedLayer:

@@ -3,8 +3,9 @@ served by tilemarlin's kernels.
 
 1. config.json's `quantization_config` picks the format (`quant_method`) and is checked first, so
    that bit widths, group sizes and layouts the kernels cannot run are refused before any tensor is
-   read. Older GPTQ folders keep those settings in quantize_config.json instead (AutoGPTQ's file,
-   read as vLLM reads it: GPTQ unless it names another method).
+   read. Older writers keep those settings elsewhere, read as vLLM reads them: compressed-tensors up
+   to 0.6 in config.json's `compression_config`, AutoGPTQ in quantize_config.json (GPTQ unless it
+   names another method), AutoAWQ up to 0.1.5 in quant_config.json (AWQ).
 2. The transformers model is built from config.json with its parameters on the meta device: no
    download, no memory and no time spent on random initialization. Buffers computed at construction
    (rotary frequencies) are real.
@@ -42,7 +43,7 @@ from ..op import DEFAULT_LAYOUT
 from ..precompile import PendingBuild
 from .awq import AwqFormat
 from .compressed_tensors import CompressedTensorsFormat
-from .files import (CONFIG_FILE, QUANTIZATION_CONFIG, QUANTIZE_CONFIG, QUANTIZE_CONFIG_FILE, CheckpointError,
+from .files import (CONFIG_FILE, OLDER_CONFIG_KEY, QUANTIZATION_CONFIG, SETTINGS_FILES, CheckpointError,
                     LayerTensors, TensorFiles, config_error)
 from .fold import GatherFolding
 from .gptq import GptqFormat
@@ -70,21 +71,22 @@ def checkpoint_format(qcfg: dict, place: str = QUANTIZATION_CONFIG):
 
 
 def read_quantization_config(model_dir: Path) -> tuple[dict, str]:
-    """(settings, place): config.json's quantization_config, else quantize_config.json's settings
-    (GPTQ's unless they name another quant_method), with how errors name their place
-    (checkpoint_format's `place`)."""
+    """(settings, place): config.json's quantization_config, else where older writers kept the settings
+    (files.OLDER_CONFIG_KEY, then files.SETTINGS_FILES, whose settings take the quant_method their file
+    implies unless they name one), with how errors name their place (checkpoint_format's `place`)."""
     if not Path(model_dir).is_dir():
         raise CheckpointError(str(model_dir), "no such folder")
     config = _read_json(Path(model_dir) / CONFIG_FILE)
-    qcfg = config.get("quantization_config")
-    if qcfg is not None:
-        return qcfg, QUANTIZATION_CONFIG
-    older = Path(model_dir) / QUANTIZE_CONFIG_FILE
-    if older.is_file():
-        settings = _read_json(older)
-        return ({"quant_method": "gptq", **settings} if isinstance(settings, dict) else settings), QUANTIZE_CONFIG
+    for key in ("quantization_config", OLDER_CONFIG_KEY):
+        if config.get(key) is not None:
+            return config[key], f"{CONFIG_FILE}: {key}."
+    for name, method in SETTINGS_FILES.items():
+        if (Path(model_dir) / name).is_file():
+            settings = _read_json(Path(model_dir) / name)
+            return ({"quant_method": method, **settings} if isinstance(settings, dict) else settings), f"{name}: "
     raise CheckpointError(f"{CONFIG_FILE}: quantization_config",
-                          f"missing (and no {QUANTIZE_CONFIG_FILE}): not a quantized checkpoint")
+                          f"missing (and no {OLDER_CONFIG_KEY}, {' or '.join(SETTINGS_FILES)}): not a quantized "
+                          "checkpoint")
 
 
 def _read_json(path: Path):
@@ -101,7 +103,7 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     Parameters
     ----------
     model_dir : a local folder with config.json (its `quantization_config`: quant_method "gptq",
-        "awq" or "compressed-tensors"; or, for GPTQ, quantize_config.json beside it) and
+        "awq" or "compressed-tensors"; or an older writer's settings file beside it) and
         model.safetensors (or the folder's one .safetensors file) or model.safetensors.index.json and
         its shards.
     dtype : torch.float16 or torch.bfloat16, for activations, scales and the dense parameters.
@@ -229,12 +231,20 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
 
 
 def _bias(t: LayerTensors, module: nn.Linear) -> torch.Tensor | None:
-    if module.bias is None:
-        if t.has("bias"):
-            raise t.error("bias", f"the checkpoint has a bias that the layer built from {CONFIG_FILE} lacks")
-        return None
-    return t.require("bias", shape=(module.out_features,), why=f"for out_features={module.out_features}",
-                     floating=True)
+    """The layer's bias. AutoGPTQ up to 0.7 saved a bias for every quantized layer, all zeros where the
+    model has none (TheBloke's and Qwen's GPTQ releases carry them): such a bias is dropped; any other
+    bias on a layer without one is refused."""
+    if t.has("bias"):
+        bias = t.require("bias", shape=(module.out_features,), why=f"for out_features={module.out_features}",
+                         floating=True)
+        if module.bias is not None:
+            return bias
+        if bool((bias == 0).all()):
+            return None
+        raise t.error("bias", f"the checkpoint has a non-zero bias that the layer built from {CONFIG_FILE} lacks")
+    if module.bias is not None:
+        raise t.error("bias", "missing from the checkpoint")
+    return None
 
 
 # Tensors serving does without: an FP8 KV cache's (or attention's) scales, the cache staying in the
