@@ -241,7 +241,10 @@ def tune_on_gpu(args, targets: list[Target], buckets: list[int]) -> int:
         if forced.done:
             print(f"resuming the forced re-tune of these buckets: {len(forced.done)} of {len(pending)} done "
                   "(--restart to start over)")
-            pending = [(p, b) for p, b in pending if not forced.is_done(p, b)]
+            # done only where the table still holds the bucket in this harness: a cleared or stale
+            # table, or a run in the other harness, leaves nothing to resume from
+            pending = [(p, b) for p, b in pending
+                       if not (forced.is_done(p, b) and entry_in_harness(table, p, b, harness) is not None)]
     print(f"tuning on {gpu.name} ({gpu.arch}, {gpu.sm_count} SMs): {len(targets)} shapes x {len(buckets)} buckets, "
           f"{len(pending)} to tune, {len(targets) * len(buckets) - len(pending)} already in {path}"
           + (", timing every call after the activations' producer (--between)" if args.between else ""))
