@@ -382,6 +382,16 @@ def test_cache_clear(capsys, cache_dir):
     assert rc == 0 and not path.exists()
 
 
+def test_cache_clear_with_a_relative_cache_dir_that_holds_the_shipped_tables(capsys, cache_dir, monkeypatch):
+    """A checkout's own cache folder, named relative to the working directory: tune writes there."""
+    path = _table()
+    monkeypatch.setattr(table_module, "shipped_tables_dir", lambda: path.parent.resolve())
+    monkeypatch.chdir(cache_dir.parent)
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", cache_dir.name)
+    rc, out, _ = call(capsys, "cache", "clear", "--tables")
+    assert rc == 0 and not path.exists(), out
+
+
 def test_families_limits_the_search(capsys, cache_dir):
     rc, out, err = call(capsys, "tune", "--shapes", "1024x256", "--buckets", "16", "--top", "3",
                         "--families", "stream_mma", "--dry-run", "--arch", "sm_90a", "--workers", "1")

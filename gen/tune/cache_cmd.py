@@ -115,7 +115,7 @@ def clear(args, paths: list[Path]) -> int:
 
     both = not args.tables and not args.kernels
     # only the tables tune writes: the shipped ones stay beneath them
-    tables = [p for p in paths if p.parent == tables_dir()] if args.tables or both else []
+    tables = [p for p in paths if p.parent.resolve() == tables_dir().resolve()] if args.tables or both else []
     kernels = args.kernels or (both and not args.gpu)
     folders = {p.parent for p in tables} | ({kernel_dir()} if kernels and kernel_dir().exists() else set())
     why = unwritable_cache(sorted(folders))
