@@ -191,19 +191,30 @@ def _problem_dict(p: Problem) -> dict:
 
 def knobs_reason(schedule: Schedule, problem: Problem, arch_name: str) -> str | None:
     """Why a schedule read from a file cannot be trusted: a knob of the wrong type or outside its
-    family's axes, or the family's check on `arch_name`; None when it can."""
+    family's axes (as defined, or as a tune's --axes set them for its run), or the family's check on
+    `arch_name`; None when it can."""
     from schedules.arch import get_arch
+    from schedules.registry import DEFINED_AXES
 
     fam = schedule.module
     defaults = {f.name: f.default for f in dataclasses.fields(fam.Knobs)}
     for name, values in fam.AXES.items():
         # The axis values, and the knob's default (a form a search may have left out of the axes
         # once it stopped winning, while tuned winners still use it).
-        allowed = tuple(values) + ((defaults[name],) if name in defaults else ())
+        allowed = (tuple(values) + tuple(DEFINED_AXES[fam.NAME][name])
+                   + ((defaults[name],) if name in defaults else ()))
         value = getattr(schedule.knobs, name)
-        if not any(type(value) is type(a) and value == a for a in allowed):
+        if not any(_same_typed(value, a) for a in allowed):
             return f"knob {name}={value!r} is not one of the {fam.NAME} axis values {tuple(values)}"
     return fam.check(problem, schedule.knobs, get_arch(arch_name))
+
+
+def _same_typed(value, allowed) -> bool:
+    """value == allowed with the same types throughout (1.0 and True are not 1; tuples element by element)."""
+    if isinstance(allowed, tuple):
+        return (isinstance(value, tuple) and len(value) == len(allowed)
+                and all(_same_typed(v, a) for v, a in zip(value, allowed)))
+    return type(value) is type(allowed) and value == allowed
 
 
 class TunedTable:

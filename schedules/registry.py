@@ -7,6 +7,10 @@ from . import marlin_mma, stream_mma, stream_wgmma
 from .family import Family
 
 FAMILIES: dict[str, Family] = {fam.NAME: fam for fam in (marlin_mma, stream_mma, stream_wgmma)}
+# Each family's axes as defined, before a tune's `--axes` narrows or widens them for its run: a tuned
+# table's entries are judged against these too, so that knob development on one shape leaves the
+# other shapes' entries trusted.
+DEFINED_AXES: dict[str, dict[str, tuple]] = {name: dict(fam.AXES) for name, fam in FAMILIES.items()}
 # The families a search considers unless told otherwise (`--families`).
 SEARCHED: tuple[str, ...] = ("marlin_mma", "stream_mma", "stream_wgmma")
 

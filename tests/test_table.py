@@ -174,6 +174,8 @@ GOOD_PROBLEM = Problem.make(n=4096, k=4096)
     (lambda e: e["schedule"]["knobs"].update(split_k=7), "split_k=7 is not one of"),
     (lambda e: e["schedule"]["knobs"].update(split_k="2"), "split_k='2' is not one of"),
     (lambda e: e["schedule"]["knobs"].update(scale_on_acc=1), "scale_on_acc=1 is not one of"),
+    (lambda e: e["schedule"]["knobs"].update(warps_m=float(e["schedule"]["knobs"]["warps_m"])),
+     r"warps=\(1.0, .* is not one of"),
     (lambda e: e["schedule"]["knobs"].update(block_m=128, block_n=256, block_k=128, num_stages=6), "shared"),
     (lambda e: e.update(us="nan"), "finite and positive"),
     (lambda e: e.update(us=float("inf")), "finite and positive"),
@@ -199,6 +201,23 @@ def test_an_untrusted_entry_is_skipped_and_named_the_rest_kept(tmp_path, change,
     with pytest.warns(TableWarning, match=f"skipped 1 entries: entry 1 .*{reason}"):
         loaded = TunedTable.load(path, GPU)
     assert len(loaded) == 1 and loaded.entry(GOOD_PROBLEM, 1).us == 5.0
+
+
+def test_a_tune_that_narrows_an_axis_keeps_the_entries_outside_it(tmp_path):
+    """`gen tune --axes` narrows a family's axes for its run: the table's other entries stay trusted
+    when it is read and saved meanwhile."""
+    from gen.tune.options import searched_axes
+
+    path = tmp_path / "t.json"
+    table = TunedTable(GPU)
+    table.record(GOOD_PROBLEM, 1, SCHEDULE, 5.0)       # split_k 2
+    table.save(path)
+    with searched_axes({"marlin_mma": {"split_k": (1,)}}):
+        during = TunedTable.load(path, GPU)
+        assert during.entry(GOOD_PROBLEM, 1) is not None
+        during.record(GOOD_PROBLEM, 2, Schedule("marlin_mma", Knobs(block_m=16, block_n=256, split_k=1)), 6.0)
+        during.save(path)
+    assert sorted(b for (_, b), _ in TunedTable.load(path, GPU).items()) == [1, 2]
 
 
 def test_a_repeated_key_keeps_the_first_entry_and_says_so(tmp_path):
