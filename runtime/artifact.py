@@ -302,7 +302,7 @@ def _install_kernels(contents: dict, manifest: dict, root: Path) -> None:
     """Write into a staging folder inside the cache, then rename each kernel folder into the store (a
     reader sees a whole entry or none); a folder that already holds the artifact's files stays, and
     nothing is written when all do."""
-    from .cache_files import writable_folder
+    from .cache_files import swap_in, writable_folder
 
     wanted = [relative for relative in manifest["kernels"] if not _installed(root / relative, relative, manifest)]
     if not wanted:
@@ -316,14 +316,8 @@ def _install_kernels(contents: dict, manifest: dict, root: Path) -> None:
                 (staging / relative / name).write_bytes(contents[f"{relative}/{name}"])
             folder = root / relative
             folder.parent.mkdir(parents=True, exist_ok=True)
-            old = folder.with_name(f"{folder.name}.{os.getpid()}.old")
-            if folder.exists():        # stale, incomplete or damaged: moved aside, then removed
-                os.replace(folder, old)
-            try:
-                os.replace(staging / relative, folder)
-            except OSError:            # another process put it in place meanwhile
-                if not _installed(folder, relative, manifest):
-                    raise
-            shutil.rmtree(old, ignore_errors=True)
+            # one that another server of the same artifact installed meanwhile stays; a stale,
+            # incomplete or damaged one is replaced
+            swap_in(staging / relative, folder, keep=lambda f, relative=relative: _installed(f, relative, manifest))
     finally:
         shutil.rmtree(staging, ignore_errors=True)

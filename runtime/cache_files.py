@@ -1,11 +1,13 @@
 """Writing into tilemarlin's cache safely: the lock tuners share, folders that must be writable,
-and files replaced whole. The tuned tables (runtime/table.py), the kernel store (runtime/kernels.py),
+files replaced whole and store folders swapped in whole. The tuned tables (runtime/table.py), the kernel store (runtime/kernels.py),
 deployment artifacts and the gen commands that write use them."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def table_lock(path):
@@ -43,3 +45,21 @@ def atomic_write(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def swap_in(staging: Path, folder: Path, keep: Callable[[Path], bool]) -> None:
+    """Put the finished folder `staging` in place as `folder`, so that a reader sees a whole entry or
+    none. Writers of one store folder take turns under a lock beside it: an entry already there that
+    `keep` accepts (another process put the same one in place) stays and `staging` goes; any other
+    (stale, damaged) is moved aside under a name of its own, then removed."""
+    from filelock import FileLock
+
+    with FileLock(str(folder.parent / ".swap.lock")):
+        if folder.exists() and keep(folder):
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".old"))
+        if folder.exists():
+            os.replace(folder, aside)     # onto the empty folder mkdtemp made
+        os.replace(staging, folder)
+    shutil.rmtree(aside, ignore_errors=True)

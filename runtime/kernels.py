@@ -47,6 +47,8 @@ from schedules.arch import Arch, get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
 
+from .cache_files import swap_in
+
 _LOCK = threading.Lock()            # guards the dicts below; held for lookups and inserts only
 _LOADED: dict[tuple, "CompiledKernel"] = {}
 _KEY_LOCKS: dict[tuple, threading.Lock] = {}
@@ -242,10 +244,10 @@ def _build_into(folder: Path, problem: Problem, schedule: Schedule, arch: Arch) 
 
 def _store_entry(folder: Path, jit, ident: dict) -> None:
     """Put a built kernel's entry in place atomically: a reader sees all of it or none. Parallel
-    builders of one kernel each write their own staging folder; the last rename wins."""
-    staging = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    builders of one kernel each write their own staging folder; the first in place stays."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".tmp"))
+    os.chmod(staging, 0o755)       # mkdtemp's 0700 would hide a shared store's kernel from other users
     try:
         jit.export_library(str(staging / "kernel.so"))
         (staging / "kernel.cu").write_text(jit.get_kernel_source())
@@ -254,14 +256,8 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
     except BaseException:          # a failed export leaves nothing behind in the store
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    old = folder.with_name(f"{folder.name}.{os.getpid()}.{threading.get_ident()}.old")
-    if folder.exists():            # a stale entry (another toolkit): moved aside, then removed
-        os.replace(folder, old)
-    try:
-        os.replace(staging, folder)
-    except OSError:                # another builder put the same kernel in place first
-        shutil.rmtree(staging, ignore_errors=True)
-    shutil.rmtree(old, ignore_errors=True)
+    # another builder's current entry stays; a stale one (another toolkit) is replaced
+    swap_in(staging, folder, keep=_is_current)
 
 
 # The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype, arch), "module:function", and

@@ -5,6 +5,7 @@ outside the cache."""
 import hashlib
 import io
 import json
+import multiprocessing
 import shutil
 import tarfile
 
@@ -393,3 +394,29 @@ def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, ca
     assert all(folder.relative_to(source).as_posix() in manifest["kernels"] for folder in folders)
     assert {("fp8", b) for b in BUCKETS} <= shipped       # every FP8 entry: they decide the W4A16 buckets
     assert {("dtype", b) for b, p in served.items() if not p.fp8} <= shipped
+
+
+def _serve(path, barrier, errors):
+    barrier.wait()
+    try:
+        load_artifact(path)
+    except BaseException as exc:                     # noqa: BLE001: the parent names it
+        errors.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_servers_loading_one_artifact_into_one_cache_at_once_all_succeed(artifact):
+    """One server per GPU of a node, each loading the artifact at its start into a shared cache."""
+    out, _, _ = artifact
+    ctx = multiprocessing.get_context("fork")       # the children keep the fixture's stubs
+    failures = []
+    for _ in range(12):
+        shutil.rmtree(store.cache_root(), ignore_errors=True)
+        barrier, errors = ctx.Barrier(8), ctx.Queue()
+        servers = [ctx.Process(target=_serve, args=(str(out), barrier, errors)) for _ in range(8)]
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.join(120)
+        while not errors.empty():
+            failures.append(errors.get())
+    assert not failures, f"{len(failures)} of 96 loads failed, e.g. {failures[0]}"
