@@ -6,7 +6,8 @@ apart.
 Shapes are K x N (input features x output features). With tensor parallelism, the column-parallel
 layers (qkv, gate_up) split their outputs N across ranks and the row-parallel ones (o, down) split
 their inputs K. No downloads: the registry holds the few config.json fields that decide the shapes,
-and any Hugging Face config.json can be given by path.
+and a dense decoder's Hugging Face config.json can be given by path (mixture-of-experts and latent-
+attention configs are refused: their layers are others).
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def layers_from_config(config: dict, tp: int = 1, fused: bool = True) -> list[La
     else:
         raise ValueError(f"num_key_value_heads={kv_heads} can neither be split nor replicated over --tp {tp}")
     inter = _split(intermediate, tp, "intermediate_size")
-    if not fused:
+    if not fused and config.get("model_type") not in FUSED_IN_TRANSFORMERS:
         return [
             Layer("q_proj", hidden, q_heads * head_dim, "column"),
             Layer("k_proj", hidden, kv_per_rank * head_dim, "column"),
@@ -145,16 +146,30 @@ def layers_from_config(config: dict, tp: int = 1, fused: bool = True) -> list[La
     ]
 
 
+# Fields of configs whose layers are not the dense decoder's q, k, v, o, gate, up and down: experts
+# (transformers builds their weights as 3-D parameters, not linear layers) and multi-head latent
+# attention (other projections). Their shapes would come out wrong, so they are refused.
+OTHER_ARCHITECTURE_FIELDS = {"num_experts": "mixture of experts", "num_local_experts": "mixture of experts",
+                             "n_routed_experts": "mixture of experts", "moe_intermediate_size": "mixture of experts",
+                             "kv_lora_rank": "multi-head latent attention"}
+# Model types whose transformers modules already fuse q, k, v and gate, up (Phi-3's qkv_proj and
+# gate_up_proj): their layers as transformers runs them are the fused ones.
+FUSED_IN_TRANSFORMERS = ("phi3",)
+
+
 def read_config(name_or_config_path: str) -> tuple[dict, bool]:
     """(config fields, whether registered): a registered model's (see MODELS) or a config.json's
-    given by path, a multimodal config's language-model fields (its text_config)."""
+    given by path (or by its folder), a multimodal config's language-model fields (its text_config).
+    A config of another architecture (OTHER_ARCHITECTURE_FIELDS) is a ValueError that names the field."""
     config = MODELS.get(str(name_or_config_path).lower())
     if config is not None:
         return dict(config), True
     path = Path(name_or_config_path)
+    if path.is_dir():
+        path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"unknown model {name_or_config_path!r}: neither a registered model "
-                         f"({', '.join(MODELS)}) nor a config.json file")
+                         f"({', '.join(MODELS)}) nor a config.json file (or a folder that holds one)")
     try:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -162,7 +177,12 @@ def read_config(name_or_config_path: str) -> tuple[dict, bool]:
     if not isinstance(config, dict):
         raise ValueError(f"model config {path} is not a JSON object")
     if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
+        config = {"torch_dtype": config.get("torch_dtype"), **config["text_config"]}
+    other = next((field for field in OTHER_ARCHITECTURE_FIELDS if config.get(field)), None)
+    if other:
+        raise ValueError(f"model config {path}: {other}={config[other]!r}: a {OTHER_ARCHITECTURE_FIELDS[other]} model, "
+                         "whose layers are not a dense decoder's q, k, v, o, gate, up and down; name its layers "
+                         "with --shapes, or tune a checkpoint's with --checkpoint")
     return config, False
 
 

@@ -1,6 +1,7 @@
 """`gen tune` and `gen cache` without a GPU: argument handling, resume, the dry run (one real
 compile), and listing, showing and clearing the cache."""
 import argparse
+import json
 import itertools
 
 import pytest
@@ -644,3 +645,22 @@ def test_clearing_a_read_only_cache_is_an_error_that_names_it(capsys, cache_dir,
     rc, _, err = call(capsys, "cache", "clear", "--tables")
     assert rc == 2 and f"{cache_dir / 'tuned'} is not writable" in err and "TILEMARLIN_CACHE_DIR" in err
     assert read_only_cache() == {}
+
+
+@pytest.mark.parametrize("models", [",", " , "])
+def test_a_model_list_that_names_no_model_is_an_error(capsys, models):
+    rc, _, err = call(capsys, "tune", "--model", models, "--dry-run", "--arch", "sm_90a")
+    assert rc == 2 and "name the layers" in err
+
+
+def test_a_config_of_the_other_dtype_is_noted(capsys, tmp_path):
+    from gen.models import MODELS
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(MODELS["llama-2-7b"], torch_dtype="bfloat16")))
+    args = parse("tune", "--model", str(tmp_path / "config.json"), "--dry-run", "--arch", "sm_90a")
+    targets = options.targets_from_args(args)
+    assert {t.problem.dtype for t in targets} == {"float16"}
+    assert "says bfloat16; its layers are planned in --dtype float16" in capsys.readouterr().err
+    args = parse("tune", "--model", str(tmp_path), "--dtype", "bfloat16", "--dry-run", "--arch", "sm_90a")
+    options.targets_from_args(args)
+    assert "note:" not in capsys.readouterr().err

@@ -121,3 +121,27 @@ def test_malformed_config_fields_are_named(tmp_path, fields, message):
     path.write_text(json.dumps(dict(MODELS["llama-2-7b"], **fields)))
     with pytest.raises(ValueError, match=message):
         model_layers(str(path))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"num_local_experts": 8}, "num_local_experts=8: a mixture of experts model"),
+    ({"num_experts": 128, "moe_intermediate_size": 768}, "num_experts=128: a mixture of experts model"),
+    ({"n_routed_experts": 64}, "n_routed_experts=64"),
+    ({"kv_lora_rank": 512}, "kv_lora_rank=512: a multi-head latent attention model"),
+])
+def test_configs_of_other_architectures_are_refused(tmp_path, fields, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(MODELS["llama-2-7b"], **fields)))
+    with pytest.raises(ValueError, match=message):
+        model_layers(str(path))
+    path.write_text(json.dumps(dict(MODELS["llama-2-7b"], num_local_experts=None, num_experts=0)))
+    assert model_layers(str(path)) == model_layers("llama-2-7b")     # unset fields of a dense model
+
+
+def test_a_config_by_its_folder_and_phi3s_own_fused_modules(tmp_path):
+    """Phi-3's transformers modules are qkv_proj and gate_up_proj: unfused, it is what it is fused."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(MODELS["llama-3-8b"], model_type="phi3")))
+    assert model_layers(str(tmp_path)) == model_layers("llama-3-8b")
+    assert model_layers(str(tmp_path), fused=False) == model_layers("llama-3-8b")
+    (tmp_path / "config.json").write_text(json.dumps(dict(MODELS["llama-3-8b"], model_type="llama")))
+    assert model_layers(str(tmp_path), fused=False) == model_layers("llama-3-8b", fused=False)

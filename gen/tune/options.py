@@ -37,18 +37,20 @@ def targets_from_args(args) -> list[Target]:
     is a ValueError naming it."""
     from runtime.op import problem_of
 
-    from gen.models import model_layers, parse_shapes
+    from gen.models import layers_from_config, parse_shapes, read_config
 
     if getattr(args, "checkpoint", None):
         return checkpoint_targets(args)
-    if not args.model and not args.shapes:
+    models = [name.strip() for name in (args.model or "").split(",") if name.strip()]
+    if not models and not args.shapes:
         raise ValueError("name the layers: --model NAME|PATH/config.json[,...] and/or --shapes KxN,..., or "
                          "--checkpoint DIR")
-    models = [name.strip() for name in (args.model or "").split(",") if name.strip()]
     named = []      # (layer name, layer); with several models each name says its model
     for model in models:
         prefix = f"{model}:" if len(models) > 1 else ""
-        named += [(prefix + layer.name, layer) for layer in model_layers(model, tp=args.tp, fused=not args.unfused)]
+        config, registered = read_config(model)
+        _note_config_dtype(model, config, registered, args.dtype)
+        named += [(prefix + layer.name, layer) for layer in layers_from_config(config, args.tp, not args.unfused)]
     named += [(layer.name, layer) for layer in (parse_shapes(args.shapes) if args.shapes else [])]
     targets: dict[Problem, Target] = {}
     for name, layer in named:
@@ -59,6 +61,18 @@ def targets_from_args(args) -> list[Target]:
             raise ValueError(f"layer {name} ({layer.shape}): {exc}") from None
         targets.setdefault(problem, Target(problem, [])).layers.append(name)
     return list(targets.values())
+
+
+def _note_config_dtype(model: str, config: dict, registered: bool, dtype: str) -> None:
+    """A note where a config.json given by path names the other activation dtype than --dtype: its
+    model, served in its own dtype, would look up the other dtype's entries."""
+    import sys
+
+    from schedules.problem import SUPPORTED_DTYPES
+
+    wanted = config.get("torch_dtype", config.get("dtype"))
+    if not registered and wanted in SUPPORTED_DTYPES and wanted != dtype:
+        print(f"note: {model} says {wanted}; its layers are planned in --dtype {dtype}", file=sys.stderr)
 
 
 # The layer flags that --checkpoint decides itself, with their defaults.
