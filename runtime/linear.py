@@ -84,6 +84,8 @@ class QuantLinear(nn.Module):
             raise ValueError(f"scales {tuple(scales.shape)} do not fit codes {tuple(codes.shape)}: expected "
                              f"[K / group, N] with N={n} and a whole number of groups in K={k}")
         problem_of(n, k, k // scales.shape[0], dtype_name(scales.dtype), layout, zeros is not None, act)
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ValueError(f"bias {tuple(bias.shape)} does not fit N={n}: expected [N]")
         _check_codes(codes)
         _check_scales(scales)
         if zeros is not None:
@@ -185,11 +187,22 @@ class QuantLinear(nn.Module):
         return split_zero_points(self.scales)[1] if self.zero_points else None
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        """As nn.Module's, then with zero points a check that the loaded zero-point rows of `scales`
+        """As nn.Module's, for an int32 `qweight` (a cast would change its words) and scales that are
+        finite and not negative; then with zero points a check that the loaded zero-point rows of `scales`
         hold what the kernels decode, whole numbers in 0..15 (not, say, pre-scaled offsets), and with
         act-order that `perm` is a permutation of the input features (the gather kernel reads x's row
         at each index unchecked)."""
+        stored = state_dict.get(prefix + "qweight")
+        if stored is not None and stored.dtype != torch.int32:
+            raise ValueError(f"{prefix}qweight must be int32 (eight packed codes a word), got {stored.dtype}: "
+                             "a cast of the state dict changes its words' values")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        scales = state_dict.get(prefix + "scales")
+        if scales is not None and scales.shape == self.scales.shape and not scales.is_meta:   # else a size error
+            try:
+                _check_scales(split_zero_points(scales)[0] if self.zero_points else scales, zero_too=True)
+            except ValueError as exc:
+                raise ValueError(f"{prefix}scales: {exc}") from None
         if self.perm is not None and self.perm.dtype != torch.int32:     # load_state_dict(assign=True)
             self.perm = self.perm.to(torch.int32)                           # takes the stored dtype
         if self.perm is not None and prefix + "perm" in state_dict:
@@ -222,6 +235,11 @@ class QuantLinear(nn.Module):
                 f"zero_points={self.zero_points}" + (f", act={self.act}" if self.act != "dtype" else ""))
 
 
+# Linear layers whose owner reads their weight itself instead of calling them: nn.MultiheadAttention's
+# out_proj. Left as they are.
+WEIGHT_READ_BY_OWNER = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
+
+
 def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | Iterable[str] | None = None,
                    group_size: int = 128, skip: Iterable[str] = ("lm_head",), precompile: bool = True,
                    max_m: int | None = None, zero_points: bool = False, act: str = "dtype") -> nn.Module:
@@ -234,6 +252,7 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         substrings (a layer is converted when its name contains one of them).
     group_size : input rows per scale; -1 for one scale per output column.
     skip : name substrings never converted; the default keeps the (often tied) lm_head in fp16.
+        nn.MultiheadAttention's out_proj, whose weight the attention reads itself, is never converted.
     zero_points : a zero point per group and column (QuantLinear.from_linear); symmetric by default.
     act : "fp8" runs the layers as W4A8 (FP8 activations per token, Hopper; see QuantLinear).
     precompile, max_m : build every kernel the converted layers will run for M up to `max_m` (all
@@ -246,12 +265,16 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
     anything is built; every weight finite: the build then stops after its current kernels), and
     when no layer matched; the model is then left as it was.
     """
+    if isinstance(model, nn.Linear):
+        raise TypeError("replace_linear converts the nn.Linear layers inside a model; for one layer use "
+                        "QuantLinear.from_linear(linear)")
     wanted = _name_filter(filter)
-    skip = (skip,) if isinstance(skip, str) else tuple(skip)
+    skip = (skip,) if isinstance(skip, str) else tuple(skip or ())
     places: list[tuple[str, nn.Linear]] = []
     problems: dict[int, Problem] = {}   # a module shared under two names is converted once
     for name, module in list(model.named_modules(remove_duplicate=False)):
-        if not isinstance(module, nn.Linear) or any(s in name for s in skip) or not wanted(name, module):
+        if (not isinstance(module, nn.Linear) or isinstance(module, WEIGHT_READ_BY_OWNER)
+                or any(s in name for s in skip) or not wanted(name, module)):
             continue
         try:
             if module.weight.is_meta:
@@ -268,20 +291,24 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
     build = start_precompile([(problems[key], module.weight.device) for key, module in modules.items()], max_m) \
         if precompile else None
     try:
-        _swap_in(model, places, group_size, zero_points, act)
+        converted = _quantized(places, group_size, zero_points, act)
         if build is not None:
             build.wait()
     except BaseException:
         if build is not None:
             build.cancel()
         raise
+    # swapped in only once every layer is quantized and every kernel built: a refusal or a failed
+    # build leaves the model whole
+    for name, module in places:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(module)])
     return model
 
 
-def _swap_in(model: nn.Module, places: list[tuple[str, nn.Linear]], group_size: int, zero_points: bool,
-             act: str) -> None:
-    """replace_linear's conversion: every layer quantized first, then swapped in, so that a refusal
-    leaves the model whole."""
+def _quantized(places: list[tuple[str, nn.Linear]], group_size: int, zero_points: bool,
+               act: str) -> dict[int, QuantLinear]:
+    """replace_linear's conversion of each distinct layer, by the id of its nn.Linear."""
     converted: dict[int, QuantLinear] = {}
     for name, module in places:
         if id(module) not in converted:
@@ -290,9 +317,7 @@ def _swap_in(model: nn.Module, places: list[tuple[str, nn.Linear]], group_size: 
                                                                 zero_points=zero_points, act=act)
             except (ValueError, TypeError) as exc:
                 raise _refusal(name, module, exc) from None
-    for name, module in places:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(module)])
+    return converted
 
 
 def _refusal(name: str, module: nn.Module, exc: Exception) -> ValueError:
@@ -318,15 +343,17 @@ def _check_codes(codes: torch.Tensor) -> None:
                          "numbers in 0..15")
 
 
-def _check_scales(scales: torch.Tensor) -> None:
-    """A ValueError naming the first scale that is not finite and positive, and how many there are."""
-    ok = torch.isfinite(scales) & (scales > 0)
+def _check_scales(scales: torch.Tensor, zero_too: bool = False) -> None:
+    """A ValueError naming the first scale that is not finite and positive (`zero_too`: or zero, a layer
+    of zeros, as a state dict of a layer never filled holds), and how many there are."""
+    ok = torch.isfinite(scales) & ((scales >= 0) if zero_too else (scales > 0))
     bad = _first_false(ok)
     if bad is not None:
         group, column = bad
         more = int((~ok).sum()) - 1
+        allowed = "finite and not negative" if zero_too else "finite and positive"
         raise ValueError(f"scale {scales[group, column].item()} at group {group}, column {column}"
-                         + (f" (and {more} more)" if more else "") + ": scales must be finite and positive")
+                         + (f" (and {more} more)" if more else "") + f": scales must be {allowed}")
 
 
 def _name_filter(filter) -> Callable[[str, nn.Module], bool]:

@@ -211,6 +211,16 @@ def _model():
     return model.half()
 
 
+def test_a_failed_build_leaves_the_model_as_it_was(compiler):
+    model = _model()
+    compiler.outcome = lambda job: "nvcc said no"
+    with pytest.raises(RuntimeError, match="kernels failed to build"):
+        replace_linear(model, group_size=64)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    replace_linear(model, group_size=64, precompile=False)       # the retry the message suggests
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+
+
 def test_replace_linear_builds_every_layers_kernels_in_one_call(compiler):
     replace_linear(_model(), group_size=64)
     assert len(compiler) == 1

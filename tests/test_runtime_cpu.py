@@ -260,6 +260,36 @@ def test_replace_linear_without_a_match_says_so():
         replace_linear(TinyModel().half(), filter="o_proj")
 
 
+def test_replace_linear_of_one_layer_points_to_from_linear():
+    with pytest.raises(TypeError, match="QuantLinear.from_linear"):
+        replace_linear(_linear())
+
+
+def test_replace_linear_leaves_multihead_attentions_own_projection_and_takes_no_skip():
+    """nn.MultiheadAttention reads out_proj.weight itself instead of calling out_proj."""
+    layer = nn.TransformerEncoderLayer(d_model=256, nhead=4, dim_feedforward=512).half()
+    replace_linear(layer, group_size=64, skip=None)
+    assert type(layer.self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert isinstance(layer.linear1, QuantLinear) and isinstance(layer.linear2, QuantLinear)
+
+
+def test_a_bias_that_does_not_fit_n_is_refused():
+    codes, scales = torch.randint(0, 16, (256, 128)), torch.full((2, 128), 0.01, dtype=torch.float16)
+    for bias in (torch.zeros(64, dtype=torch.float16), torch.zeros(1, dtype=torch.float16)):
+        with pytest.raises(ValueError, match=r"bias \(\d+,\) does not fit N=128"):
+            QuantLinear.from_codes(codes, scales, bias, precompile=False)
+
+
+def test_a_state_dict_of_cast_words_or_bad_scales_is_refused():
+    state = QuantLinear.from_linear(_linear(), group_size=64).state_dict()
+    with pytest.raises(ValueError, match="qweight must be int32.*torch.float32"):
+        QuantLinear(256, 192, group_size=64).load_state_dict({**state, "qweight": state["qweight"].float()})
+    scales = state["scales"].clone()
+    scales[1, 5] = float("nan")
+    with pytest.raises(ValueError, match="scales: scale nan at group 1, column 5"):
+        QuantLinear(256, 192, group_size=64).load_state_dict({**state, "scales": scales})
+
+
 def test_replace_linear_on_a_tiny_llama_matches_fake_quantized_weights(cpu_op):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
