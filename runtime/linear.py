@@ -219,6 +219,13 @@ class QuantLinear(nn.Module):
                                  f"points themselves; {exc}") from None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if autocast:    # as nn.Linear under autocast: any float input, the output in autocast's dtype
+            x = x.to(self.scales.dtype)
+        y = self._product(x)
+        return y.to(torch.get_autocast_dtype(x.device.type)) if autocast else y
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = gather_columns(x, self.perm)
         if self.act == "fp8":

@@ -184,6 +184,19 @@ def test_forward_matches_the_reference(cpu_op):
     torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_under_autocast_any_float_input_runs_and_the_output_takes_autocasts_dtype(cpu_op, x_dtype):
+    """As nn.Linear under autocast; the kernel runs in the layer's dtype (fp16 here)."""
+    layer = QuantLinear.from_linear(_linear(), group_size=64)
+    x = torch.randn(3, 256, dtype=torch.float16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x.to(x_dtype))
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), layer(x.to(x_dtype).half()).float(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(TypeError, match="torch.float32"):
+        layer(x.float())                          # without autocast a dtype mismatch stays an error
+
+
 # --- replace_linear ------------------------------------------------------------------------------
 
 class Block(nn.Module):
