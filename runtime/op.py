@@ -147,17 +147,32 @@ def _define(name: str, impl, fake):
 
 class _NoGradient(torch.autograd.Function):
     """An op's output where an input requires a gradient: a backward through it refuses (frozen
-    quantized weights; the ops serve inference)."""
+    quantized weights; the ops serve inference). It refuses when it runs, through the refuse_gradient
+    op, not when torch.compile traces it: compiling a model whose parameters require gradients traces
+    its backward too, and that must not fail a forward that never runs one."""
 
     @staticmethod
     def forward(ctx, qualified: str, out: torch.Tensor, *inputs):
         ctx.qualified = qualified
+        ctx.inputs = [(i, a.shape, a.dtype) for i, a in enumerate(inputs) if a.requires_grad]
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(f"{ctx.qualified} has no gradient: tilemarlin serves inference with frozen INT4 "
-                           f"weights; run the model under torch.no_grad() or torch.inference_mode()")
+    def backward(ctx, grad):
+        grads = [None] * len(ctx.needs_input_grad)
+        index, shape, dtype = ctx.inputs[0]
+        grads[2 + index] = refuse_gradient(grad, grad.new_empty(shape, dtype=dtype), ctx.qualified)
+        return tuple(grads)
+
+
+def _refuse_gradient(grad: torch.Tensor, like: torch.Tensor, qualified: str) -> torch.Tensor:
+    """A backward through op `qualified`, refused (the gradient it stands for would be `like`'s)."""
+    raise RuntimeError(f"{qualified} has no gradient: tilemarlin serves inference with frozen INT4 "
+                       f"weights; run the model under torch.no_grad() or torch.inference_mode()")
+
+
+def _refuse_gradient_fake(grad: torch.Tensor, like: torch.Tensor, qualified: str) -> torch.Tensor:
+    return torch.empty_like(like)
 
 
 def _gemm(x, qweight, scales, n, k, group, layout, zero_points, act, name) -> torch.Tensor:
@@ -200,6 +215,7 @@ def _w4a8_gemm_fake(x, qweight, scales, n, k, group, layout=DEFAULT_LAYOUT):
     return x.new_empty((*x.shape[:-1], n))
 
 
+refuse_gradient = _define("refuse_gradient", _refuse_gradient, _refuse_gradient_fake)
 _W4A16_OP = _define("w4a16_gemm", _w4a16_gemm, _w4a16_gemm_fake)
 _W4A8_OP = _define("w4a8_gemm", _w4a8_gemm, _w4a8_gemm_fake)
 

@@ -465,6 +465,19 @@ def test_a_backward_through_the_op_is_refused_not_silently_zero(cpu_op, name):
     assert not gemm(x.detach(), qweight, scales, n, k, group).requires_grad
 
 
+def test_a_compiled_model_with_trainable_parameters_runs_its_forward_and_refuses_a_backward(cpu_op):
+    """torch.compile traces the backward of a forward that records one (a LayerNorm's weight requires a
+    gradient, as in any model): the refusal comes when a backward runs, not at the forward's compile."""
+    torch.manual_seed(0)
+    model = replace_linear(nn.Sequential(nn.LayerNorm(256), nn.Linear(256, 256)).half(), group_size=64,
+                           precompile=False)
+    x = torch.randn(4, 256, dtype=torch.float16)
+    y = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(y, model(x))
+    with pytest.raises(RuntimeError, match="tilemarlin::w4a16_gemm has no gradient"):
+        y.float().sum().backward()
+
+
 def test_op_passes_torch_library_checks(cpu_op):
     x, qweight, scales, n, k, group = _op_args()
     torch.library.opcheck(torch.ops.tilemarlin.w4a16_gemm.default, (x, qweight, scales, n, k, group),
