@@ -58,9 +58,10 @@ _BUILD_LOCK = threading.Lock()
 
 
 def cache_root() -> Path:
-    """tilemarlin's cache folder: $TILEMARLIN_CACHE_DIR, else the project's cache/ folder."""
+    """tilemarlin's cache folder: $TILEMARLIN_CACHE_DIR (`~` expanded, as a shell would not inside
+    quotes), else the project's cache/ folder."""
     env = os.environ.get("TILEMARLIN_CACHE_DIR")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / "cache"
+    return Path(env).expanduser() if env else Path(__file__).resolve().parent.parent / "cache"
 
 
 def kernel_dir() -> Path:

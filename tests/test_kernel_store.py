@@ -19,6 +19,12 @@ def test_env_var_moves_the_whole_cache(tmp_path, monkeypatch):
     assert writable_kernel_dir().is_dir()
 
 
+
+def test_a_cache_dir_under_home_is_expanded(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TILEMARLIN_CACHE_DIR", "~/.cache/tilemarlin")
+    assert store.cache_root() == tmp_path / ".cache" / "tilemarlin"
+
 def test_read_only_cache_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(os, "access", lambda p, mode: False)      # as a read-only volume answers
