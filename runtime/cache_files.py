@@ -1,6 +1,6 @@
 """Writing into tilemarlin's cache safely: the lock tuners share, folders that must be writable,
-files replaced whole and store folders swapped in whole. The tuned tables (runtime/table.py), the kernel store (runtime/kernels.py),
-deployment artifacts and the gen commands that write use them."""
+files replaced whole and store folders swapped in whole. The tuned tables (runtime/table.py), the
+kernel store (runtime/kernels.py), deployment artifacts and the gen commands that write use them."""
 from __future__ import annotations
 
 import os
