@@ -146,7 +146,7 @@ def test_a_checkpoint_that_cannot_be_loaded_is_named_before_the_gpu(tmp_path, mo
     write_config(tmp_path, SMALL_LLAMA)   # a dense model's config.json: no quantization_config
     args = parse(["--e2e", "--checkpoint", str(tmp_path)])
     assert args.func(args) == 2
-    assert "config.json: quantization_config: missing (and no quantize_config.json): not a quantized checkpoint" \
+    assert "config.json: quantization_config: missing (and no compression_config, quantize_config.json or quant_config.json): not a quantized checkpoint" \
         in capsys.readouterr().err
     write_config(tmp_path, {**SMALL_LLAMA, "quantization_config": {"quant_method": "gptq", "bits": 3}})
     assert args.func(args) == 2
