@@ -61,6 +61,10 @@ def dtype_name(dtype: torch.dtype) -> str:
                         f"convert with .half() or .to(torch.bfloat16)") from None
 
 
+# W4A8's FP8 wgmma kernels take k-tiles this deep, each within one quantization group.
+FP8_K_TILE = 128
+
+
 @functools.lru_cache(maxsize=None)
 def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAYOUT,
                zero_points: bool = False, act: str = "dtype") -> Problem:
@@ -71,6 +75,10 @@ def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAY
     reason = group_size_problem(group, k)
     if reason:
         raise ValueError(reason)
+    if problem.fp8 and problem.group % FP8_K_TILE:
+        raise ValueError(f"group size {group} with K={k} cannot run as W4A8 (act='fp8'): its kernels take "
+                         f"{FP8_K_TILE}-deep k-tiles within one group, so the group size (or K, channelwise) must "
+                         f"be a multiple of {FP8_K_TILE}")
     return problem
 
 

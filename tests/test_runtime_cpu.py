@@ -124,6 +124,15 @@ def test_group_sizes_no_family_runs_are_refused(no_kernel_build, monkeypatch, k,
         QuantLinear.from_codes(codes, torch.ones(1 if group == -1 else k // group, 256, dtype=torch.float16))
 
 
+def test_w4a8_group_sizes_its_kernels_cannot_run_are_refused(no_kernel_build):
+    """W4A8's kernels take 128-deep k-tiles within one group."""
+    for k, group in ((4096, 64), (4160, -1)):
+        with pytest.raises(ValueError, match=f"group size {group} with K={k} cannot run as W4A8.*multiple of 128"):
+            QuantLinear(k, 256, group_size=group, act="fp8")
+    QuantLinear(4096, 256, group_size=128, act="fp8", precompile=False)
+    QuantLinear(4096, 256, group_size=64, precompile=False)
+
+
 @pytest.mark.parametrize("codes, scales, match", [
     (torch.full((256, 128), 16, dtype=torch.uint8), torch.ones(2, 128), "code 16 at row 0, column 0"),
     (torch.zeros(2, 256, 128, dtype=torch.uint8), torch.ones(2, 128), r"codes must be \[K, N\]"),
