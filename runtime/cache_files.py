@@ -58,8 +58,10 @@ def swap_in(staging: Path, folder: Path, keep: Callable[[Path], bool]) -> None:
         if folder.exists() and keep(folder):
             shutil.rmtree(staging, ignore_errors=True)
             return
-        aside = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".old"))
+        aside = None
         if folder.exists():
+            aside = tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".old")
             os.replace(folder, aside)     # onto the empty folder mkdtemp made
         os.replace(staging, folder)
-    shutil.rmtree(aside, ignore_errors=True)
+    if aside:
+        shutil.rmtree(aside, ignore_errors=True)
