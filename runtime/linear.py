@@ -249,7 +249,8 @@ WEIGHT_READ_BY_OWNER = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
 
 def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | Iterable[str] | None = None,
                    group_size: int = 128, skip: Iterable[str] = ("lm_head",), precompile: bool = True,
-                   max_m: int | None = None, zero_points: bool = False, act: str = "dtype") -> nn.Module:
+                   max_m: int | None = None, zero_points: bool = False, act: str = "dtype",
+                   fuse: bool = True) -> nn.Module:
     """Swap the nn.Linear layers of `model` for QuantLinear (round-to-nearest INT4), in place.
 
     Parameters
@@ -266,6 +267,10 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         buckets for None), each distinct shape once, in one parallel compile that runs in worker
         processes while the layers are quantized; returns once both are done. Skipped with
         precompile=False, TILEMARLIN_PRECOMPILE=0, or weights not on a CUDA device.
+    fuse : converted layers that read the same input (q_proj, k_proj and v_proj; gate_proj and up_proj)
+        become one QuantLinear of their columns side by side, run once by their module
+        (runtime/fuse.py; found by a forward of a two-token prompt, for models that take `input_ids`).
+        Each keeps its name, as a FusedSlice. The outputs are the same; False keeps them apart.
 
     Returns the model. Raises ValueError, naming the layer, for a layer the kernels cannot run (its N
     must be a multiple of 64, K of 16, the group size a multiple of 64 dividing K or -1: before
@@ -293,12 +298,23 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
     if not places:
         raise ValueError("replace_linear found no nn.Linear to convert (already converted, or the filter "
                          "and skip left none)")
+    # A fused set is quantized as one layer (its members' weights side by side, made when it is quantized).
+    plans = _fusion_plans(model, places) if fuse else []
+    in_sets = {id(member) for plan in plans for member in _members(model, plan)}
+    jobs: list[tuple[str, nn.Linear | list[nn.Linear]]] = [(n, m) for n, m in places if id(m) not in in_sets]
+    jobs += [(_joined(plan.parent, plan.name), _members(model, plan)) for plan in plans]
+    for name, source in jobs[len(jobs) - len(plans):]:
+        try:
+            problems[id(source)] = problem_of(sum(m.out_features for m in source), source[0].in_features, group_size,
+                                              dtype_name(source[0].weight.dtype), DEFAULT_LAYOUT, zero_points, act)
+        except (ValueError, TypeError) as exc:
+            raise _refusal(name, source[0], exc) from None
     # The kernels build in worker processes while the layers are quantized here.
-    modules = {id(module): module for _, module in places}
-    build = start_precompile([(problems[key], module.weight.device) for key, module in modules.items()], max_m) \
+    devices = {id(source): _first(source).weight.device for _, source in jobs}
+    build = start_precompile([(problems[key], device) for key, device in devices.items()], max_m) \
         if precompile else None
     try:
-        converted = _quantized(places, group_size, zero_points, act)
+        converted = _quantized(jobs, group_size, zero_points, act)
         if build is not None:
             build.wait()
     except BaseException:
@@ -307,23 +323,53 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         raise
     # swapped in only once every layer is quantized and every kernel built: a refusal or a failed
     # build leaves the model whole
-    for name, module in places:
+    for name, source in jobs[:len(jobs) - len(plans)]:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(module)])
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(source)])
+    from .fuse import install   # fuse.py imports this module
+
+    for plan, (_, source) in zip(plans, jobs[len(jobs) - len(plans):]):
+        install(model, plan, converted[id(source)])
     return model
 
 
-def _quantized(places: list[tuple[str, nn.Linear]], group_size: int, zero_points: bool,
+def _fusion_plans(model: nn.Module, places: list[tuple[str, nn.Linear]]) -> list:
+    """replace_linear's sets of layers to fuse, among those it converts (runtime/fuse.py)."""
+    from .fuse import plan_fusion   # fuse.py imports this module
+
+    converting = {id(module) for _, module in places}
+    return plan_fusion(model, lambda m: (m.in_features, m.weight.dtype, m.weight.device)
+                       if id(m) in converting else None)
+
+
+def _members(model: nn.Module, plan) -> list[nn.Linear]:
+    parent = model.get_submodule(plan.parent)
+    return [getattr(parent, member) for member in plan.members]
+
+
+def _first(source):
+    return source[0] if isinstance(source, list) else source
+
+
+def _joined(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def _quantized(jobs: list[tuple[str, nn.Linear | list[nn.Linear]]], group_size: int, zero_points: bool,
                act: str) -> dict[int, QuantLinear]:
-    """replace_linear's conversion of each distinct layer, by the id of its nn.Linear."""
+    """replace_linear's conversion of each distinct layer or fused set (its members' weights side by
+    side), by the id of its nn.Linear or list."""
+    from .fuse import concatenated_linear   # fuse.py imports this module
+
     converted: dict[int, QuantLinear] = {}
-    for name, module in places:
-        if id(module) not in converted:
+    for name, source in jobs:
+        if id(source) not in converted:
+            linear = concatenated_linear(source) if isinstance(source, list) else source
             try:
-                converted[id(module)] = QuantLinear.from_linear(module, group_size, precompile=False,
+                converted[id(source)] = QuantLinear.from_linear(linear, group_size, precompile=False,
                                                                 zero_points=zero_points, act=act)
             except (ValueError, TypeError) as exc:
-                raise _refusal(name, module, exc) from None
+                raise _refusal(name, linear, exc) from None
     return converted
 
 

@@ -89,3 +89,20 @@ def poison_next_allocation(shape, dtype: torch.dtype, device) -> int:
     address = block.data_ptr()
     del block
     return address
+
+
+def int4_weights(model) -> dict:
+    """Name -> (codes, scales) of each INT4 layer in the model's own names: a fused set's members
+    (FusedSlice) their columns of the fused layer's, the fused layer itself left out."""
+    from runtime import QuantLinear
+    from runtime.fuse import FusedSlice
+
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FusedSlice):
+            codes, scales = module._fused.unpack()
+            found[name] = codes[:, module.start:module.stop], scales[:, module.start:module.stop]
+        elif isinstance(module, QuantLinear):
+            found[name] = module.unpack()
+    fused = {id(module._fused) for module in model.modules() if isinstance(module, FusedSlice)}
+    return {name: weights for name, weights in found.items() if id(model.get_submodule(name)) not in fused}

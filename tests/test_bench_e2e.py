@@ -462,10 +462,10 @@ def test_the_dequantized_twin_holds_the_int4_weights():
     assert models.quantized_bytes(model) == 0
     models.to_tilemarlin(model, group=128)
     names = [name for name, m in model.named_modules() if isinstance(m, QuantLinear)]
-    assert len(names) == 14 and isinstance(model.lm_head, torch.nn.Linear)
+    assert len(names) == 8 and isinstance(model.lm_head, torch.nn.Linear)   # qkv, o, gate_up, down in each
     expected = {name: dequantize(*model.get_submodule(name).unpack()).t().half() for name in names}
     int4_bytes, quantized = models.weight_bytes(model), models.quantized_bytes(model)
-    # 14 layers of K x N at half a byte per weight and a 2-byte scale per 128 rows
+    # 14 layers of K x N (8 once fused) at half a byte per weight and a 2-byte scale per 128 rows
     shapes = 2 * (4 * 512 * 512 + 3 * 512 * 1408)
     assert quantized == shapes // 2 + shapes // 128 * 2
     assert int4_bytes == dense_bytes - 2 * shapes + quantized
@@ -506,9 +506,10 @@ def test_a_checkpoints_dense_variant_holds_its_dequantized_weights(act_order_che
 def test_a_checkpoints_tilemarlin_layers_are_summarized(act_order_checkpoint):
     folder, drawn = act_order_checkpoint
     model = models.checkpoint_variant("tilemarlin", folder, torch.float16, device="cpu")
-    # per decoder layer: q/k/v's input and gate/up's written in their order by the two norms, o_proj
-    # gathering its own, down_proj's permutation folded into gate/up's columns
-    assert models.layer_summary(model) == {"int4_layers": len(drawn), "zero_points": len(drawn),
+    # per decoder layer: qkv, o, gate_up and down (q/k/v and gate/up fused); q/k/v's input and gate/up's
+    # written in their order by the two norms, o_proj gathering its own, down_proj's permutation folded
+    # into gate/up's columns
+    assert models.layer_summary(model) == {"int4_layers": 2 * 4, "zero_points": 2 * 4,
                                            "group_sizes": [128], "gathers": 2, "gathering_norms": 2 * 2}
 
 

@@ -134,29 +134,34 @@ def sorted_order(layer) -> torch.Tensor:
     return torch.sort(layer.g_idx, stable=True).indices
 
 
-@pytest.mark.parametrize("fmt, symmetric, dtype", [("gptq", False, torch.bfloat16),
-                                                   ("compressed-tensors", True, torch.float16)])
-def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt, symmetric, dtype):  # noqa: F811
+@pytest.mark.parametrize("fmt, symmetric, dtype, fuse", [("gptq", False, torch.bfloat16, False),
+                                                         ("compressed-tensors", True, torch.float16, False),
+                                                         ("gptq", True, torch.float16, True)])
+def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt, symmetric, dtype, fuse):  # noqa: F811
     """q_proj, k_proj and v_proj (one permutation, as GPTQ gives them) are fed by one gather of the
     attention's input, gate_proj and up_proj by one of the MLP's; o_proj keeps its own; down_proj's
     went into gate_proj's and up_proj's columns: three gathers a decoder layer instead of seven (before
-    the norms take two of them, which this test leaves out)."""
+    the norms take two of them, which this test leaves out). Fused (runtime/fuse.py), each set is one
+    layer whose module gathers its input: the same three."""
     monkeypatch.setattr(loader, "fold_gathers_into_norms", lambda model: [])
     folder = tmp_path / "ckpt"
     drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order=True)
-    model = load_quantized(folder, dtype=dtype, device="cpu")
+    model = load_quantized(folder, dtype=dtype, device="cpu", fuse=fuse)
     for i, block in enumerate(model.model.layers):
         layer = f"model.layers.{i}"
         q_order = sorted_order(drawn[f"{layer}.self_attn.q_proj"])
         gate_order = sorted_order(drawn[f"{layer}.mlp.gate_proj"])
         assert torch.equal(block.self_attn.input_perm.long(), q_order)
         assert torch.equal(block.mlp.input_perm.long(), gate_order)
-        for name in ("q_proj", "k_proj", "v_proj"):
-            module = getattr(block.self_attn, name)
-            assert module.perm is None
-            assert torch.equal(effective_weight(module), drawn[f"{layer}.self_attn.{name}"].weight[q_order])
+        attention = ("q_k_v_proj",) if fuse else ("q_proj", "k_proj", "v_proj")
+        for name in attention:
+            assert getattr(block.self_attn, name).perm is None
+        for name in () if fuse else attention:
+            assert torch.equal(effective_weight(getattr(block.self_attn, name)),
+                               drawn[f"{layer}.self_attn.{name}"].weight[q_order])
         assert block.self_attn.o_proj.perm is not None
-        assert all(getattr(block.mlp, name).perm is None for name in MLP_LAYERS)
+        mlp = ("gate_up_proj", "down_proj") if fuse else MLP_LAYERS
+        assert all(getattr(block.mlp, name).perm is None for name in mlp)
     gathers = []
     monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: (gathers.append(perm), out.copy_(a[:, perm.long()])))
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(6))
@@ -199,7 +204,7 @@ def test_the_norms_write_the_shared_inputs_in_the_gathered_order(cpu_op, monkeyp
 def test_unfolding_and_unsharing_hand_each_layer_its_permutation_back(cpu_op, monkeypatch, tmp_path):  # noqa: F811
     folder = tmp_path / "ckpt"
     drawn = write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
-    model = load_quantized(folder, device="cpu")
+    model = load_quantized(folder, device="cpu", fuse=False)
     tokens = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(2))
     gathers = []
     monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: (gathers.append(perm), out.copy_(a[:, perm.long()])))

@@ -102,7 +102,7 @@ def test_loaded_model_logits_on_cpu(cpu_op, tmp_path, fmt, symmetric, act_order,
         logits = model(tokens).logits
         ref = reference(tokens).logits
     assert logits.dtype == dtype
-    assert (model.model.layers[0].self_attn.q_proj.bias is not None) == bias
+    assert (model.model.layers[0].self_attn.q_k_v_proj.bias is not None) == bias   # fused (runtime/fuse.py)
     assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype}")
 
 

@@ -78,7 +78,7 @@ def test_gptq_settings_in_quantize_config_json(tmp_path):
     (folder / "quantize_config.json").write_text(json.dumps({**settings, "model_file_base_name": base}))
     (folder / "model.safetensors").rename(folder / f"{base}.safetensors")
     assert_same_layers(read_layers(folder, torch.float16), drawn, torch.float16)
-    model = load_quantized(folder, device="cpu")
+    model = load_quantized(folder, device="cpu", fuse=False)
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(drawn)
 
 
@@ -96,7 +96,7 @@ def test_gptq_rules_that_only_skip_layers_are_read(tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"]["dynamic"] = {r"-:model\.layers\.0\.mlp\.gate_proj": {}}
     (folder / "config.json").write_text(json.dumps(config))
-    model = load_quantized(folder, device="cpu")
+    model = load_quantized(folder, device="cpu", fuse=False)
     layer = model.get_submodule(skipped)
     assert type(layer) is nn.Linear and torch.equal(layer.weight, tensors[f"{skipped}.weight"])
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == len(drawn) - 1
@@ -192,7 +192,7 @@ def test_load_quantized_on_cpu(tmp_path, fmt, symmetric, act_order, shards):
 
     folder = tmp_path / "ckpt"
     drawn = write_checkpoint(folder, fmt, torch.bfloat16, 128, symmetric, act_order, shards=shards)
-    model = load_quantized(folder, dtype=torch.bfloat16, device="cpu")
+    model = load_quantized(folder, dtype=torch.bfloat16, device="cpu", fuse=False)
     stored = read_tensors(folder)
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     assert set(quantized) == set(drawn)

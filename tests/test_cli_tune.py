@@ -79,7 +79,7 @@ def test_target_errors_name_the_layer():
 
 def test_a_checkpoint_names_the_layers_its_model_runs(tmp_path):
     """gen tune --checkpoint: the problems of the checkpoint's INT4 layers as load_quantized serves them
-    (AWQ: zero points everywhere), unfused, in --dtype; no layer gathers without act-order."""
+    (AWQ: zero points everywhere), q/k/v and gate/up fused, in --dtype; no layer gathers without act-order."""
     pytest.importorskip("transformers")
     import torch
 
@@ -89,8 +89,8 @@ def test_a_checkpoint_names_the_layers_its_model_runs(tmp_path):
     targets = options.targets_from_args(parse("tune", "--checkpoint", str(tmp_path), "--dtype", "bfloat16"))
     assert {(t.problem, t.label) for t in targets} == {
         (Problem.make(n=n, k=k, dtype="bfloat16", zero_points=True), label) for n, k, label in (
-            (256, 256, "self_attn.q_proj,self_attn.o_proj"), (128, 256, "self_attn.k_proj,self_attn.v_proj"),
-            (512, 256, "mlp.gate_proj,mlp.up_proj"), (256, 512, "mlp.down_proj"))}
+            (512, 256, "self_attn.q_k_v_proj"), (256, 256, "self_attn.o_proj"), (1024, 256, "mlp.gate_up_proj"),
+            (256, 512, "mlp.down_proj"))}
     assert not any(t.gathered for t in targets)
 
 

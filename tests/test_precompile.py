@@ -321,7 +321,11 @@ def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_pa
     drawn = write_checkpoint(tmp_path / "ckpt", "gptq", symmetric=False, act_order=True)
     load_quantized(tmp_path / "ckpt", device="cpu")
     ((jobs, arch),) = compiler        # one call: nothing built serially, nothing in this process
-    problems = {Problem(layer.codes.shape[1], layer.codes.shape[0], 128, zero_points=True) for layer in drawn.values()}
+    shape = lambda *names: (sum(drawn[f"model.layers.0.{name}"].codes.shape[1] for name in names),  # noqa: E731
+                            drawn[f"model.layers.0.{names[0]}"].codes.shape[0])
+    fused = [("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+             ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",)]   # as runtime/fuse.py serves them
+    problems = {Problem(*shape(*names), 128, zero_points=True) for names in fused}
     assert len(problems) == 4 and arch == SM90 and len(jobs) == len(set(jobs))
     gemms = [job for job in jobs if isinstance(job, tuple)]
     assert set(gemms) == {(p, s) for p in problems for s in (SMALL_M, LARGE_M)}
@@ -332,9 +336,11 @@ def test_load_quantized_builds_every_layers_kernels_in_one_call(compiler, tmp_pa
                                  store.ActivationJob("rms_norm_gather", 256, "float16")]
 
 
-def test_load_quantized_queues_each_new_layers_kernels_as_it_reads_them(compiler, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_load_quantized_queues_each_new_layers_kernels_as_it_reads_them(compiler, tmp_path, monkeypatch, fuse):
     """The first layer's kernels are queued before the next layer is read; the gathers and norms, known
-    once every layer is in, join the same pool last."""
+    once every layer is in, join the same pool last. Fusing, the layers that may be fused (those with a
+    sibling of the same K) wait for the fusion: down_proj's are queued as they are read."""
     from runtime import load_quantized
     from runtime.checkpoint import loader
     from tests.checkpoint_writers import write_checkpoint
@@ -348,9 +354,13 @@ def test_load_quantized_queues_each_new_layers_kernels_as_it_reads_them(compiler
         return from_layer(*args, **kwargs)
 
     monkeypatch.setattr(loader.QuantLinear, "from_layer", counted)
-    load_quantized(tmp_path / "ckpt", device="cpu")
-    assert made[0] == 0 and made[1] == 1                     # the first layer's kernels before the second
-    assert len(compiler) == 1 and compiler.submitted[-1] == 2  # one pool; the gather and the norm last
+    load_quantized(tmp_path / "ckpt", device="cpu", fuse=fuse)
+    assert len(compiler) == 1                                  # one pool
+    if fuse:   # down_proj's two kernels as it is read; then qkv's, o's and gate_up's, the gather and the norm
+        assert made[-1] == 1 and compiler.submitted == [2, 3 * 2 + 2]
+    else:
+        assert made[0] == 0 and made[1] == 1                   # the first layer's kernels before the second
+        assert compiler.submitted[-1] == 2                     # the gather and the norm last
 
 
 def test_a_checkpoint_that_fails_to_load_stops_its_build(compiler, tmp_path, monkeypatch):
@@ -502,8 +512,8 @@ def test_act_order_layers_precompile_their_gather_when_asked(cache, capsys):
 
 
 def test_a_checkpoint_plans_its_own_layers_and_gathers(cache, capsys, tmp_path):
-    """--checkpoint: the problems of the INT4 layers load_quantized makes (unfused, zero points), named by
-    their layers, and the act-order kernels the model runs: o_proj's gather and the norm that writes
+    """--checkpoint: the problems of the INT4 layers load_quantized makes (q/k/v and gate/up fused, zero
+    points), named by their layers, and the act-order kernels the model runs: o_proj's gather and the norm that writes
     q/k/v's and gate/up's input in their order, both of the hidden size; down_proj's permutation went
     into gate/up's columns."""
     pytest.importorskip("transformers")
@@ -517,8 +527,8 @@ def test_a_checkpoint_plans_its_own_layers_and_gathers(cache, capsys, tmp_path):
     assert captured.out.startswith("4 problems x 13 buckets on sm_90a") and "note:" not in captured.err
     labels = {line.split("  ")[2] for line in captured.out.splitlines() if line.startswith("  to build  n")}
     assert labels == {f"{Problem(n, k, dtype='bfloat16', zero_points=True).name} ({layers})" for n, k, layers in (
-        (256, 256, "self_attn.q_proj,self_attn.o_proj"), (128, 256, "self_attn.k_proj,self_attn.v_proj"),
-        (512, 256, "mlp.gate_proj,mlp.up_proj"), (256, 512, "mlp.down_proj"))}
+        (512, 256, "self_attn.q_k_v_proj"), (256, 256, "self_attn.o_proj"), (1024, 256, "mlp.gate_up_proj"),
+        (256, 512, "mlp.down_proj"))}
     gathers = [line.strip() for line in captured.out.splitlines() if "act-order" in line]
     assert gathers == ["to build  act-order gather, K = 256, bfloat16 input",
                        "to build  act-order RMSNorm, K = 256, bfloat16 input"]

@@ -21,6 +21,7 @@ from schedules import marlin_mma
 from schedules.problem import Problem
 from schedules.quant import dequantize, quantize_rtn, reference_matmul
 from schedules.registry import Schedule
+from tests.reference import int4_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -312,7 +313,8 @@ def test_a_state_dict_of_cast_words_or_bad_scales_is_refused():
         QuantLinear(256, 192, group_size=64).load_state_dict({**state, "scales": scales})
 
 
-def test_replace_linear_on_a_tiny_llama_matches_fake_quantized_weights(cpu_op):
+@pytest.mark.parametrize("fuse", [True, False])
+def test_replace_linear_on_a_tiny_llama_matches_fake_quantized_weights(cpu_op, fuse):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -320,12 +322,12 @@ def test_replace_linear_on_a_tiny_llama_matches_fake_quantized_weights(cpu_op):
     model = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
     fake_quantized = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
     fake_quantized.load_state_dict(model.state_dict())
-    replace_linear(model, group_size=64)
-    replaced = [name for name, m in model.named_modules() if isinstance(m, QuantLinear)]
-    assert len(replaced) == 14      # q, k, v, o, gate, up, down in each of 2 layers
-    for name in replaced:
-        codes, scales = model.get_submodule(name).unpack()
-        fake_quantized.get_submodule(name).weight.data.copy_(dequantize(codes, scales).t())
+    replace_linear(model, group_size=64, fuse=fuse)
+    # q, k, v, o, gate, up, down in each of 2 layers; fused: qkv, o, gate_up, down
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == (8 if fuse else 14)
+    dense = dict(fake_quantized.named_modules())
+    for name, (codes, scales) in int4_weights(model).items():
+        dense[name].weight.data.copy_(dequantize(codes, scales).t())
     ids = torch.randint(0, 128, (2, 7))
     with torch.no_grad():
         got, want = model(ids).logits.float(), fake_quantized(ids).logits.float()

@@ -27,7 +27,7 @@ from schedules import marlin_mma
 from schedules.problem import Problem
 from schedules.quant import dequantize, quantize_rtn, reference_matmul
 from schedules.registry import Schedule
-from tests.reference import assert_matches_reference, generator, poison_next_allocation, seed_of
+from tests.reference import assert_matches_reference, generator, int4_weights, poison_next_allocation, seed_of
 
 pytestmark = pytest.mark.gpu
 
@@ -287,10 +287,9 @@ def test_small_llama_matches_its_fake_quantized_twin():
     model = model.to(device="cuda", dtype=torch.float16).eval()
     twin = copy.deepcopy(model)
     replace_linear(model, group_size=128)
-    names = [name for name, module in model.named_modules() if isinstance(module, QuantLinear)]
-    assert len(names) == 14 and isinstance(model.lm_head, nn.Linear)
-    for name in names:   # the twin runs plain fp16 matmuls on the dequantized weights
-        codes, scales = model.get_submodule(name).unpack()
+    weights = int4_weights(model)   # q/k/v and gate/up fused, their columns read back per layer
+    assert len(weights) == 14 and isinstance(model.lm_head, nn.Linear)
+    for name, (codes, scales) in weights.items():   # the twin runs plain fp16 matmuls on the dequantized weights
         twin.get_submodule(name).weight.data.copy_(dequantize(codes, scales).t())
 
     gen = generator(seed)
@@ -310,6 +309,40 @@ def test_small_llama_matches_its_fake_quantized_twin():
             chosen = logits.gather(-1, tokens[0, prompt.shape[1]:, None]).squeeze(-1)
             margin = logits.max(-1).values - chosen
             assert (margin <= 0.02 * logits.std()).all(), f"largest margin {margin.max():.3g} (seed={seed})"
+
+
+def test_a_fused_llama_runs_one_gemm_per_set_in_cuda_graphs_and_compiled():
+    """replace_linear fuses q/k/v and gate/up (runtime/fuse.py): the same logits as the layers apart,
+    one GEMM per set and forward, replayed by a CUDA graph, and the fused MLP traced in one graph."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL_LLAMA)).to("cuda", torch.float16).eval()
+    apart = replace_linear(copy.deepcopy(model), group_size=128, fuse=False)
+    replace_linear(model, group_size=128)
+    fused = [m for m in model.modules() if isinstance(m, QuantLinear) and m.out_features in (3 * 512, 2 * 1408)]
+    assert len(fused) == 2 * SMALL_LLAMA["num_hidden_layers"]
+    calls = []
+    for layer in fused:
+        layer.register_forward_hook(lambda *args: calls.append(1))
+    seed = seed_of("fused llama")
+    tokens = torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 5), device="cuda", generator=generator(seed))
+    with torch.no_grad():
+        want = apart(tokens, use_cache=False).logits.float()
+        assert_matches_reference(model(tokens, use_cache=False).logits, want, rel_tol=1e-3,
+                                 context=f"fused against apart, tokens from seed={seed}")
+        assert len(calls) == len(fused)
+        graph = torch.cuda.CUDAGraph()
+        model(tokens, use_cache=False)   # warm-up before the capture
+        with torch.cuda.graph(graph):
+            captured = model(tokens, use_cache=False).logits
+        tokens.copy_(torch.randint(0, SMALL_LLAMA["vocab_size"], (2, 5), device="cuda", generator=generator(seed + 1)))
+        graph.replay()
+        assert_matches_reference(captured, apart(tokens, use_cache=False).logits.float(), rel_tol=1e-3,
+                                 context=f"graph replay, tokens from seed={seed + 1}")
+        mlp = model.model.layers[0].mlp
+        x = randn((3, 512), generator(seed))
+        assert_matches_reference(torch.compile(mlp, fullgraph=True)(x), mlp(x).float(), rel_tol=1e-3,
+                                 context=f"compiled fused MLP, x from seed={seed}")
 
 
 # --- last: a misaligned input would be a fault, not an exception, if the op did not copy it -------

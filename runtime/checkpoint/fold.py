@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .layer import QuantizedLayer
-from .probe import Fixed, Returns, copied, equal, random_like, single_owner, swapped
+from ..probe import Fixed, Returns, copied, equal, random_like, single_owner, swapped
 
 GATED_MLP = ("gate_proj", "up_proj", "down_proj")
 _PROBE_ROWS = 3

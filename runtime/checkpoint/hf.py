@@ -19,7 +19,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..op import DEFAULT_LAYOUT
 from .files import TensorFiles
-from .loader import (checkpoint_format, gather_once, precompile_model, read_quantization_config,
+from .loader import (arrange_for_serving, checkpoint_format, precompile_model, read_quantization_config,
                      refuse_unread_tensors, replace_quantized_linears)
 
 METHOD = "tilemarlin"
@@ -32,21 +32,23 @@ class TileMarlinConfig(QuantizationConfigMixin):
     source : the checkpoint's own quantization settings (config.json's quantization_config, or an
         older GPTQ folder's quantize_config.json), read by runtime/checkpoint.
     layout : the kernels' weight layout.
+    fuse : the layers that read the same input as one QuantLinear (load_quantized's `fuse`).
     """
 
-    def __init__(self, source: dict | None = None, layout: str = DEFAULT_LAYOUT, **kwargs):
+    def __init__(self, source: dict | None = None, layout: str = DEFAULT_LAYOUT, fuse: bool = True, **kwargs):
         self.quant_method = METHOD
         self.source = source
         self.layout = layout
+        self.fuse = fuse
 
 
-def tilemarlin_config(model_dir):
-    """The transformers config of `model_dir` with its quantization_config wrapped in TileMarlinConfig:
-    pass it as `from_pretrained(model_dir, config=...)`."""
+def tilemarlin_config(model_dir, fuse: bool = True):
+    """The transformers config of `model_dir` with its quantization_config wrapped in TileMarlinConfig
+    (`fuse` as load_quantized's): pass it as `from_pretrained(model_dir, config=...)`."""
     config = AutoConfig.from_pretrained(model_dir)
     source, place = read_quantization_config(Path(model_dir))
     checkpoint_format(source, place)     # refused here, naming the file it was read from
-    config.quantization_config = TileMarlinConfig(source=source).to_dict()
+    config.quantization_config = TileMarlinConfig(source=source, fuse=fuse).to_dict()
     return config
 
 
@@ -91,7 +93,7 @@ class TileMarlinHfQuantizer(HfQuantizer):
         layout = self.quantization_config.layout
         replace_quantized_linears(model, self.format, self.files, model.dtype, device, layout)
         refuse_unread_tensors(model, self.files)
-        gather_once(model)
+        arrange_for_serving(model, self.quantization_config.fuse)
         precompile_model(model, layout)
         return model
 

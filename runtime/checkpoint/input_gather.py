@@ -1,10 +1,13 @@
-"""One act-order gather for the layers that read the same input.
+"""One act-order gather for the layers that read the same input, done by the module that calls them.
 
 GPTQ's act-order permutation sorts a layer's input features by its Hessian's diagonal, and the Hessian
 is built from the layer's inputs alone, so the layers that read one tensor (q_proj, k_proj and v_proj;
 gate_proj and up_proj) come with one permutation. Each of their QuantLinear layers would gather that
 tensor's columns again; instead, the module that calls them gathers its input once (a forward pre-hook,
 `InputGather`, reading the module's `input_perm` buffer) and they run without a permutation of their own.
+A fused set of them (runtime/fuse.py) is one such layer; its module gathering the input is what lets
+norm_fold.py move the gather into the norm before it. The gather's hook runs before the module's other
+pre-hooks (a fused set's runs on the gathered input).
 
 That is exact only where the module's forward reads that input through those layers alone and hands it
 to them as it is. `share_input_gathers` learns this from the model itself, not from class names: one
@@ -17,18 +20,14 @@ layers must have received each input itself, and the module's outputs must be eq
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 from torch import nn
 
 from ..linear import QuantLinear
 from ..op import gather_columns
-from .probe import Fixed, LinearMap, Zeros, copied, equal, random_like, single_owner, swapped
-
-_PROMPT_TOKENS = 2
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
+from ..probe import (Fixed, LinearMap, argument_slot, copied, equal, forward_parameter, random_like, record_calls,
+                     single_owner, swapped, with_argument)
 
 class InputGather:
     """A forward pre-hook (registered with_kwargs): the module's argument `name` (at `position` where
@@ -53,18 +52,20 @@ class InputGather:
 
 
 def share_input_gathers(model: nn.Module) -> list[str]:
-    """For each module whose QuantLinear children share one act-order permutation and whose forward
-    reads their input through them alone (see the module's docstring): the module gathers its input
-    once and the children drop their permutations. Returns the modules' names."""
+    """For each module with QuantLinear children that share one act-order permutation (one or more)
+    and whose forward reads their input through them alone (see the module's docstring): the module
+    gathers its input once and the children drop their permutations. Returns the modules' names."""
     groups = sharing_groups(model)
     calls = record_calls(model, groups) if groups else {}
     shared = []
-    for name, members in groups.items():
+    for name, candidates in groups.items():
         parent = model.get_submodule(name)
-        argument = input_argument(parent, members, *calls[name]) if name in calls else None
-        if argument is not None:
-            _share(parent, members, argument)
-            shared.append(name)
+        for members in candidates if name in calls else ():
+            argument = input_argument(parent, members, *calls[name])
+            if argument is not None:
+                _share(parent, members, argument)
+                shared.append(name)
+                break
     return shared
 
 
@@ -74,7 +75,12 @@ def _share(parent: nn.Module, members: list[str], argument: tuple[int | None, st
     for child in children:
         child.perm = None
     gather = InputGather(*argument, tuple(members))
-    gather.handle = parent.register_forward_pre_hook(gather, with_kwargs=True)
+    gather.handle = register_gather(parent, gather)
+
+
+def register_gather(module: nn.Module, gather: InputGather):
+    """Register `gather` as `module`'s first forward pre-hook; returns the handle."""
+    return module.register_forward_pre_hook(gather, with_kwargs=True, prepend=True)
 
 
 def unshare_input_gathers(model: nn.Module) -> list[str]:
@@ -112,10 +118,10 @@ def input_gathers(module: nn.Module) -> list[InputGather]:
     return [hook for hook in module._forward_pre_hooks.values() if isinstance(hook, InputGather)]
 
 
-def sharing_groups(model: nn.Module) -> dict[str, list[str]]:
-    """Module name -> its act-order QuantLinear children (attribute names) that share one permutation,
-    where two or more do (the largest such set of each module); children that appear elsewhere in the
-    model too are left out."""
+def sharing_groups(model: nn.Module) -> dict[str, list[list[str]]]:
+    """Module name -> its act-order QuantLinear children (attribute names) by the permutation they share,
+    the largest set first, for the modules that have such children; children that appear elsewhere in
+    the model too are left out."""
     owned = single_owner(model)
     groups = {}
     for name, module in model.named_modules():
@@ -128,36 +134,9 @@ def sharing_groups(model: nn.Module) -> dict[str, list[str]]:
                 by_perm.append([child_name])
             else:
                 same.append(child_name)
-        largest = max(by_perm, key=len, default=[])
-        if len(largest) >= 2:
-            groups[name] = largest
+        if by_perm:
+            groups[name] = sorted(by_perm, key=len, reverse=True)
     return groups
-
-
-def record_calls(model: nn.Module, names) -> dict[str, tuple[tuple, dict]]:
-    """Name -> (args, kwargs) of each named module's first call in a forward of a short prompt, every
-    QuantLinear replaced by a stand-in that returns zeros; {} where the model cannot run that forward
-    (the probe runs without a cache: a module that kept its input in one would pass it unseen)."""
-    calls: dict[str, tuple[tuple, dict]] = {}
-
-    def recorder(name):
-        def record(module, args, kwargs):
-            calls.setdefault(name, (args, kwargs))
-        return record
-
-    handles = [model.get_submodule(name).register_forward_pre_hook(recorder(name), with_kwargs=True)
-               for name in names]
-    quantized = {name: Zeros(m.out_features) for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-    try:
-        prompt = torch.zeros(1, _PROMPT_TOKENS, dtype=torch.long, device=model.get_input_embeddings().weight.device)
-        with swapped(model, quantized):
-            model(input_ids=prompt, use_cache=False)
-    except Exception:   # noqa: BLE001 - a model that this forward cannot run shares no gathers
-        return {}
-    finally:
-        for handle in handles:
-            handle.remove()
-    return calls
 
 
 def input_argument(parent: nn.Module, members: list[str], args: tuple, kwargs: dict) -> tuple[int | None, str] | None:
@@ -172,39 +151,16 @@ def input_argument(parent: nn.Module, members: list[str], args: tuple, kwargs: d
             read = [stand_in.seen for stand_in in fixed.values()]
             if not isinstance(read[0], torch.Tensor) or any(r is not read[0] for r in read):
                 return None
-            slot = _slot_of(read[0], args, kwargs)
+            slot = argument_slot(read[0], args, kwargs)
             if slot is None:
                 return None
             other = random_like(read[0].shape, read[0], seed=1)
-            other_args, other_kwargs = _replaced(args, kwargs, slot, other)
+            other_args, other_kwargs = with_argument(args, kwargs, slot, other)
             second = parent(*other_args, **other_kwargs)
             if any(stand_in.seen is not other for stand_in in fixed.values()) or not equal(first, second):
                 return None
-        return _parameter(parent, slot)
+        return forward_parameter(parent, slot)
     except Exception:   # noqa: BLE001 - a call the probe cannot repeat shares no gather
         return None
 
 
-def _slot_of(tensor, args, kwargs) -> int | str | None:
-    """Where `tensor` is among the call's arguments: its position or keyword, if it is there once."""
-    found = [i for i, a in enumerate(args) if a is tensor] + [k for k, v in kwargs.items() if v is tensor]
-    return found[0] if len(found) == 1 else None
-
-
-def _replaced(args, kwargs, slot, value):
-    if isinstance(slot, int):
-        return (*args[:slot], value, *args[slot + 1:]), kwargs
-    return args, {**kwargs, slot: value}
-
-
-def _parameter(parent: nn.Module, slot: int | str) -> tuple[int | None, str] | None:
-    """(position or None, name) of the forward's parameter that a call filled at `slot` (a position
-    or a keyword), so that the hook finds it however a later call passes it; None where it is caught
-    by *args or **kwargs."""
-    params = list(inspect.signature(parent.forward).parameters.values())
-    if isinstance(slot, int):
-        return (slot, params[slot].name) if slot < len(params) and params[slot].kind in _POSITIONAL else None
-    position = next((i for i, p in enumerate(params) if p.name == slot), None)
-    if position is None:
-        return None
-    return (position if params[position].kind in _POSITIONAL else None), slot

@@ -20,13 +20,15 @@ served by tilemarlin's kernels.
    nothing reads is refused rather than dropped (AWQ's activation scales, say, would change the
    outputs), unless serving does without it by design (an FP8 KV cache's scales, the per-layer rotary
    frequencies older checkpoints saved).
-5. Layers that read one input with one act-order permutation (q_proj, k_proj and v_proj; gate_proj
-   and up_proj) leave the gather to the module that calls them, once for all of them
+5. Layers that read the same input (q_proj, k_proj and v_proj; gate_proj and up_proj) become one
+   QuantLinear of their columns side by side, which their module runs once (runtime/fuse.py).
+6. An act-order layer that reads its module's input leaves the gather to the module
    (runtime/checkpoint/input_gather.py), and where that input is an RMSNorm's output read by nothing
    else, the norm writes it in the gathered order and no gather runs (runtime/checkpoint/norm_fold.py).
-6. Every kernel the model will run (the GEMMs of every layer and bucket, the gathers left, the
+7. Every kernel the model will run (the GEMMs of every layer and bucket, the gathers left, the
    gathering norms) is built by one pool of worker processes (runtime/precompile.py), each layer's
-   GEMMs queued as soon as step 1 has made it, so that they build while the rest is read.
+   GEMMs queued as soon as step 3 has made it (but those that may be fused, queued once fused), so
+   that they build while the rest is read.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from torch import nn
 
 from ..linear import QuantLinear
 from ..op import DEFAULT_LAYOUT
+from ..fuse import fuse_quantized
 from ..precompile import PendingBuild
 from .awq import AwqFormat
 from .compressed_tensors import CompressedTensorsFormat
@@ -97,7 +100,7 @@ def _read_json(path: Path):
 
 
 def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda", layout: str = DEFAULT_LAYOUT,
-                   precompile: bool = True):
+                   precompile: bool = True, fuse: bool = True):
     """A transformers causal LM from a quantized checkpoint folder, its quantized linears on tilemarlin.
 
     Parameters
@@ -113,6 +116,9 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     precompile : build the kernels of every layer's shape on a CUDA device before returning (as
         TILEMARLIN_PRECOMPILE does, which also turns it off); False for a model that will not run
         them (converted back to dense layers, say).
+    fuse : the layers that read the same input (q_proj, k_proj and v_proj; gate_proj and up_proj) as
+        one QuantLinear (runtime/fuse.py), each keeping its name as a FusedSlice; False keeps them
+        apart.
 
     Returns the model in eval mode. Raises CheckpointError (a ValueError) whose message starts with
     the file, the layer and the field at fault: another bit width or layout, a group size the kernels
@@ -131,11 +137,11 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     # The kernels build in worker processes from the first layer on, while the rest are read.
     build = PendingBuild(layout=layout) if precompile else None
     try:
-        replace_quantized_linears(model, fmt, files, dtype, device, layout, build)
+        replace_quantized_linears(model, fmt, files, dtype, device, layout, build, fuse)
         load_dense_parameters(model, files, dtype, device)
         refuse_unread_tensors(model, files)
         model.to(device)   # the buffers computed at construction
-        gather_once(model)
+        arrange_for_serving(model, fuse)
         if build is not None:
             precompile_model(model, layout, build)
     except BaseException:
@@ -145,9 +151,12 @@ def load_quantized(model_dir, dtype: torch.dtype = torch.float16, device="cuda",
     return model.eval()
 
 
-def gather_once(model: nn.Module) -> None:
-    """Act-order's gathers after the layers are loaded: one per input that several layers share, and
-    none where an RMSNorm can write that input in the gathered order."""
+def arrange_for_serving(model: nn.Module, fuse: bool = True) -> None:
+    """The loaded layers arranged as they are served: the sets that read one input fused (`fuse`),
+    then act-order's gathers, one per module input, and none where an RMSNorm can write that input in
+    the gathered order."""
+    if fuse:
+        fuse_quantized(model)
     share_input_gathers(model)
     fold_gathers_into_norms(model)
 
@@ -192,12 +201,14 @@ def parameters_on_meta():
 
 
 def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, device, layout,
-                              build: PendingBuild | None = None) -> int:
+                              build: PendingBuild | None = None, fuse: bool = False) -> int:
     """Swap each nn.Linear with quantized tensors in `files` for a QuantLinear, queueing each new
-    layer's kernels on `build` (runtime/precompile.py) as it is made; returns how many."""
+    layer's kernels on `build` (runtime/precompile.py) as it is made, but for those that may be fused
+    with a sibling (`fuse`); returns how many."""
     suffix = "." + fmt.marker
     pending = {name[:-len(suffix)] for name in files.names() if name.endswith(suffix)}
     modules = dict(model.named_modules())
+    unqueued = _may_fuse(modules, pending) if fuse else set()
     folding = GatherFolding(model, pending)
     replaced: list[QuantLinear] = []
     for name in folding.order([name for name in modules if name in pending]):
@@ -218,7 +229,7 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
         replaced.append(new)
-        if build is not None:
+        if build is not None and name not in unqueued:
             build.add([(new.problem, new.qweight.device)])
     if pending:
         first = sorted(pending)[0]
@@ -228,6 +239,16 @@ def replace_quantized_linears(model: nn.Module, fmt, files: TensorFiles, dtype, 
     if not replaced:
         raise CheckpointError(files.source, f"no quantized layer ({fmt.marker} tensors) in the checkpoint")
     return len(replaced)
+
+
+def _may_fuse(modules: dict[str, nn.Module], quantized: set[str]) -> set[str]:
+    """The quantized layers with a quantized sibling of the same in_features: those fuse_quantized may
+    fuse."""
+    siblings: dict[tuple, list[str]] = {}
+    for name in quantized:
+        parent, _, _ = name.rpartition(".")
+        siblings.setdefault((parent, getattr(modules.get(name), "in_features", None)), []).append(name)
+    return {name for names in siblings.values() if len(names) > 1 for name in names}
 
 
 def _bias(t: LayerTensors, module: nn.Linear) -> torch.Tensor | None:

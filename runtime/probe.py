@@ -1,13 +1,20 @@
 """Running a module's own forward with stand-ins for some of its layers: how the act-order folds
-(fold.py, input_gather.py) learn what a module does with its layers' inputs and outputs without
-knowing its class. Every probe runs in eval mode, puts the real layers back, and leaves the global
-random generators as they were."""
+(runtime/checkpoint: fold.py, input_gather.py, norm_fold.py) and the fusion of layers that read one
+input (fuse.py) learn what a module does with its layers' inputs and outputs without knowing its
+class. Every probe runs in eval mode, puts the real layers back, and leaves the global random
+generators as they were."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 from torch import nn
+
+from .linear import QuantLinear
+
+_PROMPT_TOKENS = 2
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 @contextlib.contextmanager
@@ -69,15 +76,16 @@ def single_owner(model: nn.Module) -> set[int]:
 
 
 class Fixed(nn.Module):
-    """A stand-in layer that keeps what it reads and returns a copy of the same random tensor whatever
-    that was."""
+    """A stand-in layer that keeps what it reads (the tensor, a copy of it as it was then, and how many
+    calls there were) and returns a copy of the same random tensor whatever that was."""
 
     def __init__(self, out_features: int, seed: int = 0):
         super().__init__()
         self.out_features, self.seed, self.seen, self.value = out_features, seed, None, None
+        self.seen_then, self.calls = None, 0
 
     def forward(self, x):
-        self.seen = x
+        self.seen, self.seen_then, self.calls = x, copied(x), self.calls + 1
         if self.value is None:
             self.value = random_like((*x.shape[:-1], self.out_features), x, self.seed)
         return self.value.clone()
@@ -121,3 +129,55 @@ class LinearMap(nn.Module):
             self.maps = (random_like((self.in_features, self.RANK), x) / self.in_features ** 0.5,
                          random_like((self.RANK, self.out_features), x, seed=1) / self.RANK ** 0.5)
         return x @ self.maps[0] @ self.maps[1]
+
+
+def record_calls(model: nn.Module, names) -> dict[str, tuple[tuple, dict]]:
+    """Name -> (args, kwargs) of each named module's first call in a forward of a short prompt, every
+    QuantLinear replaced by a stand-in that returns zeros; {} where the model cannot run that forward
+    (the probe runs without a cache: a module that kept its input in one would pass it unseen)."""
+    calls: dict[str, tuple[tuple, dict]] = {}
+
+    def recorder(name):
+        def record(module, args, kwargs):
+            calls.setdefault(name, (args, kwargs))
+        return record
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(recorder(name), with_kwargs=True)
+               for name in names]
+    quantized = {name: Zeros(m.out_features) for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    try:
+        prompt = torch.zeros(1, _PROMPT_TOKENS, dtype=torch.long, device=model.get_input_embeddings().weight.device)
+        with swapped(model, quantized):
+            model(input_ids=prompt, use_cache=False)
+    except Exception:   # noqa: BLE001 - a model that this forward cannot run shares no gathers
+        return {}
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def argument_slot(tensor, args, kwargs) -> int | str | None:
+    """Where `tensor` is among the call's arguments: its position or keyword, if it is there once."""
+    found = [i for i, a in enumerate(args) if a is tensor] + [k for k, v in kwargs.items() if v is tensor]
+    return found[0] if len(found) == 1 else None
+
+
+def with_argument(args, kwargs, slot, value):
+    """The call's (args, kwargs) with `value` at `slot` (argument_slot's)."""
+    if isinstance(slot, int):
+        return (*args[:slot], value, *args[slot + 1:]), kwargs
+    return args, {**kwargs, slot: value}
+
+
+def forward_parameter(parent: nn.Module, slot: int | str) -> tuple[int | None, str] | None:
+    """(position or None, name) of the forward's parameter that a call filled at `slot` (a position
+    or a keyword), so that a hook finds it however a later call passes it; None where it is caught
+    by *args or **kwargs."""
+    params = list(inspect.signature(parent.forward).parameters.values())
+    if isinstance(slot, int):
+        return (slot, params[slot].name) if slot < len(params) and params[slot].kind in _POSITIONAL else None
+    position = next((i for i, p in enumerate(params) if p.name == slot), None)
+    if position is None:
+        return None
+    return (position if params[position].kind in _POSITIONAL else None), slot

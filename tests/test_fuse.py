@@ -1,0 +1,132 @@
+"""runtime/fuse.py on the CPU (the op computing with the reference): which layers are fused, the same
+outputs as the layers apart, one GEMM per set, and the forwards that must not be fused."""
+import pytest
+import torch
+from torch import nn
+
+import runtime.op as op
+from runtime import QuantLinear, replace_linear
+from runtime.fuse import FusedSlice, fused_name, plan_fusion
+from tests.reference import int4_weights
+from tests.test_runtime_cpu import cpu_op  # noqa: F401 - fixture
+
+transformers = pytest.importorskip("transformers")
+CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128)
+
+
+def tiny_llama(**overrides) -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**CONFIG, **overrides})).half().eval()
+
+
+def dense_key(module):
+    return (module.in_features, module.weight.dtype) if isinstance(module, nn.Linear) else None
+
+
+def test_q_k_v_and_gate_up_are_planned_and_o_and_down_are_not():
+    plans = plan_fusion(tiny_llama(), dense_key)
+    assert [(p.parent, p.members, p.argument, p.name) for p in plans] == [
+        (f"model.layers.{i}.{module}", members, argument, name) for i in range(2) for module, members, argument, name
+        in (("self_attn", ("q_proj", "k_proj", "v_proj"), (0, "hidden_states"), "q_k_v_proj"),
+            ("mlp", ("gate_proj", "up_proj"), (0, "x"), "gate_up_proj"))]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_fused_llama_gives_the_logits_of_its_layers_apart_with_one_gemm_per_set(cpu_op, monkeypatch, bias):  # noqa: F811
+    model = tiny_llama(attention_bias=bias)
+    apart = replace_linear(tiny_llama(attention_bias=bias), group_size=64, fuse=False)
+    replace_linear(model, group_size=64)
+    weights, apart_weights = int4_weights(model), int4_weights(apart)
+    assert weights.keys() == apart_weights.keys() and len(weights) == 14
+    for name, (codes, scales) in weights.items():   # quantizing the set quantizes each member alike
+        assert torch.equal(codes, apart_weights[name][0]) and torch.equal(scales, apart_weights[name][1])
+    gemms = []
+    launch = op._launch
+    monkeypatch.setattr(op, "_launch", lambda *args, **kwargs: (gemms.append(1), launch(*args, **kwargs))[1])
+    tokens = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        fused_logits = model(tokens).logits
+        assert len(gemms) == 4 * 2   # qkv, o, gate_up and down in each layer
+        assert torch.equal(fused_logits, apart(tokens).logits)
+
+
+def test_a_slice_called_outside_its_module_runs_the_fused_layer_itself(cpu_op):  # noqa: F811
+    model = replace_linear(tiny_llama(), group_size=64)
+    apart = replace_linear(tiny_llama(), group_size=64, fuse=False)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).half()
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            got = getattr(model.model.layers[1].self_attn, name)(x)
+            assert torch.equal(got, getattr(apart.model.layers[1].self_attn, name)(x))
+
+
+def test_a_fused_model_traces_in_one_graph(cpu_op):  # noqa: F811
+    model = replace_linear(tiny_llama(), group_size=64)
+    tokens = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(tokens, use_cache=False).logits, model(tokens, use_cache=False).logits)
+
+
+class Block(nn.Module):
+    """Two layers on the block's input; `how` says what else its forward does."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.a_proj, self.b_proj = nn.Linear(64, 64), nn.Linear(64, 128)
+
+    def forward(self, x):
+        if self.how == "in place":
+            x.mul_(2)
+        if self.how == "twice":
+            return self.a_proj(x) + self.a_proj(x) + self.b_proj(x)[..., :64]
+        if self.how == "flattened":    # a view of its output that a column slice cannot give
+            return self.a_proj(x).view(-1).view_as(x) + self.b_proj(x)[..., :64]
+        if self.how == "other input":
+            return self.a_proj(x) + self.b_proj(x + 1)[..., :64]
+        return self.a_proj(x) * self.b_proj(x)[..., 64:]
+
+
+class TinyLm(nn.Module):
+    """What the probe runs: input_ids in, embeddings to one Block."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.block = nn.Embedding(16, 64), Block(how)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def forward(self, input_ids, use_cache=False):
+        return self.block(self.embed(input_ids))
+
+
+@pytest.mark.parametrize("how, fused", [("plain", True), ("in place", False), ("twice", False), ("flattened", False),
+                                        ("other input", False)])
+def test_only_layers_that_read_the_modules_input_as_it_is_once_are_fused(how, fused):
+    model = TinyLm(how)
+    plans = plan_fusion(model, dense_key)
+    assert [p.members for p in plans] == ([("a_proj", "b_proj")] if fused else [])
+
+
+def test_a_model_the_probe_cannot_run_and_a_taken_name_are_handled():
+    assert plan_fusion(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), dense_key) == []
+    block = Block("plain")
+    block.a_b_proj = nn.Identity()
+    assert fused_name(block, ("a_proj", "b_proj")) == "fused_a_b_proj"
+    assert fused_name(block, ("first", "second")) == "first_second"
+
+
+def test_the_slices_keep_no_state_and_the_fused_layer_is_saved_once(cpu_op):  # noqa: F811
+    model = replace_linear(tiny_llama(), group_size=64)
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, FusedSlice) and isinstance(attention.q_k_v_proj, QuantLinear)
+    keys = [key for key in model.state_dict() if key.startswith("model.layers.0.self_attn.")]
+    assert sorted(keys) == [f"model.layers.0.self_attn.{layer}.{buffer}" for layer in ("o_proj", "q_k_v_proj")
+                            for buffer in ("qweight", "scales")]
+    with torch.no_grad():
+        model(torch.zeros(1, 3, dtype=torch.long))
+    assert all(m._product is None and m._source is None for m in model.modules() if isinstance(m, FusedSlice))
