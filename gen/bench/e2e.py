@@ -67,10 +67,10 @@ class Options:
 
 def parse_variants(text: str) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
-    unknown = [name for name in names if name not in models.VARIANTS]
+    unknown = [name for name in names if name not in models.KNOWN_VARIANTS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown variant(s) {', '.join(unknown) or repr(text)}; "
-                                         f"known: {', '.join(models.VARIANTS)}")
+                                         f"known: {', '.join(models.KNOWN_VARIANTS)}")
     return list(dict.fromkeys(names))
 
 
@@ -91,7 +91,8 @@ def add_arguments(parser) -> None:
     group.add_argument("--prefill", type=common.parse_ms, metavar="N,...",
                        help="prefill lengths at batch 1 (default: %s)" % ",".join(map(str, DEFAULT_PREFILL)))
     group.add_argument("--variants", type=parse_variants, metavar="NAME,...",
-                       help="variants to measure (default: %s)" % ",".join(models.VARIANTS))
+                       help="variants to measure (default: %s; also known: %s)"
+                            % (",".join(models.VARIANTS), ",".join(models.KNOWN_VARIANTS[len(models.VARIANTS):])))
     group.add_argument("--compile", action="store_true",
                        help="run every variant's steps through torch.compile before capturing them")
     group.add_argument("--checkpoint", metavar="DIR",
@@ -332,11 +333,11 @@ def _build(variant: str, config, opts: Options):
     max_m = max(*opts.batches, *opts.prefill, PROMPT_TOKENS)
     dtype = models.DTYPES[opts.dtype]
     if opts.checkpoint is not None:
-        if variant == "tilemarlin":
-            say("tilemarlin: loading the checkpoint and building its layers' kernels")
+        if variant in models.TILEMARLIN_VARIANTS:
+            say(f"{variant}: loading the checkpoint and building its layers' kernels")
         return models.checkpoint_variant(variant, opts.checkpoint, dtype)
-    if variant == "tilemarlin":
-        say(f"tilemarlin: converting the layers and building their kernels for M up to {max_m}")
+    if variant in models.TILEMARLIN_VARIANTS:
+        say(f"{variant}: converting the layers and building their kernels for M up to {max_m}")
     return models.build_variant(variant, config, dtype, opts.group, max_m)
 
 
@@ -400,7 +401,7 @@ def _measured(model, variant: str, config, opts: Options, data: dict) -> dict:
     import torch
 
     record = {"weight_bytes": models.weight_bytes(model), "quantized_bytes": models.quantized_bytes(model)}
-    if variant == "tilemarlin":
+    if variant in models.TILEMARLIN_VARIANTS:
         record["layers"] = models.layer_summary(model)
     say(f"{variant}: {record['weight_bytes'] / GIB:.2f} GiB of weights on the GPU")
     forward = _compiled(model) if opts.compile else None

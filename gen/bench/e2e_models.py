@@ -8,11 +8,14 @@ conversion):
 - `tilemarlin`: `runtime.replace_linear` (round-to-nearest INT4, one scale per `group` input rows;
   lm_head stays dense), served from the tuned table;
 - `humming`: every linear layer but lm_head as a humming-kernels `HummingLayer` (its own INT4
-  quantization of the same weights, with the same group size), where humming is importable.
+  quantization of the same weights, with the same group size), where humming is importable;
+- `tilemarlin_unfused` (not measured unless named): `tilemarlin` with q, k, v, gate and up each
+  its own GEMM (`fuse=False`), what fusing them (runtime/fuse.py) gains.
 
 Variants of a checkpoint folder (GPTQ, AWQ or compressed-tensors, read by runtime.load_quantized):
 
 - `tilemarlin`: the model as load_quantized serves it (zero points, act-order gathers and all);
+  `tilemarlin_unfused` the same with its layers apart;
 - `dense`: the same model with its INT4 layers dequantized into nn.Linear layers: the weights the
   checkpoint stands for, at dense speed;
 - `humming`: humming's own INT4 quantization of those dequantized weights (symmetric, the
@@ -31,7 +34,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-VARIANTS = ("dense", "tilemarlin", "humming")
+VARIANTS = ("dense", "tilemarlin", "humming")      # measured by default
+KNOWN_VARIANTS = (*VARIANTS, "tilemarlin_unfused")
+TILEMARLIN_VARIANTS = ("tilemarlin", "tilemarlin_unfused")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 SEED = 0
 # lm_head stays dense in every variant: often tied to the embeddings, and outside what the kernels serve.
@@ -125,11 +130,11 @@ def _swap(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, attr, module)
 
 
-def to_tilemarlin(model: nn.Module, group: int, max_m: int | None = None) -> nn.Module:
+def to_tilemarlin(model: nn.Module, group: int, max_m: int | None = None, fuse: bool = True) -> nn.Module:
     """replace_linear, which on a GPU also builds every kernel the layers will run for M up to `max_m`."""
     from runtime import replace_linear
 
-    return replace_linear(model, group_size=group, skip=KEEP_DENSE, max_m=max_m)
+    return replace_linear(model, group_size=group, skip=KEEP_DENSE, max_m=max_m, fuse=fuse)
 
 
 def to_dequantized(model: nn.Module) -> nn.Module:
@@ -199,11 +204,11 @@ def to_humming(model: nn.Module, group: int) -> nn.Module:
     return model
 
 
-def load_checkpoint(folder, dtype: torch.dtype, device="cuda", precompile: bool = True) -> nn.Module:
+def load_checkpoint(folder, dtype: torch.dtype, device="cuda", precompile: bool = True, fuse: bool = True) -> nn.Module:
     """runtime.load_quantized of a checkpoint folder on `device` (its kernels built with `precompile`)."""
     from runtime import load_quantized
 
-    return load_quantized(folder, dtype, device, precompile=precompile)
+    return load_quantized(folder, dtype, device, precompile=precompile, fuse=fuse)
 
 
 def checkpoint_variant(variant: str, folder, dtype: torch.dtype, device="cuda") -> nn.Module:
@@ -211,8 +216,9 @@ def checkpoint_variant(variant: str, folder, dtype: torch.dtype, device="cuda") 
     VariantUnavailable where it cannot be built here."""
     if variant == "humming":
         _humming_layer_class()
-    model = load_checkpoint(folder, dtype, device, precompile=variant == "tilemarlin")
-    if variant == "tilemarlin":
+    model = load_checkpoint(folder, dtype, device, precompile=variant in TILEMARLIN_VARIANTS,
+                            fuse=variant != "tilemarlin_unfused")
+    if variant in TILEMARLIN_VARIANTS:
         return model
     groups = layer_summary(model)["group_sizes"]
     to_dequantized(model)
@@ -245,8 +251,8 @@ def build_variant(variant: str, config, dtype: torch.dtype, group: int, max_m: i
     if variant == "humming":
         _humming_layer_class()   # before building anything
     model = build_dense(config, dtype)
-    if variant == "tilemarlin":
-        return to_tilemarlin(model, group, max_m)
+    if variant in TILEMARLIN_VARIANTS:
+        return to_tilemarlin(model, group, max_m, fuse=variant == "tilemarlin")
     if variant == "humming":
         return to_humming(model, group)
     return model
