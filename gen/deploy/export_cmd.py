@@ -1,10 +1,11 @@
 """`gen export`: a model's tuned entries and compiled kernels in one artifact for a serving fleet.
 
-    gen precompile --model llama-2-7b --unfused && gen export --model llama-2-7b --unfused --out l2-7b.tar.gz
+    gen precompile --model llama-2-7b && gen export --model llama-2-7b --out l2-7b.tar.gz
     gen export --model llama-3-70b --tp 4 --arch sm_90a --gpu nvidia-h200_sm_90a_132sm --out l3-70b.tar.gz
 
---unfused: the layers as transformers' modules run them (replace_linear, load_quantized); without it,
-the fused qkv and gate_up projections of serving engines (the second line, for an engine's shards).
+The layers are the fused qkv and gate_up projections that serving engines run and replace_linear and
+load_quantized fuse too (runtime/fuse.py); --unfused, transformers' q, k, v, gate and up modules as a
+model converted with fuse=False runs them.
 
 The artifact (runtime/artifact.py) holds the tuned table's entries for the model's (problem, bucket)
 pairs, the store entries of every kernel the op will load for them (runtime/precompile.py `plan`),
