@@ -100,7 +100,7 @@ def quantized_key(layer: nn.Module) -> Hashable | None:
 def plan_fusion(model: nn.Module, key: Callable[[nn.Module], Hashable | None]) -> list[FusionPlan]:
     """The sets of layers to fuse (see the module's docstring): children of one module with the same
     `key` (None: not a candidate) that the probes find reading one argument of the module. Changes
-    nothing; {} where the model cannot run a forward of a short prompt."""
+    nothing; [] where the model cannot run a forward of a short prompt."""
     owned = single_owner(model)
     candidates: dict[str, list[list[str]]] = {}
     for name, module in model.named_modules():
