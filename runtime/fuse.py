@@ -11,15 +11,19 @@ group size, zero points, activations and act-order permutation) are candidates. 
 prompt records the module's call; the call is repeated with the candidates replaced by stand-ins that
 keep what they read, then with another tensor in place of what they read. Those that read one of the
 module's arguments itself, unchanged, once per call, in both runs, form a set. A last run serves the set
-as it will be served (one stand-in of the summed width, handing each member its columns): the module's
+as it will be served (one stand-in of the summed width, each member its columns): the module's
 output must equal the first run's. That catches a forward that cannot take a member's output as a
 slice of a wider tensor (a view that needs it contiguous).
 
-A fused set becomes one layer (`q_k_v_proj`: the members' columns side by side, in their order) that
-the module runs in a forward pre-hook (`FusedInput`) on that argument; each member becomes a
-`FusedSlice` handed its columns of the product. A slice called on any other tensor (a direct call, or a
-forward that takes another path than the probed one) runs the fused layer on that tensor itself, so
-the outputs never depend on the probe. The hook and the slices trace into one graph under
+A fused set becomes one layer (`q_k_v_proj`: the members' columns side by side, in their order) beside
+them in their module, and each member a `FusedSlice` that returns its columns of the fused layer's
+product (`FusedSet.product`): the first member called in a forward of the module computes it, the
+others called on the same tensor, unchanged since (its version counter; under torch.compile, which
+traces no version counter, the same tensor), take their columns of it. A member called on another
+tensor computes the product of that one; outside the module's forward (a direct call) the product is
+computed and not kept, and the module's forward hooks drop it once the forward ends. So nothing is
+computed for members that a forward does not call (cross-attention's keys and values once they are
+cached), and no output depends on the probe. The slices and hooks trace into one graph under
 torch.compile and capture in CUDA graphs.
 """
 from __future__ import annotations
@@ -30,62 +34,69 @@ import torch
 from torch import nn
 
 from .linear import QuantLinear
-from .probe import (Fixed, LinearMap, Returns, argument_slot, copied, equal, forward_parameter, random_like,
-                    record_calls, single_owner, swapped, with_argument)
+from .probe import (Fixed, LinearMap, Returns, argument_slot, copied, equal, random_like, record_calls,
+                    single_owner, swapped, with_argument)
 
 
 class FusionPlan(NamedTuple):
     parent: str                       # the module's name in the model
     members: tuple[str, ...]          # its children that are fused, in the order of their columns
-    argument: tuple[int | None, str]  # (position or None, name) of the forward's parameter they read
     name: str                         # the fused layer's attribute in the module
+
+
+class FusedSet:
+    """What the members of one fused set share: their module and the fused layer's name in it, and while
+    the module's forward runs (`begin` and `end`, its pre- and post-hook), the last product computed.
+    `remove` takes the hooks off."""
+
+    def __init__(self, module: nn.Module, name: str):
+        self.module, self.name = module, name
+        self.handles = (module.register_forward_pre_hook(self.begin),
+                        module.register_forward_hook(self.end, always_call=True))
+        self._running = False
+        self._source = self._version = self._product = None
+
+    @property
+    def layer(self) -> nn.Module:
+        return getattr(self.module, self.name)
+
+    def begin(self, module, args) -> None:
+        self._running, self._source, self._version, self._product = True, None, None, None
+
+    def end(self, module, args, output) -> None:
+        self._running, self._source, self._version, self._product = False, None, None, None
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused layer's output for `x`: kept for the other members during the module's forward."""
+        if not self._running:
+            return self.layer(x)
+        compiling = torch.compiler.is_compiling()
+        if x is not self._source or (not compiling and x._version != self._version):
+            self._source, self._version, self._product = x, None if compiling else x._version, self.layer(x)
+        return self._product
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 class FusedSlice(nn.Module):
     """A fused layer's columns [start, stop), in the place of the layer that had them."""
 
-    def __init__(self, fused: nn.Module, start: int, stop: int):
+    def __init__(self, shared: FusedSet, in_features: int, start: int, stop: int):
         super().__init__()
-        self.in_features, self.out_features, self.start, self.stop = fused.in_features, stop - start, start, stop
-        object.__setattr__(self, "_fused", fused)   # not a submodule: its module owns it (one state-dict entry)
-        self._source = self._product = None
+        self.in_features, self.out_features, self.start, self.stop = in_features, stop - start, start, stop
+        self.shared = shared
 
-    def hand(self, x: torch.Tensor, product: torch.Tensor) -> None:
-        """Keep `product`, this slice's columns of the fused layer's output for `x`, for the next call."""
-        self._source, self._product = x, product
+    @property
+    def fused(self) -> nn.Module:
+        return self.shared.layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        source, product = self._source, self._product
-        self._source = self._product = None
-        if source is not x:
-            product = self._fused(x)[..., self.start:self.stop]
-        return product
+        return self.shared.product(x)[..., self.start:self.stop]
 
     def extra_repr(self) -> str:
-        return f"columns {self.start}:{self.stop} of a fused layer, in_features={self.in_features}"
-
-
-class FusedInput:
-    """A forward pre-hook (registered with_kwargs): the module's fused layer `fused` (attribute name) run
-    on its argument `name` (at `position` where it is passed positionally), each of `members` handed its
-    columns of the product. `handle` removes it."""
-
-    def __init__(self, position: int | None, name: str, fused: str, members: tuple[str, ...]):
-        self.position, self.name, self.fused, self.members = position, name, fused, members
-        self.handle = None
-
-    def __call__(self, module, args, kwargs):
-        if self.name in kwargs:
-            x = kwargs[self.name]
-        elif self.position is not None and self.position < len(args):
-            x = args[self.position]
-        else:
-            return None   # not passed: each member runs the fused layer on what it gets
-        product = getattr(module, self.fused)(x)
-        for member in self.members:
-            piece = getattr(module, member)
-            piece.hand(x, product[..., piece.start:piece.stop])
-        return None
+        return f"columns {self.start}:{self.stop} of {self.shared.name}, in_features={self.in_features}"
 
 
 def quantized_key(layer: nn.Module) -> Hashable | None:
@@ -118,8 +129,8 @@ def plan_fusion(model: nn.Module, key: Callable[[nn.Module], Hashable | None]) -
         if name in calls:
             parent = model.get_submodule(name)
             for names in sets:
-                plans += [FusionPlan(name, members, argument, fused_name(parent, members))
-                          for members, argument in _sets_reading_an_argument(parent, names, *calls[name])]
+                plans += [FusionPlan(name, members, fused_name(parent, members))
+                          for members in _sets_reading_an_argument(parent, names, *calls[name])]
     return plans
 
 
@@ -136,8 +147,8 @@ def fused_name(parent: nn.Module, members: tuple[str, ...]) -> str:
 
 
 def _sets_reading_an_argument(parent: nn.Module, names: list[str], args: tuple, kwargs: dict):
-    """[(members, argument)]: the sets of `names` (two or more) that read one argument of `parent`'s
-    forward as it is, once per call, each checked served fused."""
+    """The sets of `names` (two or more) that read one argument of `parent`'s forward as it is, once per
+    call, each checked served fused."""
     others = {n: LinearMap(m.in_features, m.out_features) for n, m in parent.named_modules()
               if isinstance(m, QuantLinear) and n not in names}
     found = []
@@ -146,16 +157,14 @@ def _sets_reading_an_argument(parent: nn.Module, names: list[str], args: tuple, 
             output, reads = _reads(parent, names, args, kwargs)
             for x, members in reads:
                 slot = argument_slot(x, args, kwargs)
-                argument = None if slot is None else forward_parameter(parent, slot)
-                if len(members) < 2 or argument is None:
+                if len(members) < 2 or slot is None:
                     continue
                 other = random_like(x.shape, x, seed=1)
                 _, other_reads = _reads(parent, names, *with_argument(args, kwargs, slot, other))
                 if [read for read in other_reads if read[0] is other] != [(other, members)]:
                     continue
-                served = _served_fused(parent, names, members, argument, args, kwargs)
-                if equal(served, output):
-                    found.append((members, argument))
+                if equal(_served_fused(parent, names, members, x, args, kwargs), output):
+                    found.append(members)
     except Exception:   # noqa: BLE001 - a call the probe cannot repeat fuses nothing
         return []
     return found
@@ -187,41 +196,30 @@ def _reads(parent: nn.Module, names: list[str], args: tuple, kwargs: dict) -> tu
     return output, reads
 
 
-def _served_fused(parent: nn.Module, names: list[str], members: tuple[str, ...], argument, args, kwargs):
+def _served_fused(parent: nn.Module, names: list[str], members: tuple[str, ...], x: torch.Tensor, args, kwargs):
     """parent's output with `members` served fused by a layer that returns their stand-ins' fixed tensors
-    side by side (the other `names` returning theirs, as in _reads)."""
-    position, keyword = argument
-    x = kwargs[keyword] if keyword in kwargs else args[position]
+    (for x, what they read) side by side, the other `names` returning theirs, as in _reads."""
     stand_ins = _stand_ins(parent, names)
     widths = [stand_ins[m].out_features for m in members]
     fused = Returns(torch.cat([random_like((*x.shape[:-1], stand_ins[m].out_features), x, stand_ins[m].seed)
                                for m in members], dim=-1))
-    fused.in_features = x.shape[-1]
     rest = {n: stand_in for n, stand_in in stand_ins.items() if n not in members}
     name = fused_name(parent, members)
     parent.add_module(name, fused)
+    shared = FusedSet(parent, name)
     try:
-        with swapped(parent, {**rest, **_slices(fused, members, widths)}):
-            hook = _hook(parent, argument, name, members)
-            try:
-                return copied(parent(*args, **kwargs))
-            finally:
-                hook.handle.remove()
+        with swapped(parent, {**rest, **_slices(shared, x.shape[-1], members, widths)}):
+            return copied(parent(*args, **kwargs))
     finally:
+        shared.remove()
         delattr(parent, name)
 
 
-def _slices(fused: nn.Module, members: tuple[str, ...], widths: list[int]) -> dict[str, FusedSlice]:
+def _slices(shared: FusedSet, in_features: int, members: tuple[str, ...], widths: list[int]) -> dict[str, FusedSlice]:
     slices, start = {}, 0
     for member, width in zip(members, widths):
-        slices[member], start = FusedSlice(fused, start, start + width), start + width
+        slices[member], start = FusedSlice(shared, in_features, start, start + width), start + width
     return slices
-
-
-def _hook(parent: nn.Module, argument: tuple[int | None, str], name: str, members: tuple[str, ...]) -> FusedInput:
-    hook = FusedInput(*argument, name, members)
-    hook.handle = parent.register_forward_pre_hook(hook, with_kwargs=True)
-    return hook
 
 
 def install(model: nn.Module, plan: FusionPlan, fused: nn.Module) -> None:
@@ -229,9 +227,9 @@ def install(model: nn.Module, plan: FusionPlan, fused: nn.Module) -> None:
     parent = model.get_submodule(plan.parent)
     widths = [getattr(parent, member).out_features for member in plan.members]
     parent.add_module(plan.name, fused)
-    for member, piece in _slices(fused, plan.members, widths).items():
+    shared = FusedSet(parent, plan.name)
+    for member, piece in _slices(shared, fused.in_features, plan.members, widths).items():
         setattr(parent, member, piece)
-    _hook(parent, plan.argument, plan.name, plan.members)
 
 
 def fuse_quantized(model: nn.Module) -> list[str]:

@@ -100,9 +100,9 @@ def int4_weights(model) -> dict:
     found = {}
     for name, module in model.named_modules():
         if isinstance(module, FusedSlice):
-            codes, scales = module._fused.unpack()
+            codes, scales = module.fused.unpack()
             found[name] = codes[:, module.start:module.stop], scales[:, module.start:module.stop]
         elif isinstance(module, QuantLinear):
             found[name] = module.unpack()
-    fused = {id(module._fused) for module in model.modules() if isinstance(module, FusedSlice)}
+    fused = {id(module.fused) for module in model.modules() if isinstance(module, FusedSlice)}
     return {name: weights for name, weights in found.items() if id(model.get_submodule(name)) not in fused}

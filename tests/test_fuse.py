@@ -6,7 +6,7 @@ from torch import nn
 
 import runtime.op as op
 from runtime import QuantLinear, replace_linear
-from runtime.fuse import FusedSlice, fused_name, plan_fusion
+from runtime.fuse import FusedSlice, concatenated_linear, fused_name, install, plan_fusion
 from tests.reference import int4_weights
 from tests.test_runtime_cpu import cpu_op  # noqa: F401 - fixture
 
@@ -26,10 +26,9 @@ def dense_key(module):
 
 def test_q_k_v_and_gate_up_are_planned_and_o_and_down_are_not():
     plans = plan_fusion(tiny_llama(), dense_key)
-    assert [(p.parent, p.members, p.argument, p.name) for p in plans] == [
-        (f"model.layers.{i}.{module}", members, argument, name) for i in range(2) for module, members, argument, name
-        in (("self_attn", ("q_proj", "k_proj", "v_proj"), (0, "hidden_states"), "q_k_v_proj"),
-            ("mlp", ("gate_proj", "up_proj"), (0, "x"), "gate_up_proj"))]
+    assert plans == [(f"model.layers.{i}.{module}", members, name) for i in range(2) for module, members, name
+                     in (("self_attn", ("q_proj", "k_proj", "v_proj"), "q_k_v_proj"),
+                         ("mlp", ("gate_proj", "up_proj"), "gate_up_proj"))]
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -86,6 +85,10 @@ class Block(nn.Module):
             return self.a_proj(x).view(-1).view_as(x) + self.b_proj(x)[..., :64]
         if self.how == "other input":
             return self.a_proj(x) + self.b_proj(x + 1)[..., :64]
+        if self.how == "no layers":
+            return x
+        if self.how == "clamped":
+            x.clamp_(-4, 4)
         return self.a_proj(x) * self.b_proj(x)[..., 64:]
 
 
@@ -129,4 +132,60 @@ def test_the_slices_keep_no_state_and_the_fused_layer_is_saved_once(cpu_op):  # 
                             for buffer in ("qweight", "scales")]
     with torch.no_grad():
         model(torch.zeros(1, 3, dtype=torch.long))
-    assert all(m._product is None and m._source is None for m in model.modules() if isinstance(m, FusedSlice))
+    assert all(m.shared._product is None and m.shared._source is None
+               for m in model.modules() if isinstance(m, FusedSlice))
+
+
+def _fused_block(how: str) -> Block:
+    """A Block whose a_proj and b_proj are fused (dense layers: the slices work on any layer)."""
+    model = TinyLm(how)
+    (plan,) = plan_fusion(model, dense_key)
+    install(model, plan, concatenated_linear([model.block.a_proj, model.block.b_proj]))
+    return model.block
+
+
+def _apart(how: str) -> Block:
+    return TinyLm(how).block
+
+
+def test_a_forward_that_calls_no_member_computes_nothing_and_keeps_nothing():
+    """As cross-attention does once its keys and values are cached."""
+    block = _fused_block("plain")
+    calls = []
+    block.a_b_proj.register_forward_hook(lambda *args: calls.append(1))
+    block.how = "no layers"
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        block(x)
+    assert calls == [] and block.a_proj.shared._source is None
+
+
+def test_an_input_changed_in_place_after_the_first_member_is_computed_again():
+    """A pre-hook of a member (or a forward) that changes the input in place between the members' calls:
+    the next member sees the tensor's new version and computes the product of what it holds now."""
+    def halve(layer, args):
+        args[0].mul_(0.5)
+
+    block, apart = _fused_block("plain"), _apart("plain")
+    for module in (block, apart):
+        module.b_proj.register_forward_pre_hook(halve)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(block(x.clone()), apart(x.clone()))
+
+
+def test_the_probe_misses_an_in_place_clamp_the_version_counter_does_not():
+    """The probe's small input passes a clamp unchanged, so the set is fused; at run time the clamp
+    bumps the input's version and each member computes from what it reads."""
+    block, apart = _fused_block("clamped"), _apart("clamped")
+    x = 10 * torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(block(x.clone()), apart(x.clone()))
+
+
+def test_the_slices_follow_a_replaced_fused_layer():
+    block = _fused_block("plain")
+    block.a_b_proj = nn.Linear(64, 192).requires_grad_(False)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(block.a_proj(x), block.a_b_proj(x)[..., :64])

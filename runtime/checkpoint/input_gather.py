@@ -6,8 +6,7 @@ gate_proj and up_proj) come with one permutation. Each of their QuantLinear laye
 tensor's columns again; instead, the module that calls them gathers its input once (a forward pre-hook,
 `InputGather`, reading the module's `input_perm` buffer) and they run without a permutation of their own.
 A fused set of them (runtime/fuse.py) is one such layer; its module gathering the input is what lets
-norm_fold.py move the gather into the norm before it. The gather's hook runs before the module's other
-pre-hooks (a fused set's runs on the gathered input).
+norm_fold.py move the gather into the norm before it.
 
 That is exact only where the module's forward reads that input through those layers alone and hands it
 to them as it is. `share_input_gathers` learns this from the model itself, not from class names: one
@@ -75,12 +74,7 @@ def _share(parent: nn.Module, members: list[str], argument: tuple[int | None, st
     for child in children:
         child.perm = None
     gather = InputGather(*argument, tuple(members))
-    gather.handle = register_gather(parent, gather)
-
-
-def register_gather(module: nn.Module, gather: InputGather):
-    """Register `gather` as `module`'s first forward pre-hook; returns the handle."""
-    return module.register_forward_pre_hook(gather, with_kwargs=True, prepend=True)
+    gather.handle = parent.register_forward_pre_hook(gather, with_kwargs=True)
 
 
 def unshare_input_gathers(model: nn.Module) -> list[str]:

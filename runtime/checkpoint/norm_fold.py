@@ -32,7 +32,7 @@ from schedules.row_kernels import norm_gather_supports
 
 from ..linear import QuantLinear
 from ..op import rms_norm_gather
-from .input_gather import InputGather, gathers_skipped, input_gathers, register_gather
+from .input_gather import InputGather, gathers_skipped, input_gathers
 from ..probe import LinearMap, Zeros, copied, equal, random_like, record_calls, single_owner, swapped
 
 _EPS_NAMES = ("variance_epsilon", "eps")
@@ -136,7 +136,7 @@ def unfold_gathered_norms(model: nn.Module) -> list[str]:
             norm, consumer, gather = module._replaced
             norm.to(module.weight.device)
             consumer.register_buffer("input_perm", module.perm)
-            gather.handle = register_gather(consumer, gather)
+            gather.handle = consumer.register_forward_pre_hook(gather, with_kwargs=True)
             model.set_submodule(name, norm)
             undone.append(name)
     return undone
