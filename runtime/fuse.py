@@ -18,10 +18,11 @@ slice of a wider tensor (a view that needs it contiguous).
 A fused set becomes one layer (`q_k_v_proj`: the members' columns side by side, in their order) beside
 them in their module, and each member a `FusedSlice` that returns its columns of the fused layer's
 product (`FusedSet.product`): the first member called in a forward of the module computes it, the
-others called on the same tensor, unchanged since (its version counter; under torch.compile, which
-traces no version counter, the same tensor), take their columns of it. A member called on another
-tensor computes the product of that one; outside the module's forward (a direct call) the product is
-computed and not kept, and the module's forward hooks drop it once the forward ends. So nothing is
+others called on the same tensor, unchanged since (its version counter; inference tensors and
+torch.compile's tracing have none, and there the same tensor is taken as unchanged), take their columns
+of it, and the last of them drops it. A member called on another tensor computes the product of that
+one; outside the module's forward (a direct call) the product is computed and not kept, and the
+module's forward hooks drop what is left when the forward ends. So nothing is
 computed for members that a forward does not call (cross-attention's keys and values once they are
 cached), and no output depends on the probe. The slices and hooks trace into one graph under
 torch.compile and capture in CUDA graphs.
@@ -45,35 +46,50 @@ class FusionPlan(NamedTuple):
 
 
 class FusedSet:
-    """What the members of one fused set share: their module and the fused layer's name in it, and while
-    the module's forward runs (`begin` and `end`, its pre- and post-hook), the last product computed.
+    """What the members of one fused set share: their module, the fused layer's name in it and how many
+    members there are; while the module's forward runs (`begin` and `end`, its pre- and post-hook), the
+    product computed for the first member's tensor, until every other member has taken its columns.
     `remove` takes the hooks off."""
 
-    def __init__(self, module: nn.Module, name: str):
-        self.module, self.name = module, name
+    def __init__(self, module: nn.Module, name: str, members: int):
+        self.module, self.name, self.members = module, name, members
         self.handles = (module.register_forward_pre_hook(self.begin),
                         module.register_forward_hook(self.end, always_call=True))
         self._running = False
-        self._source = self._version = self._product = None
+        self._drop()
 
     @property
     def layer(self) -> nn.Module:
         return getattr(self.module, self.name)
 
     def begin(self, module, args) -> None:
-        self._running, self._source, self._version, self._product = True, None, None, None
+        self._running = True
+        self._drop()
 
     def end(self, module, args, output) -> None:
-        self._running, self._source, self._version, self._product = False, None, None, None
+        self._running = False
+        self._drop()
+
+    def _drop(self) -> None:
+        self._source = self._version = self._product = None
+        self._left = 0
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """The fused layer's output for `x`: kept for the other members during the module's forward."""
+        """The fused layer's output for `x`, kept during the module's forward for the other members. A
+        tensor changed in place since shows it in its version counter; inference tensors and
+        torch.compile's tracing keep none, so there the same tensor is taken as unchanged (transformers'
+        modules call the members back to back)."""
         if not self._running:
             return self.layer(x)
-        compiling = torch.compiler.is_compiling()
-        if x is not self._source or (not compiling and x._version != self._version):
-            self._source, self._version, self._product = x, None if compiling else x._version, self.layer(x)
-        return self._product
+        version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
+        if self._left and x is self._source and version == self._version:
+            product, self._left = self._product, self._left - 1
+            if not self._left:      # the last member: its columns keep the product alive as long as needed
+                self._drop()
+            return product
+        product = self.layer(x)
+        self._source, self._version, self._product, self._left = x, version, product, self.members - 1
+        return product
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -206,7 +222,7 @@ def _served_fused(parent: nn.Module, names: list[str], members: tuple[str, ...],
     rest = {n: stand_in for n, stand_in in stand_ins.items() if n not in members}
     name = fused_name(parent, members)
     parent.add_module(name, fused)
-    shared = FusedSet(parent, name)
+    shared = FusedSet(parent, name, len(members))
     try:
         with swapped(parent, {**rest, **_slices(shared, x.shape[-1], members, widths)}):
             return copied(parent(*args, **kwargs))
@@ -227,7 +243,7 @@ def install(model: nn.Module, plan: FusionPlan, fused: nn.Module) -> None:
     parent = model.get_submodule(plan.parent)
     widths = [getattr(parent, member).out_features for member in plan.members]
     parent.add_module(plan.name, fused)
-    shared = FusedSet(parent, plan.name)
+    shared = FusedSet(parent, plan.name, len(plan.members))
     for member, piece in _slices(shared, fused.in_features, plan.members, widths).items():
         setattr(parent, member, piece)
 

@@ -189,3 +189,23 @@ def test_the_slices_follow_a_replaced_fused_layer():
     x = torch.randn(3, 64)
     with torch.no_grad():
         assert torch.equal(block.a_proj(x), block.a_b_proj(x)[..., :64])
+
+
+def test_the_last_member_drops_the_product():
+    """Once every member has its columns, the set holds no product (the columns keep what they need)."""
+    block = _fused_block("plain")
+    held = []
+    block.b_proj.register_forward_hook(lambda *args: held.append(block.b_proj.shared._product))
+    with torch.no_grad():
+        block(torch.randn(3, 64))
+    assert held == [None]
+
+
+def test_a_fused_model_runs_and_is_made_under_inference_mode(cpu_op):  # noqa: F811
+    """Inference tensors keep no version counter: the members take the same tensor as unchanged."""
+    with torch.inference_mode():
+        model = replace_linear(tiny_llama(), group_size=64)
+        apart = replace_linear(tiny_llama(), group_size=64, fuse=False)
+        assert sum(isinstance(m, FusedSlice) for m in model.modules()) == 10
+        tokens = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+        assert torch.equal(model(tokens).logits, apart(tokens).logits)
