@@ -268,7 +268,7 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         processes while the layers are quantized; returns once both are done. Skipped with
         precompile=False, TILEMARLIN_PRECOMPILE=0, or weights not on a CUDA device.
     fuse : converted layers that read the same input (q_proj, k_proj and v_proj; gate_proj and up_proj)
-        become one QuantLinear of their columns side by side, run once by their module
+        become one QuantLinear of their columns side by side, run once in each forward of their module
         (runtime/fuse.py; found by a forward of a two-token prompt, for models that take `input_ids`).
         Each keeps its name, as a FusedSlice. The outputs are the same; False keeps them apart.
 
@@ -301,20 +301,22 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
     # A fused set is quantized as one layer (its members' weights side by side, made when it is quantized).
     plans = _fusion_plans(model, places) if fuse else []
     in_sets = {id(member) for plan in plans for member in _members(model, plan)}
-    jobs: list[tuple[str, nn.Linear | list[nn.Linear]]] = [(n, m) for n, m in places if id(m) not in in_sets]
-    jobs += [(_joined(plan.parent, plan.name), _members(model, plan)) for plan in plans]
-    for name, source in jobs[len(jobs) - len(plans):]:
+    alone = [(name, module) for name, module in places if id(module) not in in_sets]
+    sets = [(_joined(plan.parent, plan.name), _members(model, plan)) for plan in plans]
+    for name, members in sets:
         try:
-            problems[id(source)] = problem_of(sum(m.out_features for m in source), source[0].in_features, group_size,
-                                              dtype_name(source[0].weight.dtype), DEFAULT_LAYOUT, zero_points, act)
+            problems[id(members)] = problem_of(sum(m.out_features for m in members), members[0].in_features,
+                                               group_size, dtype_name(members[0].weight.dtype), DEFAULT_LAYOUT,
+                                               zero_points, act)
         except (ValueError, TypeError) as exc:
-            raise _refusal(name, source[0], exc) from None
+            raise _refusal(name, members[0], exc) from None
     # The kernels build in worker processes while the layers are quantized here.
-    devices = {id(source): _first(source).weight.device for _, source in jobs}
+    devices = {id(module): module.weight.device for _, module in alone}
+    devices.update({id(members): members[0].weight.device for _, members in sets})
     build = start_precompile([(problems[key], device) for key, device in devices.items()], max_m) \
         if precompile else None
     try:
-        converted = _quantized(jobs, group_size, zero_points, act)
+        converted = _quantized([*alone, *sets], group_size, zero_points, act)
         if build is not None:
             build.wait()
     except BaseException:
@@ -323,13 +325,13 @@ def replace_linear(model: nn.Module, filter: Callable[[str, nn.Module], bool] | 
         raise
     # swapped in only once every layer is quantized and every kernel built: a refusal or a failed
     # build leaves the model whole
-    for name, source in jobs[:len(jobs) - len(plans)]:
+    for name, module in alone:
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(source)])
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, converted[id(module)])
     from .fuse import install   # fuse.py imports this module
 
-    for plan, (_, source) in zip(plans, jobs[len(jobs) - len(plans):]):
-        install(model, plan, converted[id(source)])
+    for plan, (_, members) in zip(plans, sets):
+        install(model, plan, converted[id(members)])
     return model
 
 
@@ -345,10 +347,6 @@ def _fusion_plans(model: nn.Module, places: list[tuple[str, nn.Linear]]) -> list
 def _members(model: nn.Module, plan) -> list[nn.Linear]:
     parent = model.get_submodule(plan.parent)
     return [getattr(parent, member) for member in plan.members]
-
-
-def _first(source):
-    return source[0] if isinstance(source, list) else source
 
 
 def _joined(parent: str, child: str) -> str:
