@@ -47,12 +47,12 @@ class FusionPlan(NamedTuple):
 
 class FusedSet:
     """What the members of one fused set share: their module, the fused layer's name in it and how many
-    members there are; while the module's forward runs (`begin` and `end`, its pre- and post-hook), the
+    members there are (`size`); while the module's forward runs (`begin` and `end`, its pre- and post-hook), the
     product computed for the first member's tensor, until every other member has taken its columns.
     `remove` takes the hooks off."""
 
-    def __init__(self, module: nn.Module, name: str, members: int):
-        self.module, self.name, self.members = module, name, members
+    def __init__(self, module: nn.Module, name: str, size: int):
+        self.module, self.name, self.size = module, name, size
         self.handles = (module.register_forward_pre_hook(self.begin),
                         module.register_forward_hook(self.end, always_call=True))
         self._running = False
@@ -88,7 +88,7 @@ class FusedSet:
                 self._drop()
             return product
         product = self.layer(x)
-        self._source, self._version, self._product, self._left = x, version, product, self.members - 1
+        self._source, self._version, self._product, self._left = x, version, product, self.size - 1
         return product
 
     def remove(self) -> None:

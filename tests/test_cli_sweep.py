@@ -104,25 +104,11 @@ def test_gen_compile_parses_knobs_the_same_way():
 def test_a_sweep_cut_short_keeps_what_it_measured(capsys, tmp_path, monkeypatch):
     """Without a GPU (faked): the --json file holds every finished bucket before the sweep ends, so a
     sweep stopped by a time limit or a broken GPU still leaves its measurements."""
-    import torch
-
     from gen.tune import measuring
-    from runtime.table import GpuKey
-    from schedules.arch import get_arch
-    from schedules.cost import GpuSpec
+    from tests.fake_gpu import pretend_h200
 
-    h200 = get_arch("sm_90a")
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("schedules.arch.current_arch", lambda device=None: h200)
-    monkeypatch.setattr(GpuKey, "current", classmethod(lambda cls, device=None: GpuKey("NVIDIA H200", "sm_90a", 132)))
-    monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: GpuSpec.for_arch(h200)))
-    def compile_many(jobs, arch, workers=None, progress=None):
-        for job in jobs:
-            progress(job, None)
-        return {}
-
-    monkeypatch.setattr("runtime.kernels.compile_many", compile_many)
+    pretend_h200(monkeypatch)
     out_json = tmp_path / "sweep.json"
 
     def measure(problem, arch, mine, progress=None, on_bucket=None, between=False):

@@ -3,18 +3,16 @@ this run's harness: after `gen cache clear --tables`, a table replaced as stale 
 an interrupted run in the other harness, those buckets are tuned again."""
 import itertools
 import pytest
-import torch
 
 import runtime.table as table_module
 import runtime.kernels as kernels
 from gen.cli import main as gen_main
 from gen.tune import measuring
-from runtime.table import GpuKey, TunedTable, table_path
-from schedules.arch import get_arch
-from schedules.cost import GpuSpec
+from runtime.table import TunedTable, table_path
 from schedules.problem import Problem
+from tests.fake_gpu import H200, pretend_h200
 
-GPU = GpuKey("NVIDIA H200", "sm_90a", 132)
+GPU = H200
 P = Problem.make(n=4096, k=4096)
 ARGS = ["tune", "--shapes", "4096x4096", "--buckets", "1,2", "--families", "marlin_mma", "--top", "2", "--refine", "2",
         "--force"]
@@ -22,19 +20,9 @@ ARGS = ["tune", "--shapes", "4096x4096", "--buckets", "1,2", "--families", "marl
 
 @pytest.fixture
 def fake_gpu(tmp_path, monkeypatch):
-    h200 = get_arch("sm_90a")
     monkeypatch.setenv("TILEMARLIN_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(table_module, "shipped_tables_dir", lambda: tmp_path / "shipped")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr("schedules.arch.current_arch", lambda device=None: h200)
-    monkeypatch.setattr(GpuKey, "current", classmethod(lambda cls, device=None: GPU))
-    monkeypatch.setattr(GpuSpec, "current", classmethod(lambda cls, device=None: GpuSpec.for_arch(h200)))
-
-    def fake_compile_many(jobs, arch, workers=None, progress=None):
-        for job in jobs:
-            progress(job, None)
-        return {}
-    monkeypatch.setattr("runtime.kernels.compile_many", fake_compile_many)
+    pretend_h200(monkeypatch)
     return tmp_path
 
 
