@@ -8,7 +8,8 @@ its zero points are not all 8, the dtype asked for), and the act-order gathers t
 layers that gather their own input, and the modules that gather for the layers they call; a gated
 MLP's down_proj gathers nothing: runtime/checkpoint/fold.py). Reading it from the loaded model rather
 than from config.json's fields keeps the plan to what serving will load, per-layer schemes and
-folds included. Transformers' modules run q, k, v, gate and up apart, so these are unfused shapes.
+folds included. load_quantized fuses the layers that read one input (q, k and v; gate and up:
+runtime/fuse.py), so these are the fused shapes the tuned tables hold.
 """
 from __future__ import annotations
 

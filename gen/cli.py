@@ -26,8 +26,17 @@ def positive_int(expected: str):
     return parse
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse with its usage errors (a missing or malformed flag) as one line on stderr, exit status
+    2, like the commands' own refusals; `--help` still prints the usage. Subcommands' parsers are of
+    the same class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gen", description="tilemarlin: tuned W4A16 GEMM kernels on TileLang")
+    parser = OneLineErrors(prog="gen", description="tilemarlin: tuned W4A16 GEMM kernels on TileLang")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         importlib.import_module(name).register(subparsers)

@@ -75,4 +75,15 @@ def test_a_malformed_shape_model_or_config_is_one_line_naming_it(capsys, tmp_pat
 def test_workers_must_be_a_positive_number(capsys, command, workers):
     with pytest.raises(SystemExit) as exit_:
         main([*command, "--workers", workers])
-    assert exit_.value.code == 2 and "--workers: takes a positive number of processes" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "--workers: takes a positive number of processes" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("argv, message", [(["bench", "--rounds", "0"], "gen bench: argument --rounds"),
+                                           (["tune", "--no-such-flag"], "gen: unrecognized arguments: --no-such-flag"),
+                                           (["compile"], "gen compile: the following arguments are required: --shape")])
+def test_a_malformed_or_missing_flag_is_one_line_naming_it(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and err.startswith(message) and err.endswith("--help)") and "\n" not in err, err

@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", type=Path, default=None, help="folder for kernel.cu and kernel.ptx")
     p.add_argument("--sass", action="store_true",
                    help="also read the machine code: the main loop's instructions and how soon its global loads "
-                        "are waited for (needs ptxas, cuobjdump and nvdisasm on PATH; see gen/sass.py)")
+                        "are waited for (needs ptxas, cuobjdump and nvdisasm on PATH; see gen/dev/sass.py)")
     p.set_defaults(func=run)
 
 
