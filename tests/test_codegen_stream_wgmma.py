@@ -400,7 +400,7 @@ def test_panel_order_is_computed_once_per_block(compiled):
     _, knobs, src, ptx = compiled
     divisions = count(r"\b(div|rem)\.[su]32", ptx)
     if knobs.panel_m:
-        assert divisions == 1 and "blockIdx.y" in src[:src.index("tma_load")]
+        assert divisions == 1 and "blockIdx.y" in src[:src.index("tl::tma_load(")]
     else:
         assert divisions == 0
 

@@ -15,6 +15,8 @@ import re
 import statistics
 import sys
 
+from runtime.kernels import own_prelude
+
 RING = 8            # calls kept per block
 SLOTS = 8           # stamps per block and call: entry, waited, first stage, k-loop end, exit, SM, blocks, spare
 
@@ -87,7 +89,7 @@ def compile_stamped(fam, problem, knobs, arch, stamps: int, counters: int, max_b
 
     def stamp(code, target):
         seen["plain"] = code
-        return stamp_source(code, stamps, counters, max_blocks)
+        return stamp_source(own_prelude(code, target), stamps, counters, max_blocks)
 
     was_enabled = tilelang.env.is_cache_enabled()
     tilelang.disable_cache()
@@ -95,7 +97,7 @@ def compile_stamped(fam, problem, knobs, arch, stamps: int, counters: int, max_b
     try:
         kernel = tilelang.compile(fam.build(problem, knobs), target=arch.target, pass_configs=fam.PASS_CONFIGS)
     finally:
-        tilelang.engine.register_cuda_postproc(lambda code, target: code)
+        tilelang.engine.register_cuda_postproc(own_prelude)
         if was_enabled:
             tilelang.enable_cache()
     return kernel, seen["plain"]

@@ -1,0 +1,140 @@
+"""The kernels' own prelude (templates/tl_prelude.cuh.j2) in place of TileLang's headers: which code
+takes it, and that a kernel compiled with it is the same machine code as with TileLang's headers.
+
+No GPU: TileLang lowers each schedule to CUDA, nvcc compiles that source as TileLang wrote it and with
+the prelude, and the kernels' instructions (the cubins' .text sections) must be equal byte for byte.
+(Not every kernel compiles to identical code: of the 63 distinct W4A16 kernels of the codegen tests, 5
+differ in where nvcc places address arithmetic; docs/performance.md. The forms below are identical.)"""
+import struct
+
+import pytest
+
+from runtime.kernels import compile_schedule
+from schedules import stream_wgmma
+from schedules.arch import get_arch
+from schedules.problem import Problem
+from schedules.registry import Schedule
+from templates import with_own_prelude
+from tests import test_codegen, test_codegen_stream, test_codegen_stream_wgmma
+
+Knobs = stream_wgmma.Knobs
+SM90 = get_arch("sm_90a")
+
+TILELANG_BLOCK = """#if defined(_MSC_VER) && !defined(__clang__) && _MSC_VER < 1940
+#define _tl_orig_alignas alignas
+#define alignas(N) _tl_orig_alignas((N) <= 64 ? (N) : 64)
+#include <cuda.h>
+#undef alignas
+#define alignas _tl_orig_alignas
+#endif
+#include <tl_templates/cuda/instruction/wgmma.h>
+#include <tl_templates/cuda/intrin.h>
+#include <tl_templates/cuda/barrier.h>
+#include <tl_templates/cuda/copy_sm90.h>
+#ifdef ENABLE_BF16
+#include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>
+#endif
+"""
+WGMMA = ("tl::wgmma_rs<tl::DataType::kFloat16, tl::DataType::kFloat16, tl::DataType::kFloat32, 64, 88, 16, false, "
+         "false, 1, 1>(a, desc, c, 1);\n  tl::warpgroup_wait<0>();\n")
+
+
+def kernel(body: str, block: str = TILELANG_BLOCK, helpers: str = "namespace tilemarlin {}\n") -> str:
+    return helpers + block + 'extern "C" __global__ void k() {\n  ' + body + "}\n"
+
+
+def test_a_wgmma_kernel_takes_the_prelude_with_its_own_wgmma_shapes():
+    code = with_own_prelude(kernel(WGMMA))
+    assert "tl_templates" not in code and "_MSC_VER" not in code and code.startswith("namespace tilemarlin {}\n")
+    assert "struct WgmmaRS<DataType::kFloat16, DataType::kFloat16, DataType::kFloat32, 64, 88, 16," in code
+    assert "wgmma.mma_async.sync.aligned.m64n88k16.f32.f16.f16 {%0, " in code and "%43}, {%44, %45, %46, %47}" in code
+    assert code.count("struct WgmmaRS<") == 1 and code.endswith(WGMMA + "}\n")
+
+
+def test_tilelang_code_of_others_keeps_tilelangs_headers():
+    code = kernel(WGMMA, helpers="// a kernel of someone else's\n")
+    assert with_own_prelude(code) == code
+
+
+@pytest.mark.parametrize("body, block", [
+    ("tl::mma_sync<tl::DataType::kFloat16>(a, b, c);\n", TILELANG_BLOCK),                # a name it lacks
+    (WGMMA.replace("kFloat16", "kFloat8_e4m3"), TILELANG_BLOCK),                         # FP8 operands
+    (WGMMA.replace("64, 88, 16", "64, 88, 32"), TILELANG_BLOCK),                         # another wgmma
+    ("fp8_e4_t x;\n", TILELANG_BLOCK),                                                   # TileLang's FP8 type
+    (WGMMA, TILELANG_BLOCK.replace("intrin.h", "cuda_fp8.h")),                         # a header it lacks
+    (WGMMA, ""),                                                                         # no include block
+], ids=["name", "fp8_wgmma", "k32_wgmma", "fp8_type", "header", "no_block"])
+def test_code_the_prelude_does_not_cover_keeps_tilelangs_headers(body, block):
+    code = kernel(body, block)
+    assert with_own_prelude(code) == code
+
+
+# Forms of the tuned winners, each compiled both ways: stream_wgmma in fp16, bf16 and with zero points;
+# split-K through the workspace and in clusters; producer warps and warpgroups; staged stores; scales on
+# the sums. stream_mma and marlin_mma on sm_90a and sm_80.
+WGMMA_CASES = ["m8_split4", "release", "producer_warpgroup_setmaxnreg", "k128_staged_store_channelwise",
+               "producer_m88_staged", "producer_ring", "bf16_channelwise_ring", "producer_staged_unrolled_sacc",
+               "g2_odd_k_tiles_sacc_lag", "producer_cluster_split4", "producer_cluster_unrolled_sacc_lag"]
+ZERO_POINTS = {
+    "zero_points_sacc": (Problem.make(4096, 4096, 128, zero_points=True),
+                         Knobs(16, 1, 1, 128, 6, release_barriers=True, producer_warp=True, pdl=True,
+                               staged_store=True, early_start=2, stage_unroll=True, scale_on_acc=True)),
+    "zero_points_bf16_scaled": (Problem.make(4096, 4096, 128, dtype="bfloat16", zero_points=True),
+                                Knobs(64, 1, 1, 64, 4, release_barriers=True, producer_warp=True)),
+}
+STREAM_MMA_CASES = ["sm80_splitk_scale_on_weights", "sm90a_x_ldmatrix", "sm90a_async_weights", "sm90a_cluster_reduce",
+                    "sm90a_pdl_splitk", "sm90a_fold_lag"]
+MARLIN_CASES = ["sm80_splitk_scale_on_acc", "sm90a_splitk_scale_on_weights", "sm90a_channelwise"]
+SAME_CODE = {
+    **{f"stream_wgmma-{name}": ("stream_wgmma", "sm_90a", *test_codegen_stream_wgmma.CASES[name])
+       for name in WGMMA_CASES},
+    **{f"stream_wgmma-{name}": ("stream_wgmma", "sm_90a", *case) for name, case in ZERO_POINTS.items()},
+    **{f"stream_mma-{name}": ("stream_mma", *test_codegen_stream.CASES[name])
+       for name in STREAM_MMA_CASES},
+    **{f"marlin_mma-{name}": ("marlin_mma", *test_codegen.CASES[name]) for name in MARLIN_CASES},
+}
+
+
+def tilelang_source(family: str, arch: str, problem: Problem, knobs) -> str:
+    """The CUDA TileLang writes for the schedule, its headers included (lowered, not compiled)."""
+    import tilelang
+    import tvm
+
+    fam, target = Schedule(family, knobs).module, get_arch(arch).target
+    tilelang.engine.register_cuda_postproc(lambda code, target: code)
+    with tvm.transform.PassContext(opt_level=3, config=fam.PASS_CONFIGS), tvm.target.Target(target):
+        return tilelang.lower(fam.build(problem, knobs), target=target).kernel_source
+
+
+def machine_code(source: str, arch: str) -> dict[str, bytes]:
+    """The .text sections of the cubin nvcc makes of `source` for `arch`, as TileLang runs nvcc."""
+    from tilelang.contrib import nvcc
+
+    cubin = bytes(nvcc.compile_cuda(source, target_format="cubin", arch=arch,
+                                    options=nvcc.default_compile_options()))
+    (table,) = struct.unpack_from("<Q", cubin, 0x28)                        # ELF64 section headers
+    size, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, table + i * size) for i in range(count)]
+    strings = sections[names][4]
+
+    def name(section) -> str:
+        start = strings + section[0]
+        return cubin[start:cubin.index(b"\0", start)].decode()
+
+    return {name(s): cubin[s[4]:s[4] + s[5]] for s in sections if name(s).startswith(".text.")}
+
+
+@pytest.mark.parametrize("case", SAME_CODE)
+def test_the_prelude_compiles_to_the_same_machine_code_as_tilelangs_headers(case):
+    family, arch, problem, knobs = SAME_CODE[case]
+    plain = tilelang_source(family, arch, problem, knobs)
+    own = with_own_prelude(plain)
+    assert own != plain and "tl_templates" not in own
+    text = machine_code(own, arch)
+    assert text and text == machine_code(plain, arch)
+
+
+def test_kernels_built_into_the_store_take_the_prelude():
+    problem, knobs = test_codegen_stream_wgmma.CASES["release"]
+    source = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90).get_kernel_source()
+    assert "tl_templates" not in source and "struct GmmaDescriptor" not in source and "union GmmaDescriptor" in source
