@@ -132,10 +132,10 @@ _TILELANG_INCLUDES = re.compile(r"(?:#if defined\(_MSC_VER\)[^\n]*\n(?:.*\n)*?#e
                                 r"(?:#ifdef ENABLE_BF16\n#include <tl_templates/cuda/cuda_bf16_fallbacks.cuh>\n#endif\n)?")
 _OURS = "namespace tilemarlin {"     # the decode's (dequant.cuh.j2): others' TileLang code stays as it is
 _INCLUDED = re.compile(r"<tl_templates/cuda/([\w/.]+)>")
-# the headers the W4A16 GEMMs include, and the names of theirs they call
+# the headers the GEMMs (W4A16 and W4A8) include, and the names of theirs they call
 PRELUDE_HEADERS = frozenset({"instruction/wgmma.h", "instruction/mma.h", "intrin.h", "barrier.h", "copy.h",
-                             "copy_sm90.h", "cluster.h", "reduce.h", "scan.h", "ldsm.h", "threadblock_swizzle.h",
-                             "debug.h"})
+                             "copy_sm90.h", "cluster.h", "cuda_fp8.h", "reduce.h", "scan.h", "ldsm.h",
+                             "threadblock_swizzle.h", "debug.h"})
 PRELUDE_NAMES = frozenset({"DataType", "GmmaDescriptor", "initialize_wgmma_descriptor", "fence_barrier_init",
                            "prefetch_tma_descriptor", "tma_load", "tl_shuffle_elect", "warpgroup_arrive",
                            "warpgroup_commit_batch", "warpgroup_wait", "warpgroup_fence_operand",
@@ -144,13 +144,15 @@ PRELUDE_NAMES = frozenset({"DataType", "GmmaDescriptor", "initialize_wgmma_descr
                            "cp_async_wait", "ptx_ldmatrix_x4", "mma_sync"})
 _TL_NAME = re.compile(r"\btl::(\w+)")
 _WGMMA_ANY = re.compile(r"\btl::wgmma_rs<[^>]*>")
-_WGMMA = re.compile(r"tl::wgmma_rs<tl::DataType::(kFloat16|kBFloat16), tl::DataType::\1, tl::DataType::kFloat32, "
-                    r"64, (\d+), 16, false, false, 1, 1>")
+_WGMMA = re.compile(r"tl::wgmma_rs<tl::DataType::(kFloat16|kBFloat16|kFloat8_e4m3), tl::DataType::\1, "
+                    r"tl::DataType::kFloat32, 64, (\d+), (16|32), false, false, 1, 1>")
 _MMA_ANY = re.compile(r"\btl::mma_sync<[^>]*>")
 _MMA = re.compile(r"tl::mma_sync<tl::DataType::(kFloat16|kBFloat16), tl::DataType::\1, tl::DataType::kFloat32, "
                   r"16, 8, 16, false, true>")
-_WGMMA_PTX = {"kFloat16": "f16", "kBFloat16": "bf16"}
-_FOREIGN = re.compile(r"\b(?:cute|cutlass)::|\bfp8_e[45]_t\b|tl::DataType::(?!kFloat16\b|kBFloat16\b|kFloat32\b)")
+_WGMMA_PTX = {"kFloat16": ("f16", 16), "kBFloat16": ("bf16", 16), "kFloat8_e4m3": ("e4m3", 32)}
+# TileLang's types and namespaces the prelude lacks (it has fp8_e4_t, for pointers)
+_FOREIGN = re.compile(r"\b(?:cute|cutlass)::|\bfp8_e5_t\b|\bfp8_e[458]_\d+_t\b|"
+                      r"tl::DataType::(?!kFloat16\b|kBFloat16\b|kFloat32\b|kFloat8_e4m3\b)")
 
 
 def with_own_prelude(code: str) -> str:
@@ -172,17 +174,25 @@ def _prelude_covers(code: str, block: re.Match) -> bool:
     return (_OURS in code[:block.start()] and set(_INCLUDED.findall(block.group(1))) <= PRELUDE_HEADERS
             and set(_TL_NAME.findall(code)) <= PRELUDE_NAMES and not _FOREIGN.search(code)
             and all(_MMA.fullmatch(call) for call in _MMA_ANY.findall(code))
-            and all(_WGMMA.fullmatch(call) for call in _WGMMA_ANY.findall(code)))
+            and all(_known_wgmma(call) for call in _WGMMA_ANY.findall(code)))
+
+
+def _known_wgmma(call: str) -> bool:
+    """An m64 register-operand wgmma with fp32 sums in the k its operands' type takes."""
+    match = _WGMMA.fullmatch(call)
+    return match is not None and _WGMMA_PTX[match.group(1)][1] == int(match.group(3))
 
 
 def _wgmma_shape(enum: str, n: int) -> dict:
-    """What tl_prelude.cuh.j2 renders for an m64n{n}k16 register-operand wgmma with fp32 sums: its
-    PTX, the n / 2 sums per thread as "+f" operands, then A's four registers, B's descriptor and the
-    predicate that keeps (1) or overwrites (0) the sums."""
-    ptx, sums = _WGMMA_PTX[enum], n // 2
+    """What tl_prelude.cuh.j2 renders for an m64n{n} register-operand wgmma with fp32 sums (k16; FP8:
+    k32): its PTX, the n / 2 sums per thread as "+f" operands, then A's four registers, B's descriptor
+    and the predicate that keeps (1) or overwrites (0) the sums; scales +1, B not transposed (FP8
+    operands take no transpose operand)."""
+    (ptx, k), sums = _WGMMA_PTX[enum], n // 2
     outputs = ", ".join(f"%{i}" for i in range(sums))
     inputs = ", ".join(f"%{sums + i}" for i in range(4))
+    modes = "1, 1" if ptx == "e4m3" else "1, 1, 0"
     asm = (f"{{\\n.reg .pred keep;\\nsetp.ne.b32 keep, %{sums + 5}, 0;\\n"
-           f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} {{{outputs}}}, {{{inputs}}}, "
-           f"%{sums + 4}, keep, 1, 1, 0;\\n}}\\n")
-    return dict(enum=enum, ptx=ptx, n=n, k=16, asm=asm, outputs=", ".join(f'"+f"(d[{i}])' for i in range(sums)))
+           f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx}.{ptx} {{{outputs}}}, {{{inputs}}}, "
+           f"%{sums + 4}, keep, {modes};\\n}}\\n")
+    return dict(enum=enum, ptx=ptx, n=n, k=k, asm=asm, outputs=", ".join(f'"+f"(d[{i}])' for i in range(sums)))

@@ -3,7 +3,7 @@ takes it, and that a kernel compiled with it is the same machine code as with Ti
 
 No GPU: TileLang lowers each schedule to CUDA, nvcc compiles that source as TileLang wrote it and with
 the prelude, and the kernels' instructions (the cubins' .text sections) must be equal byte for byte.
-(Not every kernel compiles to identical code: of the 63 distinct W4A16 kernels of the codegen tests, 5
+(Not every kernel compiles to identical code: of the 63 distinct GEMM kernels of the codegen tests, 5
 differ in where nvcc places address arithmetic; docs/performance.md. The forms below are identical.)"""
 import struct
 
@@ -15,7 +15,7 @@ from schedules.arch import get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
 from templates import with_own_prelude
-from tests import test_codegen, test_codegen_stream, test_codegen_stream_wgmma
+from tests import test_codegen, test_codegen_stream, test_codegen_stream_wgmma, test_codegen_w4a8
 
 Knobs = stream_wgmma.Knobs
 SM90 = get_arch("sm_90a")
@@ -58,12 +58,12 @@ def test_tilelang_code_of_others_keeps_tilelangs_headers():
 
 @pytest.mark.parametrize("body, block", [
     ("tl::mma_sync<tl::DataType::kFloat16>(a, b, c);\n", TILELANG_BLOCK),                # a name it lacks
-    (WGMMA.replace("kFloat16", "kFloat8_e4m3"), TILELANG_BLOCK),                         # FP8 operands
+    (WGMMA.replace("kFloat16", "kFloat8_e5m2"), TILELANG_BLOCK),                         # e5m2 operands
     (WGMMA.replace("64, 88, 16", "64, 88, 32"), TILELANG_BLOCK),                         # another wgmma
-    ("fp8_e4_t x;\n", TILELANG_BLOCK),                                                   # TileLang's FP8 type
-    (WGMMA, TILELANG_BLOCK.replace("intrin.h", "cuda_fp8.h")),                         # a header it lacks
+    ("fp8_e4_4_t x;\n", TILELANG_BLOCK),                                                 # TileLang's FP8 vector
+    (WGMMA, TILELANG_BLOCK.replace("intrin.h", "math.h")),                             # a header it lacks
     (WGMMA, ""),                                                                         # no include block
-], ids=["name", "fp8_wgmma", "k32_wgmma", "fp8_type", "header", "no_block"])
+], ids=["name", "e5m2_wgmma", "k32_f16_wgmma", "fp8_vector", "header", "no_block"])
 def test_code_the_prelude_does_not_cover_keeps_tilelangs_headers(body, block):
     code = kernel(body, block)
     assert with_own_prelude(code) == code
@@ -71,7 +71,7 @@ def test_code_the_prelude_does_not_cover_keeps_tilelangs_headers(body, block):
 
 # Forms of the tuned winners, each compiled both ways: stream_wgmma in fp16, bf16 and with zero points;
 # split-K through the workspace and in clusters; producer warps and warpgroups; staged stores; scales on
-# the sums. stream_mma and marlin_mma on sm_90a and sm_80.
+# the sums; W4A8's FP8 wgmma. stream_mma and marlin_mma on sm_90a and sm_80.
 WGMMA_CASES = ["m8_split4", "release", "producer_warpgroup_setmaxnreg", "k128_staged_store_channelwise",
                "producer_m88_staged", "producer_ring", "bf16_channelwise_ring", "producer_staged_unrolled_sacc",
                "g2_odd_k_tiles_sacc_lag", "producer_cluster_split4", "producer_cluster_unrolled_sacc_lag"]
@@ -89,6 +89,7 @@ SAME_CODE = {
     **{f"stream_wgmma-{name}": ("stream_wgmma", "sm_90a", *test_codegen_stream_wgmma.CASES[name])
        for name in WGMMA_CASES},
     **{f"stream_wgmma-{name}": ("stream_wgmma", "sm_90a", *case) for name, case in ZERO_POINTS.items()},
+    **{f"w4a8-{name}": ("stream_wgmma", "sm_90a", *case) for name, case in test_codegen_w4a8.CASES.items()},
     **{f"stream_mma-{name}": ("stream_mma", *test_codegen_stream.CASES[name])
        for name in STREAM_MMA_CASES},
     **{f"marlin_mma-{name}": ("marlin_mma", *test_codegen.CASES[name]) for name in MARLIN_CASES},
