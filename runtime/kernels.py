@@ -153,26 +153,53 @@ def _stored(problem: Problem, schedule: Schedule, arch: Arch) -> Path:
 
 
 def build_kernel(problem: Problem, schedule: Schedule, arch: Arch):
-    """TileLang's JITKernel of a schedule, built now (for developer tools that want its PTX)."""
-    fam = schedule.module
-    return _compiler().compile(fam.build(problem, schedule.knobs), target=arch.target, pass_configs=fam.PASS_CONFIGS)
+    """TileLang's JITKernel of a schedule, built now (for developer tools that want its PTX): with the
+    kernels' own prelude in place of TileLang's headers where it covers the code
+    (templates.with_own_prelude: nvcc ~3x faster), and again with TileLang's headers should nvcc
+    refuse it (a name the prelude's checks did not see)."""
+    fam, tilelang = schedule.module, _compiler()
+
+    def compile_once():
+        return tilelang.compile(fam.build(problem, schedule.knobs), target=arch.target, pass_configs=fam.PASS_CONFIGS)
+
+    try:
+        with cuda_postproc(tilelang, own_prelude):
+            return compile_once()
+    except RuntimeError as exc:
+        if "Compilation error" not in str(exc):
+            raise
+    return compile_once()
 
 
 def _compiler():
-    """TileLang, with its own kernel cache off in this process (the store is the cache, and TileLang's
-    would export each library a second time into a folder of its own: 13 % of a build's time over 9
-    Llama-2-7B kernels built on a CPU, 2026-12-03), and the kernels' own prelude in place of its
-    headers where it covers the code (templates.with_own_prelude: nvcc ~3x faster)."""
+    """TileLang, with its own kernel cache off in this process: the store is the cache, and TileLang's
+    would export each library a second time into a folder of its own (13 % of a build's time over 9
+    Llama-2-7B kernels built on a CPU, 2026-12-03)."""
     import tilelang
 
     tilelang.disable_cache()
-    tilelang.engine.register_cuda_postproc(own_prelude)
     return tilelang
 
 
+@contextlib.contextmanager
+def cuda_postproc(tilelang, transform):
+    """TileLang's CUDA post-processing hook (one per process) set to `transform` while the block runs,
+    applied after the hook already set, if any, which is put back afterwards."""
+    import tvm_ffi
+
+    name = "tilelang_callback_cuda_postproc"
+    previous = tvm_ffi.get_global_func(name, allow_missing=True)
+    tilelang.engine.register_cuda_postproc(
+        lambda code, target: transform(previous(code, target) if previous is not None else code, target))
+    try:
+        yield
+    finally:
+        tilelang.engine.register_cuda_postproc(previous if previous is not None else (lambda code, target: code))
+
+
 def own_prelude(code: str, target) -> str:
-    """TileLang's CUDA post-processing hook: templates.with_own_prelude (imported here, with jinja2, by
-    builds alone)."""
+    """templates.with_own_prelude as a post-processing hook (imported here, with jinja2, by builds
+    alone)."""
     from templates import with_own_prelude
 
     return with_own_prelude(code)

@@ -151,15 +151,15 @@ _MMA = re.compile(r"tl::mma_sync<tl::DataType::(kFloat16|kBFloat16), tl::DataTyp
                   r"16, 8, 16, false, true>")
 _WGMMA_PTX = {"kFloat16": ("f16", 16), "kBFloat16": ("bf16", 16), "kFloat8_e4m3": ("e4m3", 32)}
 # TileLang's types and namespaces the prelude lacks (it has fp8_e4_t, for pointers)
-_FOREIGN = re.compile(r"\b(?:cute|cutlass)::|\bfp8_e5_t\b|\bfp8_e[458]_\d+_t\b|"
+_FOREIGN = re.compile(r"\b(?:cute|cutlass)::|\bfp8_e[58]_t\b|\bfp8_e[458]_\d+_t\b|"
                       r"tl::DataType::(?!kFloat16\b|kBFloat16\b|kFloat32\b|kFloat8_e4m3\b)")
 
 
 def with_own_prelude(code: str) -> str:
     """TileLang's CUDA with its include block replaced by templates/tl_prelude.cuh.j2 (the few
     definitions the code calls, on plain CUDA headers: nvcc runs ~3x faster, to the same machine code)
-    where the prelude covers the code; otherwise, as for W4A8's FP8 GEMMs and the activation kernels,
-    the code unchanged."""
+    where the prelude covers the code (the GEMMs, W4A16 and W4A8); otherwise, as for the activation
+    kernels, the code unchanged."""
     block = _TILELANG_INCLUDES.search(code)
     if block is None or not _prelude_covers(code, block):
         return code
@@ -169,9 +169,13 @@ def with_own_prelude(code: str) -> str:
 
 
 def _prelude_covers(code: str, block: re.Match) -> bool:
-    """Whether `code` is tilemarlin's (its decode's namespace before TileLang's include block) and
-    includes and calls nothing of TileLang's that the prelude lacks."""
-    return (_OURS in code[:block.start()] and set(_INCLUDED.findall(block.group(1))) <= PRELUDE_HEADERS
+    """Whether `code` is tilemarlin's (its decode's namespace before TileLang's include block, which
+    holds all of TileLang's includes) and includes and calls nothing of TileLang's that the prelude
+    lacks (by name: a name nvcc then refuses makes runtime.kernels.build_kernel build with TileLang's
+    headers)."""
+    before, after = code[:block.start()], code[block.end():]
+    return (_OURS in before and set(_INCLUDED.findall(block.group(1))) <= PRELUDE_HEADERS
+            and not _INCLUDED.search(before) and not _INCLUDED.search(after)
             and set(_TL_NAME.findall(code)) <= PRELUDE_NAMES and not _FOREIGN.search(code)
             and all(_MMA.fullmatch(call) for call in _MMA_ANY.findall(code))
             and all(_known_wgmma(call) for call in _WGMMA_ANY.findall(code)))

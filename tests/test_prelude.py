@@ -57,13 +57,16 @@ def test_tilelang_code_of_others_keeps_tilelangs_headers():
 
 
 @pytest.mark.parametrize("body, block", [
-    ("tl::mma_sync<tl::DataType::kFloat16>(a, b, c);\n", TILELANG_BLOCK),                # a name it lacks
+    ("tl::AllReduce<tl::SumOp, 256>::run(x);\n", TILELANG_BLOCK),                       # a name it lacks
+    ("tl::mma_sync<tl::DataType::kFloat16>(a, b, c);\n", TILELANG_BLOCK),                # an mma it lacks
+    ("cutlass::half_t x;\n", TILELANG_BLOCK),                                            # cutlass itself
     (WGMMA.replace("kFloat16", "kFloat8_e5m2"), TILELANG_BLOCK),                         # e5m2 operands
     (WGMMA.replace("64, 88, 16", "64, 88, 32"), TILELANG_BLOCK),                         # another wgmma
     ("fp8_e4_4_t x;\n", TILELANG_BLOCK),                                                 # TileLang's FP8 vector
     (WGMMA, TILELANG_BLOCK.replace("intrin.h", "math.h")),                             # a header it lacks
     (WGMMA, ""),                                                                         # no include block
-], ids=["name", "e5m2_wgmma", "k32_f16_wgmma", "fp8_vector", "header", "no_block"])
+    (WGMMA, TILELANG_BLOCK + "#include <cooperative_groups.h>\n#include <tl_templates/cuda/atomic.h>\n"),
+], ids=["name", "mma", "cutlass", "e5m2_wgmma", "k32_f16_wgmma", "fp8_vector", "header", "no_block", "later_include"])
 def test_code_the_prelude_does_not_cover_keeps_tilelangs_headers(body, block):
     code = kernel(body, block)
     assert with_own_prelude(code) == code
@@ -102,7 +105,6 @@ def tilelang_source(family: str, arch: str, problem: Problem, knobs) -> str:
     import tvm
 
     fam, target = Schedule(family, knobs).module, get_arch(arch).target
-    tilelang.engine.register_cuda_postproc(lambda code, target: code)
     with tvm.transform.PassContext(opt_level=3, config=fam.PASS_CONFIGS), tvm.target.Target(target):
         return tilelang.lower(fam.build(problem, knobs), target=target).kernel_source
 
@@ -133,6 +135,31 @@ def test_the_prelude_compiles_to_the_same_machine_code_as_tilelangs_headers(case
     assert own != plain and "tl_templates" not in own
     text = machine_code(own, arch)
     assert text and text == machine_code(plain, arch)
+
+
+def test_a_build_composes_with_the_hook_already_set_and_puts_it_back():
+    import tilelang
+    import tvm_ffi
+
+    from runtime.kernels import build_kernel
+
+    name = "tilelang_callback_cuda_postproc"
+    tilelang.engine.register_cuda_postproc(lambda code, target: code + "\n// marked by the caller's hook\n")
+    marker = tvm_ffi.get_global_func(name)
+    problem, knobs = test_codegen_stream_wgmma.CASES["release"]
+    source = build_kernel(problem, Schedule("stream_wgmma", knobs), SM90).get_kernel_source()
+    assert "marked by the caller's hook" in source and "union GmmaDescriptor" in source
+    assert tvm_ffi.get_global_func(name).same_as(marker)
+    tilelang.engine.register_cuda_postproc(lambda code, target: code)
+
+
+def test_code_nvcc_refuses_with_the_prelude_is_built_with_tilelangs_headers(monkeypatch):
+    from runtime import kernels
+
+    monkeypatch.setattr(kernels, "own_prelude", lambda code, target: with_own_prelude(code) + "\nnot_a_name x;\n")
+    problem, knobs = test_codegen_stream_wgmma.CASES["release"]
+    source = kernels.build_kernel(problem, Schedule("stream_wgmma", knobs), SM90).get_kernel_source()
+    assert "tl_templates" in source and "not_a_name" not in source
 
 
 def test_kernels_built_into_the_store_take_the_prelude():

@@ -15,7 +15,7 @@ import re
 import statistics
 import sys
 
-from runtime.kernels import own_prelude
+from runtime.kernels import cuda_postproc, own_prelude
 
 RING = 8            # calls kept per block
 SLOTS = 8           # stamps per block and call: entry, waited, first stage, k-loop end, exit, SM, blocks, spare
@@ -93,11 +93,10 @@ def compile_stamped(fam, problem, knobs, arch, stamps: int, counters: int, max_b
 
     was_enabled = tilelang.env.is_cache_enabled()
     tilelang.disable_cache()
-    tilelang.engine.register_cuda_postproc(stamp)
     try:
-        kernel = tilelang.compile(fam.build(problem, knobs), target=arch.target, pass_configs=fam.PASS_CONFIGS)
+        with cuda_postproc(tilelang, stamp):
+            kernel = tilelang.compile(fam.build(problem, knobs), target=arch.target, pass_configs=fam.PASS_CONFIGS)
     finally:
-        tilelang.engine.register_cuda_postproc(own_prelude)
         if was_enabled:
             tilelang.enable_cache()
     return kernel, seen["plain"]

@@ -163,14 +163,16 @@ def registers_cleared(plan: Plan):
             bufs.off[i] = T.float32(0)
         if plan.lag:
             for i in T.unroll(2 * per_s):
-                bufs.lag_scale[i] = T.cast(0, plan.dtype)    # folded with zero sums before the first batch
+                bufs.lag_scale[i] = T.cast(T.float32(0), plan.dtype)   # folded with zero sums before the first batch
         for i in T.unroll(8):
             # A registers 0-3 meet k % 16 < 8, registers 4-7 meet k % 16 >= 8; registers 2, 3, 6 and 7
             # are the fragment's rows g + 8, which with zero points sum the activations themselves.
+            # (Converted from float: an int's conversion to bf16 rounds in CUDA's type, truncates in cutlass's.)
             if plan.zp:
-                bufs.a_off[i] = T.cast(1 if i % 4 >= 2 else plan.lo_off if i < 4 else plan.hi_off, plan.dtype)
+                bufs.a_off[i] = T.cast(T.float32(1 if i % 4 >= 2 else plan.lo_off if i < 4 else plan.hi_off),
+                                       plan.dtype)
             else:
-                bufs.a_off[i] = T.cast(plan.lo_off if i < 4 else plan.hi_off, plan.dtype)
+                bufs.a_off[i] = T.cast(T.float32(plan.lo_off if i < 4 else plan.hi_off), plan.dtype)
 
     return clear
 
