@@ -56,7 +56,8 @@ def add_layer_arguments(p, shapes_help: str = "extra KxN shapes, comma separated
                    help="layers with zero points of their own (asymmetric checkpoints: GPTQ sym=false, AWQ)")
     p.add_argument("--checkpoint", metavar="DIR",
                    help="a quantized checkpoint folder (GPTQ, AWQ, compressed-tensors): its INT4 layers as "
-                        "runtime.load_quantized serves them (fused q_k_v_proj and gate_up_proj where the model reads them from one input, their group sizes and zero points, "
+                        "runtime.load_quantized serves them (fused q_k_v_proj and gate_up_proj where the model reads them "
+                        "from one input, their group sizes and zero points, "
                         "the act-order gathers), in --dtype; instead of --model and --shapes")
     p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
                    help="the layers' activations: dtype (W4A16) or fp8 (W4A8: FP8 e4m3 per token on FP8 wgmma, "

@@ -83,7 +83,8 @@ def add_arguments(parser) -> None:
                             "over a static KV cache in CUDA graphs, dense against tilemarlin and humming; "
                             "weight memory; greedy tokens of tilemarlin against its dequantized weights")
     group.add_argument("--dtype", choices=tuple(models.DTYPES),
-                       help="the activations' and scales' dtype, or with --e2e the model's (default: float16; with --e2e --checkpoint the checkpoint's torch_dtype)")
+                       help="the activations' and scales' dtype, or with --e2e the model's (default: float16; with --e2e "
+                            "--checkpoint the checkpoint's torch_dtype)")
     group.add_argument("--batches", type=common.parse_ms, metavar="B,...",
                        help="decode batch sizes (default: %s)" % ",".join(map(str, DEFAULT_BATCHES)))
     group.add_argument("--contexts", type=common.parse_ms, metavar="T,...",

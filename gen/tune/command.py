@@ -39,7 +39,8 @@ def register(subparsers) -> None:
                               description=__doc__.split("\n\n")[0])
     add_layer_arguments(p)
     p.add_argument("--buckets", help=f"M buckets to tune, comma separated (default: all of {','.join(map(str, BUCKETS))})")
-    p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure: each family's top//2 best, then the best of the rest")
+    p.add_argument("--top", type=int, default=DEFAULT_TOP, help="candidates per bucket to compile and measure: each family's top//2 best, then the best "
+                        "of the rest")
     p.add_argument("--refine", type=int, default=DEFAULT_REFINE,
                    help="candidates per bucket in each local round around the fastest so far (one knob a step "
                         "away, the winners of the buckets beside and of the other layers at the same M); up to "
@@ -60,7 +61,8 @@ def register(subparsers) -> None:
     p.add_argument("--variants", metavar='"FAMILY.KNOB=V1,V2 ..."',
                    help="also measure, per bucket, the current winner with these knobs changed (any knob of "
                         "its family, searched or not; several values: one variant each, several knobs: every "
-                        "combination): an A/B of a prepared knob in one run; needs --force, e.g. --force --top 1 --refine 0")
+                        "combination): an A/B of a prepared knob in one run; needs --force, e.g. --force --top 1 "
+                        "--refine 0")
     p.add_argument("--between", action="store_true",
                    help="time every candidate (and FP16) after the activations' producer, as a model runs its GEMMs, "
                         "instead of back to back (gen bench --between); buckets tuned the other way are re-tuned, "
