@@ -46,15 +46,17 @@ class FusionPlan(NamedTuple):
 
 
 class FusedSet:
-    """What the members of one fused set share: their module, the fused layer's name in it and how many
-    members there are (`size`); while the module's forward runs (`begin` and `end`, its pre- and post-hook), the
+    """What the members of one fused set share: their module, the fused layer's name in it and the
+    members' names; while the module's forward runs (`begin` and `end`, its pre- and post-hook), the
     product computed for the first member's tensor, until every other member has taken its columns.
-    `remove` takes the hooks off."""
+    A state dict that holds the members apart (saved with fuse=False) loads into the module too
+    (`join_members`, its load_state_dict pre-hook). `remove` takes the hooks off."""
 
-    def __init__(self, module: nn.Module, name: str, size: int):
-        self.module, self.name, self.size = module, name, size
+    def __init__(self, module: nn.Module, name: str, members: tuple[str, ...]):
+        self.module, self.name, self.members, self.size = module, name, members, len(members)
         self.handles = (module.register_forward_pre_hook(self.begin),
-                        module.register_forward_hook(self.end, always_call=True))
+                        module.register_forward_hook(self.end, always_call=True),
+                        module.register_load_state_dict_pre_hook(self.join_members))
         self._running = False
         self._drop()
 
@@ -90,6 +92,24 @@ class FusedSet:
         product = self.layer(x)
         self._source, self._version, self._product, self._left = x, version, product, self.size - 1
         return product
+
+    def join_members(self, module, state_dict, prefix, *args) -> None:
+        """Where `state_dict` holds every member's entries and none of the fused layer's, the fused
+        layer's entries in their place (joined_quantized_state); anything else is left for
+        load_state_dict to load or report."""
+        fused_prefix = f"{prefix}{self.name}."
+        if not isinstance(self.layer, QuantLinear) or any(key.startswith(fused_prefix) for key in state_dict):
+            return
+        entries = {member: {key[len(prefix) + len(member) + 1:]: value for key, value in state_dict.items()
+                            if key.startswith(f"{prefix}{member}.")} for member in self.members}
+        if not all(entries.values()):
+            return
+        for member, entry in entries.items():
+            for key in entry:
+                del state_dict[f"{prefix}{member}.{key}"]
+        widths = [getattr(module, member).out_features for member in self.members]
+        joined = joined_quantized_state(self.layer, entries, widths, prefix)
+        state_dict.update({fused_prefix + key: value for key, value in joined.items()})
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -222,7 +242,7 @@ def _served_fused(parent: nn.Module, names: list[str], members: tuple[str, ...],
     rest = {n: stand_in for n, stand_in in stand_ins.items() if n not in members}
     name = fused_name(parent, members)
     parent.add_module(name, fused)
-    shared = FusedSet(parent, name, len(members))
+    shared = FusedSet(parent, name, members)
     try:
         with swapped(parent, {**rest, **_slices(shared, x.shape[-1], members, widths)}):
             return copied(parent(*args, **kwargs))
@@ -243,7 +263,7 @@ def install(model: nn.Module, plan: FusionPlan, fused: nn.Module) -> None:
     parent = model.get_submodule(plan.parent)
     widths = [getattr(parent, member).out_features for member in plan.members]
     parent.add_module(plan.name, fused)
-    shared = FusedSet(parent, plan.name, len(plan.members))
+    shared = FusedSet(parent, plan.name, plan.members)
     for member, piece in _slices(shared, fused.in_features, plan.members, widths).items():
         setattr(parent, member, piece)
 
@@ -268,6 +288,27 @@ def concatenated_quantized(layers: list[QuantLinear]) -> QuantLinear:
                                    zeros=None if first.zeros() is None else torch.cat(zeros, 1), act=first.act)
     fused.perm = first.perm
     return fused
+
+
+def joined_quantized_state(fused: QuantLinear, entries: dict[str, dict], widths: list[int], prefix: str) -> dict:
+    """The state dict of `fused`'s form holding the members' entries (by member name, keys without
+    the member's prefix; `widths` their out_features) side by side, each first loaded into a layer of
+    its own, so that every check of QuantLinear's loading applies, its message naming the member."""
+    members = []
+    for (member, entry), width in zip(entries.items(), widths):
+        qweight = entry.get("qweight")
+        layer = QuantLinear(fused.in_features, width, bias="bias" in entry, group_size=fused.group_size,
+                            dtype=fused.scales.dtype, device=None if qweight is None else qweight.device,
+                            layout=fused.layout, act_order=fused.perm is not None, zero_points=fused.zero_points,
+                            precompile=False, act=fused.act)
+        try:
+            layer.load_state_dict(entry)
+        except (RuntimeError, ValueError) as exc:
+            raise type(exc)(f"{prefix}{member}: {exc}") from None
+        members.append(layer)
+    if fused.perm is not None and not all(torch.equal(m.perm, members[0].perm) for m in members):
+        raise ValueError(f"{prefix}{', '.join(entries)}: the members' perm differ, so they cannot be one layer")
+    return concatenated_quantized(members).state_dict()
 
 
 def concatenated_linear(linears: list[nn.Linear]) -> nn.Linear:

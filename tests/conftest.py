@@ -19,6 +19,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def cpu_op(monkeypatch):
+    """The op computing with the fp32 references on CPU tensors (tests/cpu_op.py)."""
+    from tests.cpu_op import install
+
+    install(monkeypatch)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def declared_kernels_built(request):
     modules = {item.module for item in request.session.items if getattr(item, "module", None) is not None

@@ -19,7 +19,7 @@ from runtime.checkpoint.norm_fold import GatheredRMSNorm, unfold_gathered_norms
 from schedules.quant import dequantize
 from tests.checkpoint_writers import dense_model, write_checkpoint
 from tests.reference import assert_matches_reference
-from tests.test_checkpoint_math import MODEL_TOLERANCE, cpu_op  # noqa: F401 - the fixture
+from tests.test_checkpoint_math import MODEL_TOLERANCE
 
 MLP_LAYERS = ("gate_proj", "up_proj", "down_proj")
 
@@ -106,7 +106,7 @@ def effective_weight(module: QuantLinear) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt, symmetric, dtype", [("gptq", False, torch.float16),
                                                    ("compressed-tensors", True, torch.bfloat16)])
-def test_down_proj_hands_its_permutation_to_gate_and_up(cpu_op, tmp_path, fmt, symmetric, dtype):  # noqa: F811
+def test_down_proj_hands_its_permutation_to_gate_and_up(cpu_op, tmp_path, fmt, symmetric, dtype):
     folder = tmp_path / "ckpt"
     # gate_proj and up_proj with permutations of their own, so that each keeps its gather
     drawn = write_checkpoint(folder, fmt, dtype, 128, symmetric, act_order=True, mlp_bias=True, shared_orders=False)
@@ -137,7 +137,7 @@ def sorted_order(layer) -> torch.Tensor:
 @pytest.mark.parametrize("fmt, symmetric, dtype, fuse", [("gptq", False, torch.bfloat16, False),
                                                          ("compressed-tensors", True, torch.float16, False),
                                                          ("gptq", True, torch.float16, True)])
-def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt, symmetric, dtype, fuse):  # noqa: F811
+def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt, symmetric, dtype, fuse):
     """q_proj, k_proj and v_proj (one permutation, as GPTQ gives them) are fed by one gather of the
     attention's input, gate_proj and up_proj by one of the MLP's; o_proj keeps its own; down_proj's
     went into gate_proj's and up_proj's columns: three gathers a decoder layer instead of seven (before
@@ -174,7 +174,7 @@ def test_layers_of_one_input_share_one_gather(cpu_op, monkeypatch, tmp_path, fmt
 @pytest.mark.parametrize("fmt, symmetric, dtype", [("gptq", False, torch.float16),
                                                    ("compressed-tensors", True, torch.bfloat16)])
 def test_the_norms_write_the_shared_inputs_in_the_gathered_order(cpu_op, monkeypatch, tmp_path, fmt, symmetric,
-                                                                 dtype):  # noqa: F811
+                                                                 dtype):
     """Each decoder layer's input_layernorm and post_attention_layernorm write their outputs in the
     order of the layers they feed: a decoder layer gathers once (o_proj) and runs two norm kernels."""
     folder = tmp_path / "ckpt"
@@ -201,7 +201,7 @@ def test_the_norms_write_the_shared_inputs_in_the_gathered_order(cpu_op, monkeyp
     assert_matches_reference(logits, ref, **MODEL_TOLERANCE[dtype], context=f"{fmt} {dtype} norms gathering")
 
 
-def test_unfolding_and_unsharing_hand_each_layer_its_permutation_back(cpu_op, monkeypatch, tmp_path):  # noqa: F811
+def test_unfolding_and_unsharing_hand_each_layer_its_permutation_back(cpu_op, monkeypatch, tmp_path):
     folder = tmp_path / "ckpt"
     drawn = write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
     model = load_quantized(folder, device="cpu", fuse=False)
@@ -236,7 +236,7 @@ def test_unfolding_and_unsharing_hand_each_layer_its_permutation_back(cpu_op, mo
     assert unshare_input_gathers(model) == []
 
 
-def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, monkeypatch, tmp_path):  # noqa: F811
+def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "fold_gathers_into_norms", lambda model: [])
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, "gptq", torch.float16, 128, symmetric=False, act_order=True)
@@ -248,7 +248,7 @@ def test_a_module_with_a_shared_gather_traces_in_one_graph(cpu_op, monkeypatch, 
     assert torch.equal(mlp(x=x), mlp(x))   # the hook finds its argument however it is passed
 
 
-def test_a_gathered_norm_traces_in_one_graph(cpu_op, tmp_path):  # noqa: F811
+def test_a_gathered_norm_traces_in_one_graph(cpu_op, tmp_path):
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, "gptq", torch.bfloat16, 128, symmetric=False, act_order=True)
     norm = load_quantized(folder, dtype=torch.bfloat16, device="cpu").model.layers[1].post_attention_layernorm
@@ -396,7 +396,7 @@ def test_a_norm_whose_output_the_module_does_not_take_as_it_is_is_not_folded(how
         assert _fed_consumer(block, "norm", ["attn", "other"], ((x,), {}), ((x,), {})) == "attn"
 
 
-def test_a_norm_with_hooks_or_of_a_width_the_kernel_cannot_take_is_not_folded(cpu_op, tmp_path):  # noqa: F811
+def test_a_norm_with_hooks_or_of_a_width_the_kernel_cannot_take_is_not_folded(cpu_op, tmp_path):
     from runtime.checkpoint.norm_fold import _plain
 
     folder = tmp_path / "ckpt"
@@ -452,7 +452,7 @@ def test_a_norm_whose_output_meets_the_modules_output_is_not_folded():
 ])
 def test_other_architectures_fold_where_their_norms_are_transformers_rms_norm(cpu_op, monkeypatch, tmp_path,
                                                                                 model_type, gathering_norms,
-                                                                                gathers):  # noqa: F811
+                                                                                gathers):
     folder = tmp_path / "ckpt"
     drawn = write_checkpoint(folder, "gptq", torch.bfloat16, 128, symmetric=False, act_order=True,
                              model_type=model_type)

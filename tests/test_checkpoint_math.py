@@ -2,44 +2,18 @@
 the CPU.
 
 Where QuantLinear's forward must compute, the op's CUDA launch is replaced by the fp32 reference of
-what the kernel computes from the packed tensors (`cpu_op`: the codes less their zero points, 8 or
-the zero-point rows', times the scales), so that everything around the kernel is what runs: the
-gather by perm, the packing of the zero points, the op's shapes, the bias.
+what the kernel computes from the packed tensors (the `cpu_op` fixture, tests/cpu_op.py: the codes
+less their zero points, 8 or the zero-point rows', times the scales), so that everything around the
+kernel is what runs: the gather by perm, the packing of the zero points, the op's shapes, the bias.
 """
 import pytest
 import torch
 
-import runtime.op as op
 from runtime import QuantLinear
 from runtime.checkpoint.layer import build_layer
 from runtime.checkpoint.loader import load_quantized
-from schedules import marlin_mma
-from schedules.marlin_mma.layout import split_zero_points
-from schedules.quant import dequantize
 from tests.checkpoint_writers import dense_model, draw_layer, write_checkpoint
 from tests.reference import assert_matches_reference
-
-
-def reference_launch(a, qweight, scales, out, problem, layout):
-    scales, zeros = split_zero_points(scales) if problem.zero_points else (scales, None)
-    codes, scales = marlin_mma.unpack(qweight, scales)
-    out.copy_((a.float() @ dequantize(codes, scales, zeros=zeros)).to(out.dtype))
-
-
-@pytest.fixture
-def cpu_op(monkeypatch):
-    monkeypatch.setattr(op, "_check_device", lambda *tensors: None)
-    monkeypatch.setattr(op, "_launch", reference_launch)
-    monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: out.copy_(a[:, perm.long()]))
-    monkeypatch.setattr(op, "_norm_gather_into", norm_gather_on_the_cpu)
-
-
-def norm_gather_on_the_cpu(a, weight, perm, eps, out):
-    """The RMSNorm kernel's definition (schedules/norm_gather.py), in torch: transformers' RMSNorm of
-    each row, its columns in perm's order, times the weight already in that order."""
-    h = a.float()
-    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps.item())).to(a.dtype)
-    out.copy_(weight * h[:, perm.long()])
 
 
 def test_a_layer_with_zero_points_keeps_them_after_its_scale_rows():

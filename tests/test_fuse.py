@@ -8,7 +8,6 @@ import runtime.op as op
 from runtime import QuantLinear, replace_linear
 from runtime.fuse import FusedSlice, concatenated_linear, fused_name, install, plan_fusion
 from tests.reference import int4_weights
-from tests.test_runtime_cpu import cpu_op  # noqa: F401 - fixture
 
 transformers = pytest.importorskip("transformers")
 CONFIG = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -32,7 +31,7 @@ def test_q_k_v_and_gate_up_are_planned_and_o_and_down_are_not():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_fused_llama_gives_the_logits_of_its_layers_apart_with_one_gemm_per_set(cpu_op, monkeypatch, bias):  # noqa: F811
+def test_a_fused_llama_gives_the_logits_of_its_layers_apart_with_one_gemm_per_set(cpu_op, monkeypatch, bias):
     model = tiny_llama(attention_bias=bias)
     apart = replace_linear(tiny_llama(attention_bias=bias), group_size=64, fuse=False)
     replace_linear(model, group_size=64)
@@ -50,7 +49,7 @@ def test_a_fused_llama_gives_the_logits_of_its_layers_apart_with_one_gemm_per_se
         assert torch.equal(fused_logits, apart(tokens).logits)
 
 
-def test_a_slice_called_outside_its_module_runs_the_fused_layer_itself(cpu_op):  # noqa: F811
+def test_a_slice_called_outside_its_module_runs_the_fused_layer_itself(cpu_op):
     model = replace_linear(tiny_llama(), group_size=64)
     apart = replace_linear(tiny_llama(), group_size=64, fuse=False)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(4)).half()
@@ -60,7 +59,7 @@ def test_a_slice_called_outside_its_module_runs_the_fused_layer_itself(cpu_op): 
             assert torch.equal(got, getattr(apart.model.layers[1].self_attn, name)(x))
 
 
-def test_a_fused_model_traces_in_one_graph(cpu_op):  # noqa: F811
+def test_a_fused_model_traces_in_one_graph(cpu_op):
     model = replace_linear(tiny_llama(), group_size=64)
     tokens = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(5))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -123,7 +122,7 @@ def test_a_model_the_probe_cannot_run_and_a_taken_name_are_handled():
     assert fused_name(block, ("first", "second")) == "first_second"
 
 
-def test_the_slices_keep_no_state_and_the_fused_layer_is_saved_once(cpu_op):  # noqa: F811
+def test_the_slices_keep_no_state_and_the_fused_layer_is_saved_once(cpu_op):
     model = replace_linear(tiny_llama(), group_size=64)
     attention = model.model.layers[0].self_attn
     assert isinstance(attention.q_proj, FusedSlice) and isinstance(attention.q_k_v_proj, QuantLinear)
@@ -201,11 +200,63 @@ def test_the_last_member_drops_the_product():
     assert held == [None]
 
 
-def test_a_fused_model_runs_and_is_made_under_inference_mode(cpu_op):  # noqa: F811
+def test_a_fused_model_runs_and_is_made_under_inference_mode(cpu_op):
     """Inference tensors keep no version counter: the members take the same tensor as unchanged."""
     with torch.inference_mode():
         model = replace_linear(tiny_llama(), group_size=64)
         apart = replace_linear(tiny_llama(), group_size=64, fuse=False)
         assert sum(isinstance(m, FusedSlice) for m in model.modules()) == 10
         tokens = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(7))
+        assert torch.equal(model(tokens).logits, apart(tokens).logits)
+
+
+def _scaled(model: nn.Module) -> nn.Module:
+    """`model` with every parameter changed, so that only a loaded state dict can make it compute as another."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    return model
+
+
+@pytest.mark.parametrize("bias, zero_points", [(False, False), (True, True)])
+def test_a_state_dict_saved_apart_loads_into_a_fused_model(cpu_op, bias, zero_points):
+    apart = replace_linear(tiny_llama(attention_bias=bias), group_size=64, fuse=False, zero_points=zero_points)
+    model = replace_linear(_scaled(tiny_llama(attention_bias=bias)), group_size=64, zero_points=zero_points)
+    fused_keys = set(model.state_dict())
+    tokens = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert not torch.equal(model(tokens).logits, apart(tokens).logits)
+        model.load_state_dict(apart.state_dict())
+        assert torch.equal(model(tokens).logits, apart(tokens).logits)
+    assert set(model.state_dict()) == fused_keys and "model.layers.1.mlp.gate_up_proj.qweight" in fused_keys
+    assert "model.layers.1.mlp.gate_proj.qweight" in apart.state_dict()
+
+
+def test_a_member_entry_that_cannot_load_is_named_and_a_partial_set_is_left_to_load_state_dict(cpu_op):
+    apart = replace_linear(tiny_llama(), group_size=64, fuse=False).state_dict()
+    model = replace_linear(tiny_llama(), group_size=64)
+    bad = dict(apart)
+    bad["model.layers.1.self_attn.k_proj.qweight"] = bad["model.layers.1.self_attn.k_proj.qweight"].float()
+    with pytest.raises(ValueError, match=r"^model\.layers\.1\.self_attn\.k_proj: qweight must be int32"):
+        model.load_state_dict(bad)
+    short = dict(apart)
+    short["model.layers.0.self_attn.v_proj.scales"] = short["model.layers.0.self_attn.v_proj.scales"][:1]
+    with pytest.raises(RuntimeError, match=r"(?s)model\.layers\.0\.self_attn\.v_proj: .*size mismatch for scales"):
+        model.load_state_dict(short)
+    partial = {key: value for key, value in apart.items() if not key.startswith("model.layers.0.mlp.up_proj.")}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*model\.layers\.0\.mlp\.gate_up_proj\.qweight"):
+        model.load_state_dict(partial)
+
+
+def test_an_act_order_checkpoint_loaded_apart_saves_a_state_dict_its_fused_twin_loads(cpu_op, tmp_path):
+    from runtime.checkpoint.loader import load_quantized
+    from tests.checkpoint_writers import write_checkpoint
+
+    for seed in (0, 1):
+        write_checkpoint(tmp_path / str(seed), "gptq", symmetric=False, act_order=True, seed=seed)
+    apart = load_quantized(tmp_path / "0", device="cpu", fuse=False)
+    model = load_quantized(tmp_path / "1", device="cpu")
+    tokens = torch.randint(0, 128, (1, 5), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        model.load_state_dict(apart.state_dict())
         assert torch.equal(model(tokens).logits, apart(tokens).logits)

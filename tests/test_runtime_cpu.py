@@ -1,7 +1,7 @@
 """The runtime without a GPU: QuantLinear, replace_linear, the op's checks, fake tensors and dispatch.
 
 Where a test needs the op to compute on the CPU, it swaps the CUDA launch for the fp32 reference
-(`reference_launch`), so that everything around the kernel is checked: shapes, transposes, bias.
+(the `cpu_op` fixture, tests/cpu_op.py), so that everything around the kernel is checked: shapes, transposes, bias.
 """
 import contextlib
 import subprocess
@@ -24,19 +24,6 @@ from schedules.registry import Schedule
 from tests.reference import int4_weights
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def reference_launch(a, qweight, scales, out, problem, layout):
-    codes, unpacked_scales = marlin_mma.unpack(qweight, scales)
-    out.copy_(reference_matmul(a, codes, unpacked_scales).to(out.dtype))
-
-
-@pytest.fixture
-def cpu_op(monkeypatch):
-    """The op computing with the reference on CPU tensors."""
-    monkeypatch.setattr(op, "_check_device", lambda *tensors: None)
-    monkeypatch.setattr(op, "_launch", reference_launch)
-    monkeypatch.setattr(op, "_gather_into", lambda a, perm, out: out.copy_(a[:, perm.long()]))
 
 
 def _linear(k=256, n=192, bias=True, dtype=torch.float16, seed=0):
