@@ -93,10 +93,12 @@ class FusedSet:
         self._source, self._version, self._product, self._left = x, version, product, self.size - 1
         return product
 
-    def join_members(self, module, state_dict, prefix, *args) -> None:
-        """Where `state_dict` holds every member's entries and none of the fused layer's, the fused
-        layer's entries in their place (joined_quantized_state); anything else is left for
-        load_state_dict to load or report."""
+    def join_members(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                     error_msgs) -> None:
+        """Where `state_dict` holds entries of every member and none of the fused layer's, the fused
+        layer's entries in their place (joined_quantized_state), what the members' entries lack or
+        have too many reported under the members' keys, as load_state_dict reports them for layers
+        apart (an error under strict, a list otherwise); anything else is left for load_state_dict."""
         fused_prefix = f"{prefix}{self.name}."
         if not isinstance(self.layer, QuantLinear) or any(key.startswith(fused_prefix) for key in state_dict):
             return
@@ -108,7 +110,7 @@ class FusedSet:
             for key in entry:
                 del state_dict[f"{prefix}{member}.{key}"]
         widths = [getattr(module, member).out_features for member in self.members]
-        joined = joined_quantized_state(self.layer, entries, widths, prefix)
+        joined = joined_quantized_state(self.layer, entries, widths, prefix, missing_keys, unexpected_keys)
         state_dict.update({fused_prefix + key: value for key, value in joined.items()})
 
     def remove(self) -> None:
@@ -283,32 +285,58 @@ def concatenated_quantized(layers: list[QuantLinear]) -> QuantLinear:
     kernels not built."""
     first = layers[0]
     codes, scales, zeros = zip(*((*layer.unpack(), layer.zeros()) for layer in layers))
-    fused = QuantLinear.from_codes(torch.cat(codes, 1), torch.cat(scales, 1), _concatenated_bias(layers),
-                                   first.layout, precompile=False,
-                                   zeros=None if first.zeros() is None else torch.cat(zeros, 1), act=first.act)
+    # (_packed: the layers' codes and scales passed their checks when the layers were made or loaded;
+    # a loaded layer may hold zero scales, which from_codes refuses)
+    fused = QuantLinear._packed(torch.cat(codes, 1), torch.cat(scales, 1), _concatenated_bias(layers), first.layout,
+                                False, None, None if first.zeros() is None else torch.cat(zeros, 1), first.act)
     fused.perm = first.perm
     return fused
 
 
-def joined_quantized_state(fused: QuantLinear, entries: dict[str, dict], widths: list[int], prefix: str) -> dict:
+def joined_quantized_state(fused: QuantLinear, entries: dict[str, dict], widths: list[int], prefix: str,
+                           missing_keys: list[str], unexpected_keys: list[str]) -> dict:
     """The state dict of `fused`'s form holding the members' entries (by member name, keys without
     the member's prefix; `widths` their out_features) side by side, each first loaded into a layer of
-    its own, so that every check of QuantLinear's loading applies, its message naming the member."""
-    members = []
+    its own, so that every check of QuantLinear's loading applies, its message naming the member. Keys
+    a member's entry lacks or has too many are added to `missing_keys` / `unexpected_keys` under the
+    member's name (nothing is joined where one is missing). Meta tensors give meta tensors of the fused
+    form (their values are not there to join)."""
+    members, lacking = [], []
     for (member, entry), width in zip(entries.items(), widths):
-        qweight = entry.get("qweight")
-        layer = QuantLinear(fused.in_features, width, bias="bias" in entry, group_size=fused.group_size,
-                            dtype=fused.scales.dtype, device=None if qweight is None else qweight.device,
-                            layout=fused.layout, act_order=fused.perm is not None, zero_points=fused.zero_points,
-                            precompile=False, act=fused.act)
-        try:
-            layer.load_state_dict(entry)
-        except (RuntimeError, ValueError) as exc:
-            raise type(exc)(f"{prefix}{member}: {exc}") from None
+        where = f"{prefix}{member}."
+        if "bias" in entry and fused.bias is None:      # the fused layer keeps no columns of a bias
+            entry = {key: value for key, value in entry.items() if key != "bias"}
+            unexpected_keys.append(where + "bias")
+        on_meta = any(value.is_meta for value in entry.values())
+        layer = _member_like(fused, width, "bias" in entry, "meta" if on_meta else entry.get("qweight"))
+        if on_meta:
+            expected = set(layer.state_dict())
+            missing, unexpected = sorted(expected - set(entry)), sorted(set(entry) - expected)
+        else:
+            try:
+                missing, unexpected = layer.load_state_dict(entry, strict=False)
+            except (RuntimeError, ValueError) as exc:
+                raise type(exc)(f"{prefix}{member}: {exc}") from None
+        lacking += [where + key for key in missing]
+        unexpected_keys += [where + key for key in unexpected]
         members.append(layer)
+    if lacking:
+        missing_keys += lacking
+        return {}
+    if any(layer.qweight.is_meta for layer in members):
+        return {key: torch.empty_like(value, device="meta") for key, value in fused.state_dict().items()}
     if fused.perm is not None and not all(torch.equal(m.perm, members[0].perm) for m in members):
         raise ValueError(f"{prefix}{', '.join(entries)}: the members' perm differ, so they cannot be one layer")
     return concatenated_quantized(members).state_dict()
+
+
+def _member_like(fused: QuantLinear, width: int, bias: bool, where) -> QuantLinear:
+    """An empty QuantLinear of `fused`'s form and `width` output features, on the device of `where` (a
+    device or a tensor; the default for None)."""
+    device = where.device if isinstance(where, torch.Tensor) else where
+    return QuantLinear(fused.in_features, width, bias=bias, group_size=fused.group_size, dtype=fused.scales.dtype,
+                       device=device, layout=fused.layout, act_order=fused.perm is not None,
+                       zero_points=fused.zero_points, precompile=False, act=fused.act)
 
 
 def concatenated_linear(linears: list[nn.Linear]) -> nn.Linear:

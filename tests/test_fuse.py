@@ -6,7 +6,8 @@ from torch import nn
 
 import runtime.op as op
 from runtime import QuantLinear, replace_linear
-from runtime.fuse import FusedSlice, concatenated_linear, fused_name, install, plan_fusion
+from runtime.fuse import (FusedSlice, FusionPlan, concatenated_linear, concatenated_quantized, fused_name,
+                          install, plan_fusion)
 from tests.reference import int4_weights
 
 transformers = pytest.importorskip("transformers")
@@ -260,3 +261,60 @@ def test_an_act_order_checkpoint_loaded_apart_saves_a_state_dict_its_fused_twin_
     with torch.no_grad():
         model.load_state_dict(apart.state_dict())
         assert torch.equal(model(tokens).logits, apart(tokens).logits)
+
+
+def test_a_state_dict_apart_loads_into_a_fused_model_as_into_one_apart(cpu_op):
+    """strict=False reports what a member's entry lacks or has too many under the member's keys, as for
+    the model apart; a member never filled (zero scales) loads; meta tensors load (assign=True) as
+    meta tensors of the fused form."""
+    apart_model = replace_linear(tiny_llama(), group_size=64, fuse=False)
+    apart, model = apart_model.state_dict(), replace_linear(tiny_llama(), group_size=64)
+    k_proj, v_proj = "model.layers.1.self_attn.k_proj.", "model.layers.1.self_attn.v_proj."
+    odd = {key: value for key, value in apart.items() if key != v_proj + "scales"}
+    odd[k_proj + "g_idx"] = torch.zeros(128, dtype=torch.int32)
+    for target in (model, replace_linear(tiny_llama(), group_size=64, fuse=False)):
+        found = target.load_state_dict(odd, strict=False)
+        assert v_proj + "scales" in found.missing_keys and found.unexpected_keys == [k_proj + "g_idx"]
+    empty = dict(apart)
+    empty[k_proj + "scales"] = torch.zeros_like(empty[k_proj + "scales"])
+    model.load_state_dict(empty)
+    assert not model.model.layers[1].self_attn.q_k_v_proj.unpack()[1][:, 128:192].any()
+    meta = {key: torch.empty_like(value, device="meta") for key, value in apart.items()}
+    model.load_state_dict(meta, assign=True)
+    fused = model.model.layers[0].self_attn.q_k_v_proj
+    assert fused.qweight.is_meta and fused.scales.shape == (2, 256)
+
+
+def test_act_order_members_join_with_their_permutation_and_unlike_ones_are_refused():
+    gen = torch.Generator().manual_seed(10)
+    perm = torch.randperm(128, generator=gen).int()
+
+    def member(n: int) -> QuantLinear:
+        codes = torch.randint(0, 16, (128, n), generator=gen, dtype=torch.uint8)
+        scales = (torch.rand(2, n, generator=gen) + 0.5).half()
+        layer = QuantLinear.from_codes(codes, scales, precompile=False)
+        layer.perm = perm.clone()
+        return layer
+
+    def pair(a: QuantLinear, b: QuantLinear) -> nn.Module:
+        model = nn.Module()
+        model.a_proj, model.b_proj = a, b
+        install(model, FusionPlan("", ("a_proj", "b_proj"), "a_b_proj"), concatenated_quantized([a, b]))
+        return model
+
+    apart = {f"{name}.{key}": value for name, layer in (("a_proj", member(64)), ("b_proj", member(128)))
+             for key, value in layer.state_dict().items()}
+    model = pair(member(64), member(128))
+    model.load_state_dict(apart)
+    want = concatenated_quantized([_loaded(apart, "a_proj", 64), _loaded(apart, "b_proj", 128)]).state_dict()
+    assert model.a_b_proj.state_dict().keys() == want.keys() == {"qweight", "scales", "perm"}
+    assert all(torch.equal(model.a_b_proj.state_dict()[key], value) for key, value in want.items())
+    apart["b_proj.perm"] = apart["b_proj.perm"].flip(0)
+    with pytest.raises(ValueError, match="a_proj, b_proj: the members' perm differ"):
+        model.load_state_dict(apart)
+
+
+def _loaded(state: dict, name: str, n: int) -> QuantLinear:
+    layer = QuantLinear(128, n, group_size=64, act_order=True, precompile=False)
+    layer.load_state_dict({key[len(name) + 1:]: value for key, value in state.items() if key.startswith(name + ".")})
+    return layer
