@@ -8,7 +8,7 @@ import sys
 
 SUBCOMMANDS = ("gen.tune.command", "gen.tune.cache_cmd", "gen.bench.command", "gen.deploy.precompile_cmd",
                "gen.deploy.export_cmd", "gen.dev.sweep", "gen.dev.compile_cmd", "gen.dev.profile",
-               "gen.dev.modelcheck", "gen.dev.timeline")
+               "gen.dev.modelcheck", "gen.dev.timeline", "gen.dev.prelude_check")
 
 
 def positive_int(expected: str):

@@ -3,12 +3,12 @@ takes it, and that a kernel compiled with it is the same machine code as with Ti
 
 No GPU: TileLang lowers each schedule to CUDA, nvcc compiles that source as TileLang wrote it and with
 the prelude, and the kernels' instructions (the cubins' .text sections) must be equal byte for byte.
-(Each of the shipped table's 471 distinct winners does, docs/performance.md; the forms below keep
-the three families, and the two cases where nvcc's choices once differed, so.)"""
-import struct
-
+(Each of the shipped table's 471 distinct winners does, docs/performance.md, as `gen prelude-check`
+shows; the forms below keep the three families, and the two cases where nvcc's choices once differed,
+so.)"""
 import pytest
 
+from gen.dev.prelude_check import machine_code, tilelang_source
 from runtime.kernels import compile_schedule
 from schedules import stream_mma, stream_wgmma
 from schedules.arch import get_arch
@@ -89,7 +89,7 @@ ZERO_POINTS = {
 # when the prelude's elect asm indented its lines with tabs (it weighs asm by its text).
 ROLLED_PRODUCER = {
     "o_proj_m64_cluster_split2": (Problem.make(4096, 4096, 128),
-                                  Knobs(block_m=64, block_k=128, stages=6, split_k=2, cluster_reduce=True,
+                                  Knobs(block_m=64, groups=1, block_k=128, stages=6, split_k=2, cluster_reduce=True,
                                         release_barriers=True, producer_warp=True, stage_unroll=True,
                                         scale_on_acc=True, rotate=True, early_start=2)),
 }
@@ -115,34 +115,6 @@ SAME_CODE = {
     **{f"stream_mma-{name}": ("stream_mma", *case) for name, case in BF16_SCALES_TO_FLOAT.items()},
     **{f"marlin_mma-{name}": ("marlin_mma", *test_codegen.CASES[name]) for name in MARLIN_CASES},
 }
-
-
-def tilelang_source(family: str, arch: str, problem: Problem, knobs) -> str:
-    """The CUDA TileLang writes for the schedule, its headers included (lowered, not compiled)."""
-    import tilelang
-    import tvm
-
-    fam, target = Schedule(family, knobs).module, get_arch(arch).target
-    with tvm.transform.PassContext(opt_level=3, config=fam.PASS_CONFIGS), tvm.target.Target(target):
-        return tilelang.lower(fam.build(problem, knobs), target=target).kernel_source
-
-
-def machine_code(source: str, arch: str) -> dict[str, bytes]:
-    """The .text sections of the cubin nvcc makes of `source` for `arch`, as TileLang runs nvcc."""
-    from tilelang.contrib import nvcc
-
-    cubin = bytes(nvcc.compile_cuda(source, target_format="cubin", arch=arch,
-                                    options=nvcc.default_compile_options()))
-    (table,) = struct.unpack_from("<Q", cubin, 0x28)                        # ELF64 section headers
-    size, count, names = struct.unpack_from("<HHH", cubin, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, table + i * size) for i in range(count)]
-    strings = sections[names][4]
-
-    def name(section) -> str:
-        start = strings + section[0]
-        return cubin[start:cubin.index(b"\0", start)].decode()
-
-    return {name(s): cubin[s[4]:s[4] + s[5]] for s in sections if name(s).startswith(".text.")}
 
 
 @pytest.mark.parametrize("case", SAME_CODE)
@@ -184,3 +156,35 @@ def test_kernels_built_into_the_store_take_the_prelude():
     problem, knobs = test_codegen_stream_wgmma.CASES["release"]
     source = compile_schedule(problem, Schedule("stream_wgmma", knobs), SM90).get_kernel_source()
     assert "tl_templates" not in source and "struct GmmaDescriptor" not in source and "union GmmaDescriptor" in source
+
+
+def _table_of(tmp_path, *cases) -> str:
+    from runtime.table import GpuKey, TunedTable, current_versions
+
+    table = TunedTable(GpuKey("NVIDIA H200", "sm_90a", 132), current_versions())
+    for bucket, (problem, knobs) in zip((64, 128), cases):
+        table.record(problem, bucket, Schedule("stream_wgmma", knobs), 7.4)
+    path = tmp_path / "table.json"
+    table.save(path)
+    return str(path)
+
+
+def test_prelude_check_compares_each_distinct_winner_of_a_table(tmp_path, capsys):
+    from gen.cli import main
+
+    case = ROLLED_PRODUCER["o_proj_m64_cluster_split2"]
+    assert main(["prelude-check", "--table", _table_of(tmp_path, case, case), "--workers", "1"]) == 0
+    assert capsys.readouterr().out.strip() == "winners compared: 1 (same: 1)"
+
+
+def test_prelude_check_names_a_kernel_that_differs_or_fails(tmp_path, capsys, monkeypatch):
+    import gen.dev.prelude_check as check
+    from gen.cli import main
+
+    first, second = ROLLED_PRODUCER["o_proj_m64_cluster_split2"], ZERO_POINTS["zero_points_sacc"]
+    monkeypatch.setattr(check, "compare", lambda problem, schedule, arch: (
+        check.DIFFERENT if problem == first[0] else (_ for _ in ()).throw(RuntimeError("nvcc refused"))))
+    assert main(["prelude-check", "--table", _table_of(tmp_path, first, second)]) == 1
+    out = capsys.readouterr().out
+    assert f"sm_90a {first[0].name} {Schedule('stream_wgmma', first[1]).name}: different" in out
+    assert "error: RuntimeError: nvcc refused" in out and "(different: 1, error: 1)" in out
