@@ -53,7 +53,7 @@ class FusedSet:
     (`join_members`, its load_state_dict pre-hook). `remove` takes the hooks off."""
 
     def __init__(self, module: nn.Module, name: str, members: tuple[str, ...]):
-        self.module, self.name, self.members, self.size = module, name, members, len(members)
+        self.module, self.name, self.members = module, name, members
         self.handles = (module.register_forward_pre_hook(self.begin),
                         module.register_forward_hook(self.end, always_call=True),
                         module.register_load_state_dict_pre_hook(self.join_members))
@@ -90,7 +90,7 @@ class FusedSet:
                 self._drop()
             return product
         product = self.layer(x)
-        self._source, self._version, self._product, self._left = x, version, product, self.size - 1
+        self._source, self._version, self._product, self._left = x, version, product, len(self.members) - 1
         return product
 
     def join_members(self, module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
