@@ -288,7 +288,8 @@ def concatenated_quantized(layers: list[QuantLinear]) -> QuantLinear:
     # (_packed: the layers' codes and scales passed their checks when the layers were made or loaded;
     # a loaded layer may hold zero scales, which from_codes refuses)
     fused = QuantLinear._packed(torch.cat(codes, 1), torch.cat(scales, 1), _concatenated_bias(layers), first.layout,
-                                False, None, None if first.zeros() is None else torch.cat(zeros, 1), first.act)
+                                precompile=False, max_m=None,
+                                zeros=None if first.zeros() is None else torch.cat(zeros, 1), act=first.act)
     fused.perm = first.perm
     return fused
 
