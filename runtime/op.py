@@ -26,6 +26,7 @@ from typing import Iterable
 import torch
 
 from schedules.problem import Problem
+from schedules.quant import FP8_K_TILE
 from schedules.registry import FAMILIES, Schedule, group_size_problem
 
 from . import selfcheck
@@ -286,12 +287,14 @@ def _rows_for_kernels(a: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 e4m3 [M, K] in the FP8 k order, token scales fp32 [M, 1]) of a, by the activation kernel."""
+def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 e4m3 [M, K] in the FP8 k order, token scales fp32 [M, 1], k-tile sums fp32 [M, K / 128]) of
+    a, by the activation kernel."""
     values = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device)
     token_scales = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
-    _activation_kernel("fp8_activations", a.device, problem.k, problem.dtype)(a, values, token_scales)
-    return values, token_scales
+    tile_sums = torch.empty((a.shape[0], problem.k // FP8_K_TILE), dtype=torch.float32, device=a.device)
+    _activation_kernel("fp8_activations", a.device, problem.k, problem.dtype)(a, values, token_scales, tile_sums)
+    return values, token_scales, tile_sums
 
 
 def _fp8_rounded(a: torch.Tensor, problem: Problem) -> torch.Tensor:

@@ -19,6 +19,8 @@ Channelwise scales (one row, S[0, n]) are applied here, to the fp32 sums.
 import tilelang.language as T
 from tilelang.cuda.language.pdl import pdl_sync
 
+from .quant import FP8_K_TILE
+
 # Split-K arrival: every thread fences its workspace atomics, then one thread counts the block in.
 SPLIT_K_HELPERS = r"""
 __device__ __forceinline__ int tm_split_k_arrive(int* counter, int parts) {
@@ -397,20 +399,24 @@ def w4a16_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str,
 
 def w4a8_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str, workspace: bool, slots: int = 1):
     """w4a16_prim_func's signature with FP8 activations: A [m, K] float8_e4m3fn (in the FP8 k order of
-    schedules/marlin_mma/layout.fp8_k_order) and their token scales TS [m, 1] fp32 first, then as
-    there; `dtype` is the scales' and the output's. `body` also takes TS, as its last argument."""
+    schedules/marlin_mma/layout.fp8_k_order), their token scales TS [m, 1] fp32 and k-tile sums
+    KS [m, K / 128] fp32 first, then as there; `dtype` is the scales' and the output's. `body` also
+    takes TS and KS, as its last arguments."""
     fp8 = "float8_e4m3fn"
+    k_tiles = k // FP8_K_TILE
     if workspace:
         @T.prim_func
         def w4a8_gemm(A: T.Tensor((m, k), fp8), TS: T.Tensor((m, 1), "float32"),
+                      KS: T.Tensor((m, k_tiles), "float32"),
                       B: T.Tensor((k // 16, 2 * n), "int32"), S: T.Tensor((scale_rows, n), dtype),
                       C: T.Tensor((m, n), dtype), ws: T.Tensor((slots * m, n), "float32"),
                       counters: T.Tensor((tiles,), "int32")):
-            body(A, B, S, C, ws, counters, TS)
+            body(A, B, S, C, ws, counters, TS, KS)
     else:
         @T.prim_func
         def w4a8_gemm(A: T.Tensor((m, k), fp8), TS: T.Tensor((m, 1), "float32"),
+                      KS: T.Tensor((m, k_tiles), "float32"),
                       B: T.Tensor((k // 16, 2 * n), "int32"), S: T.Tensor((scale_rows, n), dtype),
                       C: T.Tensor((m, n), dtype)):
-            body(A, B, S, C, None, None, TS)
+            body(A, B, S, C, None, None, TS, KS)
     return w4a8_gemm

@@ -6,7 +6,8 @@ taken from the shared copy in the FP8 k order, divided by amax / 448 as e4m3 (ro
 saturating), clamped to the finite range, at its position in marlin_mma.layout.fp8_k_order (position p
 of every 16 columns holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with the packed INT4 words
 sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the
-output. Each block first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built
+output, and the sum of each 128 columns' e4m3 values to KS [M, K / 128], which the GEMM needs because
+its weight decode is offset (templates/dequant.cuh.j2). Each block first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built
 with the pdl knob then starts while this one runs, asks L2 for its first weights (early_start) and
 waits for this kernel's writes before it reads them. The row is read from global memory once: read a
 second time in the k order, under those early weight reads, the calls measured slower
@@ -20,7 +21,7 @@ each element's e4m3 value times the row's scale, in the input's dtype and order.
 from .arch import Arch
 from .epilogue import EARLY_START_HELPERS
 from .marlin_mma.layout import FP8_K_ORDER, TILE_K
-from .quant import FP8_E4M3_MAX
+from .quant import FP8_E4M3_MAX, FP8_K_TILE
 from .row_kernels import threads_for
 
 
@@ -96,26 +97,37 @@ def _e4m3(value):
 
 
 def build(k: int, dtype: str, arch: Arch):
-    """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32), M dynamic,
-    for `arch` (Hopper: W4A8 runs on FP8 wgmma)."""
+    """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32,
+    KS [M, K / 128] float32), M dynamic, for `arch` (Hopper: W4A8 runs on FP8 wgmma). KS holds the
+    sum of each 128 columns' e4m3 values (before the token scale): the W4A8 GEMM's decode leaves its
+    sums short by 8 times it per k-tile (templates/dequant.cuh.j2, tm_decode_e4m3_a_u4)."""
     import tilelang.language as T
 
     _check_hopper(arch)
 
-    if k % TILE_K:
-        raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
+    if k % FP8_K_TILE:
+        raise ValueError(f"K={k} must be a multiple of {FP8_K_TILE} (the W4A8 GEMM's k-tile, one sum each)")
     m = T.dynamic("m")
+    tiles = k // FP8_K_TILE
     staged_row_scale = _staged_row_scale(k)
 
     @T.prim_func
     def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
-                     S: T.Tensor((m, 1), "float32")):
+                     S: T.Tensor((m, 1), "float32"), KS: T.Tensor((m, tiles), "float32")):
         with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS) as row:
             x_s = T.alloc_shared((1, k), dtype)
             scale = T.alloc_local((1,), "float32")
+            q = T.alloc_fragment((tiles, FP8_K_TILE), "float32")
+            sums = T.alloc_fragment((tiles,), "float32")
             staged_row_scale(X, row, x_s, scale)
             for i, j in T.Parallel(1, k):
                 Q[row, j] = _e4m3(T.cast(x_s[i, _source_column(j)], "float32") / scale[0])
+            # (the FP8 k order permutes within 16 columns: a k-tile's sum is the same in either order)
+            for t, c in T.Parallel(tiles, FP8_K_TILE):
+                q[t, c] = T.cast(_e4m3(T.cast(x_s[0, t * FP8_K_TILE + c], "float32") / scale[0]), "float32")
+            T.reduce_sum(q, sums, dim=1)
+            for t in T.Parallel(tiles):
+                KS[row, t] = sums[t]
             S[row, 0] = scale[0]
 
     return quantize_fp8

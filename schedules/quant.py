@@ -96,6 +96,7 @@ def reference_matmul(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 FP8_E4M3_MAX = 448.0     # the largest finite float8_e4m3fn
+FP8_K_TILE = 128         # W4A8's k-tile: the activations' sums come per 128 columns (fp8_k_tile_sums)
 
 
 def quantize_fp8_per_token(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,14 +118,22 @@ def reference_w4a8(a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, b
     return (a8.float() * token_scales).to(precision) @ dequantize(codes, scales, bits, zeros).to(precision)
 
 
-def fp8_kernel_activations(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_k_tile_sums(a8: torch.Tensor) -> torch.Tensor:
+    """The sum of each 128 columns' FP8 values of a8 [M, K] (before the token scale), fp32 [M, K / 128]:
+    what the W4A8 GEMM adds back for its offset weight decode (templates/dequant.cuh.j2)."""
+    m, k = a8.shape
+    return a8.float().view(m, k // FP8_K_TILE, FP8_K_TILE).sum(dim=-1)
+
+
+def fp8_kernel_activations(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What a W4A8 kernel takes for activations `a` [M, K]: their per-token FP8 values with the
-    columns in the FP8 k order (schedules/marlin_mma/layout.fp8_k_order) and the token scales,
-    computed by torch (schedules/fp8_activations.py is the kernel that serves them)."""
+    columns in the FP8 k order (schedules/marlin_mma/layout.fp8_k_order), the token scales and the
+    k-tile sums (fp8_k_tile_sums), computed by torch (schedules/fp8_activations.py is the kernel that
+    serves them)."""
     from .marlin_mma.layout import fp8_k_order
 
     a8, token_scales = quantize_fp8_per_token(a)
-    return a8[:, fp8_k_order(a.shape[-1]).to(a.device)].contiguous(), token_scales
+    return a8[:, fp8_k_order(a.shape[-1]).to(a.device)].contiguous(), token_scales, fp8_k_tile_sums(a8)
 
 
 def problem_reference(problem, a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,

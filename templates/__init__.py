@@ -96,13 +96,19 @@ E4M3_TABLES = {"POS_LO": _byte_table(range(0, 4)), "POS_HI": _byte_table(range(4
                "NEG_LO": _byte_table(range(-8, -4)), "NEG_HI": _byte_table(range(-4, 0))}
 
 
-def fp8_decode_name(bits: int = 4) -> str:
+# offset_decode's code c is the e4m3 byte c, worth c * 2^-9: sums of decoded weights are 1/512 of the
+# codes'.
+FP8_DECODE_UNIT = 512.0
+
+
+def fp8_decode_name(bits: int = 4, offset: bool = False) -> str:
     """Extern name of the INT4 -> FP8 e4m3 decode for W4A8: a packed word to the lane's two 32-bit A
-    registers of an 8-bit wgmma/mma k32 step's half (rows g and g + 8), each holding the codes - 8 of k
-    = 2t, 2t + 8, 2t + 1, 2t + 9 of the word's 16 x 16 sub-tile (see fp8_k_order in
-    schedules/marlin_mma/layout.py: the activations are stored in that order)."""
+    registers of an 8-bit wgmma/mma k32 step's half (rows g and g + 8), each holding the codes - 8 (with
+    `offset`, the codes c as e4m3 bytes, value c * 2^-9) of k = 2t, 2t + 8, 2t + 1, 2t + 9 of the
+    word's 16 x 16 sub-tile (see fp8_k_order in schedules/marlin_mma/layout.py: the activations are
+    stored in that order)."""
     _check("float16", bits)
-    return "tm_decode_e4m3_a_u4"
+    return "tm_decode_e4m3_offset_a_u4" if offset else "tm_decode_e4m3_a_u4"
 
 
 @lru_cache(maxsize=None)

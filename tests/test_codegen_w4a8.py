@@ -13,6 +13,8 @@ from schedules import marlin_mma, stream_mma, stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
 from tests.test_codegen_stream import count, ptxas_output, ptxas_spills
+from schedules.stream_wgmma.correction import batches
+from schedules.stream_wgmma.plan import Plan
 from tests.test_codegen_stream_wgmma import compiled_case
 
 Knobs = stream_wgmma.Knobs
@@ -31,14 +33,21 @@ CASES = {
     "m64_sacc_lag_staged": (fp8(4096, 11008), Knobs(64, 1, 2, 128, 4, release_barriers=True, producer_warp=True,
                                                      scale_on_acc=True, fold_lag=True, staged_store=True,
                                                      pdl=True)),
-    # channelwise scales on the final sums, four splits in a cluster, bf16 output
+    # channelwise scales on the final sums (each k-tile's sums promoted times 1), four splits in a
+    # cluster, bf16 output
     "m64_channelwise_cluster4_bf16": (Problem.make(4096, 4096, -1, dtype="bfloat16", act="fp8"),
                                       Knobs(64, 1, 1, 128, 4, split_k=4, release_barriers=True,
-                                            producer_warp=True, cluster_reduce=True)),
-    # the large-M form: a producer warpgroup handing its registers to two consumer warpgroups
-    "m256_channelwise_setmaxnreg": (Problem.make(11008, 4096, -1, act="fp8"),
-                                    Knobs(256, 1, 2, 128, 4, release_barriers=True, producer_warp=True,
-                                          setmaxnreg=True)),
+                                            producer_warp=True, cluster_reduce=True, scale_on_acc=True)),
+    # the offset decode: 128 x 128 tiles of two warpgroups, and the largest tile with promoted sums,
+    # 192 x 128, for group and channelwise scales (at down_proj's K, two splits through the workspace)
+    "m128_wg2_offset": (fp8(22016, 4096), Knobs(128, 1, 2, 128, 4, pdl=True, early_start=2, staged_store=True,
+                                                stage_unroll=True, scale_on_acc=True, rotate=True,
+                                                offset_decode=True)),
+    "m192_wg2_offset": (fp8(12288, 4096), Knobs(192, 1, 2, 128, 4, pdl=True, early_start=2, staged_store=True,
+                                                scale_on_acc=True, rotate=True, offset_decode=True)),
+    "m192_wg2_channelwise_split2_offset": (Problem.make(4096, 11008, -1, act="fp8"),
+                                           Knobs(192, 1, 2, 128, 3, split_k=2, scale_on_acc=True, rotate=True,
+                                                 offset_decode=True)),
 }
 
 
@@ -54,23 +63,39 @@ def compiled(request, tmp_path_factory):
 
 
 def test_fp8_wgmma_takes_the_decoded_weights_from_registers(compiled):
-    _, knobs, _, ptx = compiled
+    problem, knobs, _, ptx = compiled
     rs = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{knobs.block_m}k32\.f32\.e4m3\.e4m3\s+"
                     r"\{[^}]*\},\s*\{[^}]*\}", ptx)
     assert rs, "no register-A e4m3 wgmma of the expected shape"
-    assert count(r"wgmma\.mma_async", ptx) == len(rs), "every wgmma is the FP8 one, A in registers"
-    assert count(r"\.f16\.f16|\.bf16\.bf16", ptx) == 0
+    # the offset correction's 16-bit wgmmas: two parts per group and step of a batch, A (the scales)
+    # from registers too
+    ab = "f16" if problem.dtype == "float16" else "bf16"
+    correction = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{knobs.block_m}k16\.f32\.{ab}\.{ab}\s+"
+                            r"\{[^}]*\},\s*\{[^}]*\}", ptx)
+    steps = batches(Plan(problem, knobs))[1] if knobs.offset_decode else 0
+    assert len(correction) == 2 * knobs.groups * steps
+    assert count(r"wgmma\.mma_async", ptx) == len(rs) + len(correction), "every wgmma has A in registers"
 
 
-def test_the_decode_is_byte_lookups(compiled):
+def test_the_decode_is_byte_lookups_or_with_offset_a_mask_a_shift_and_two_prmt(compiled):
     _, knobs, src, ptx = compiled
-    # tm_decode_e4m3_a_u4: 7 prmt per word, two words per k32 fragment; no float conversion or
-    # 16-bit multiply on the weights
-    assert "tm_decode_e4m3_a_u4" in src
+    # tm_decode_e4m3_a_u4: 7 prmt per word (offset_decode's tm_decode_e4m3_offset_a_u4: 2), two words
+    # per k32 fragment; no float conversion or 16-bit multiply on the weights
+    name = "tm_decode_e4m3_offset_a_u4" if knobs.offset_decode else "tm_decode_e4m3_a_u4"
+    assert f"{name}(" in src
     words_per_stage = knobs.k_steps * knobs.groups
-    assert count(r"\bprmt\.b32\b", ptx) >= 7 * words_per_stage
+    assert count(r"\bprmt\.b32\b", ptx) >= (2 if knobs.offset_decode else 7) * words_per_stage
     assert count(r"\bcvt\.\w*e4m3", ptx) == 0
     assert count(r"\bmul\.f16x2|\bfma\.rn\.f16x2|\bmul\.bf16x2|\bfma\.rn\.bf16x2", ptx) == 0
+
+
+def test_the_offset_correction_reads_the_k_tile_sums(compiled):
+    problem, knobs, src, ptx = compiled
+    # (the kernel takes them either way; TileLang leaves an unread one out of the device function)
+    assert bool(re.search(r"const float\* (__restrict__ )?KS\b", src)) == knobs.offset_decode
+    # offset_decode's B tile goes to the async proxy by a fence, then the consumers meet
+    assert (count(r"fence\.proxy\.async\.shared::cta", ptx) >= 1) == knobs.offset_decode
+    assert ("tm_consumers_sync" in src) == (knobs.offset_decode or knobs.staged_store)
 
 
 def test_fp8_activations_arrive_by_tma_one_swizzle_atom_per_stage(compiled):
@@ -78,7 +103,7 @@ def test_fp8_activations_arrive_by_tma_one_swizzle_atom_per_stage(compiled):
     assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"cp\.async\.cg", ptx) == 0
     assert re.search(r"tma_load\(A_desc[^;]*\(\(fp8_e4_t\*\)X_s\)", src)
     # 128 e4m3 per row of a stage: one 128-byte atom, so one activation box per k-tile
-    assert len(re.findall(r"tma_load\(A_desc", src)) in (1, 2)   # (the prologue's and the loop's copy)
+    assert len(re.findall(r"tma_load\(A_desc", src)) in (1, 2, 3)   # (the prologue's and the loops' copies)
 
 
 def test_token_scales_are_read_and_applied(compiled):
@@ -103,7 +128,8 @@ def test_ptxas_keeps_the_fp8_wgmmas_asynchronous(compiled, tmp_path):
 @pytest.mark.parametrize("problem,knobs,fragment", [
     (fp8(4096, 4096), Knobs(16, 1, 1, 64, 4, scale_on_acc=True), "block_k=128"),
     (fp8(4096, 4096), Knobs(16, 1, 1, 128, 4), "needs scale_on_acc"),
-    (Problem.make(4096, 4096, -1, act="fp8"), Knobs(16, 1, 1, 128, 4, ring=2), "ring=0"),
+    (Problem.make(4096, 4096, -1, act="fp8"), Knobs(16, 1, 1, 128, 4, ring=2, scale_on_acc=True), "ring=0"),
+    (Problem.make(4096, 4096, -1, act="fp8"), Knobs(16, 1, 1, 128, 4), "needs scale_on_acc"),
     (fp8(4096, 4096, 64), Knobs(16, 1, 1, 128, 4, scale_on_acc=True), "group"),
 ])
 def test_check_names_what_fp8_cannot_take(problem, knobs, fragment):
@@ -146,13 +172,16 @@ def test_kernel_args_name_the_fp8_tensors():
     scales = torch.zeros(k // 128, n, dtype=torch.float16)
     out = torch.zeros(3, n, dtype=torch.float16)
     a8 = torch.zeros(3, k).to(torch.float8_e4m3fn)
-    with pytest.raises(TypeError, match="pair"):
+    sums = torch.zeros(3, k // 128)
+    with pytest.raises(TypeError, match="triple"):
         stream_wgmma.kernel_args(problem, knobs, torch.zeros(3, k, dtype=torch.float16), weight, scales, out)
     with pytest.raises(TypeError, match="FP8 activations must be torch.float8_e4m3fn"):
-        stream_wgmma.kernel_args(problem, knobs, (torch.zeros(3, k, dtype=torch.float16), torch.ones(3, 1)),
+        stream_wgmma.kernel_args(problem, knobs, (torch.zeros(3, k, dtype=torch.float16), torch.ones(3, 1), sums),
                                  weight, scales, out)
     with pytest.raises(ValueError, match=r"token scales must have shape \[3x1\]"):
-        stream_wgmma.kernel_args(problem, knobs, (a8, torch.ones(4, 1)), weight, scales, out)
+        stream_wgmma.kernel_args(problem, knobs, (a8, torch.ones(4, 1), sums), weight, scales, out)
+    with pytest.raises(ValueError, match=r"k-tile sums must have shape \[3x32\]"):
+        stream_wgmma.kernel_args(problem, knobs, (a8, torch.ones(3, 1), sums[:, :16]), weight, scales, out)
 
 
 def test_the_fallback_runs_an_fp8_problem_on_its_w4a16_twins_winner_in_fp8_form():

@@ -9,7 +9,7 @@ import torch
 from schedules.arch import get_arch
 from schedules.fp8_activations import build, build_rounded
 from schedules.marlin_mma.layout import fp8_k_order
-from schedules.quant import quantize_fp8_per_token
+from schedules.quant import fp8_k_tile_sums, quantize_fp8_per_token
 
 SM90 = get_arch("sm_90a")
 
@@ -64,9 +64,10 @@ def test_the_row_is_read_in_16_byte_chunks_at_k_11008(builder):
     assert len(re.findall(r"\bld\.global(\.nc)?\.v4\.u32\b", ptx)) == 6     # 1376 chunks over 256 threads
 
 
-def test_widths_the_k_order_cannot_cover_are_refused():
-    with pytest.raises(ValueError, match="multiple of 16"):
-        build(4100, "float16", SM90)
+@pytest.mark.parametrize("k", [4100, 4112])
+def test_widths_without_whole_k_tiles_are_refused(k):
+    with pytest.raises(ValueError, match="multiple of 128"):
+        build(k, "float16", SM90)
 
 
 @pytest.mark.gpu
@@ -80,12 +81,15 @@ def test_the_kernel_matches_the_reference_in_the_fp8_k_order(m, k):
     x[m // 2] = 0
     q = torch.full((m, k), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     s = torch.full((m, 1), float("nan"), device="cuda")
-    kernel(x, q, s)
+    sums = torch.full((m, k // 128), float("nan"), device="cuda")
+    kernel(x, q, s, sums)
     q_ref, s_ref = quantize_fp8_per_token(x)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     order = fp8_k_order(k).cuda()
     # the same IEEE division (div.rn.f32) and round-to-nearest conversion as torch's: the same bytes
     assert torch.equal(q.view(torch.uint8), q_ref[:, order].contiguous().view(torch.uint8))
+    # each 128 columns' sum (fp32, in another order than torch's)
+    torch.testing.assert_close(sums, fp8_k_tile_sums(q_ref), rtol=1e-6, atol=1e-2)
 
 
 def test_the_block_is_as_wide_as_the_row_splits_evenly():

@@ -12,7 +12,7 @@ import torch
 
 from schedules import marlin_mma
 from schedules.marlin_mma.layout import LANES, SLAB_N, TILE_K, WORDS_PER_LANE, fp8_k_order
-from templates import e4m3_bits, fp8_decode_name, render_dequant
+from templates import FP8_DECODE_UNIT, e4m3_bits, fp8_decode_name, render_dequant
 from tests.test_dequant_template import Device, Pointer
 
 
@@ -21,11 +21,11 @@ def e4m3_of(values) -> np.ndarray:
     return torch.as_tensor(values, dtype=torch.float32).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
 
 
-def decode(words, dtype="float16", source=None) -> tuple[np.ndarray, np.ndarray]:
-    """The decode's two output registers for each 32-bit word."""
+def decode(words, dtype="float16", source=None, offset=False) -> tuple[np.ndarray, np.ndarray]:
+    """The decode's (offset: offset_decode's) two output registers for each 32-bit word."""
     device = Device(render_dequant(dtype) if source is None else source, dtype)
     frag = Pointer([None, None])
-    device.call(fp8_decode_name(), Pointer([np.asarray(words, dtype=np.uint32)]), frag)
+    device.call(fp8_decode_name(offset=offset), Pointer([np.asarray(words, dtype=np.uint32)]), frag)
     return frag.cells[0], frag.cells[1]
 
 
@@ -45,13 +45,24 @@ def test_every_code_decodes_to_its_e4m3_value_exactly(dtype):
         assert (as_bytes(register) == expected[:, None]).all()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_with_offset_every_code_decodes_to_the_byte_of_its_value_over_512(dtype):
+    """offset_decode: the code c as the e4m3 value c * 2^-9, whose byte is c itself (subnormal below 8)."""
+    codes = np.arange(16, dtype=np.uint32)
+    low, high = decode(codes * np.uint32(0x11111111), dtype, offset=True)
+    expected = e4m3_of(codes / FP8_DECODE_UNIT)
+    assert list(expected) == list(range(16))
+    for register in (low, high):
+        assert (as_bytes(register) == expected[:, None]).all()
+
+
 def test_the_templates_byte_tables_are_e4m3():
     assert [e4m3_bits(v) for v in range(-8, 8)] == list(e4m3_of(np.arange(-8, 8)))
     with pytest.raises(ValueError, match="exactly"):
         e4m3_bits(17)
 
 
-def fragment_from_lanes(words_by_lane: list[np.ndarray]) -> np.ndarray:
+def fragment_from_lanes(words_by_lane: list[np.ndarray], offset: bool = False) -> np.ndarray:
     """The 16 x 32 A tile (rows = n, columns = k positions) of one k32 step of an 8-bit MMA, from each
     lane's decoded registers: the PTX fragment of 8-bit A (m16n8k32, and each warp's 16 rows of wgmma's
     m64nNk32) gives lane 4g + t registers a0 (row g, columns 4t..4t+3), a1 (row g + 8, the same
@@ -61,15 +72,17 @@ def fragment_from_lanes(words_by_lane: list[np.ndarray]) -> np.ndarray:
     for lane, (first, second) in enumerate(words_by_lane):
         g, t = lane // 4, lane % 4
         for half, word in enumerate((first, second)):
-            row_g, row_g8 = decode([word])
+            row_g, row_g8 = decode([word], offset=offset)
             tile[g, 16 * half + 4 * t:16 * half + 4 * t + 4] = as_bytes(row_g)[0]
             tile[g + 8, 16 * half + 4 * t:16 * half + 4 * t + 4] = as_bytes(row_g8)[0]
     return tile
 
 
-def test_the_decoded_fragment_times_the_reordered_activations_is_the_product():
+@pytest.mark.parametrize("offset", [False, True])
+def test_the_decoded_fragment_times_the_reordered_activations_is_the_product(offset):
     """Packed real codes, decoded lane by lane into the 8-bit A fragment, multiplied by activations
-    stored in fp8_k_order: exactly x @ (W - 8) for the sub-tile's 16 columns, in integers."""
+    stored in fp8_k_order: exactly x @ (W - 8) for the sub-tile's 16 columns, in integers (offset_decode:
+    x @ W / 512, the kernel adding -8 times x's sums back)."""
     generator = torch.Generator().manual_seed(20261203)
     k, n = 2 * TILE_K, SLAB_N
     codes = torch.randint(0, 16, (k, n), dtype=torch.uint8, generator=generator)
@@ -81,10 +94,11 @@ def test_the_decoded_fragment_times_the_reordered_activations_is_the_product():
     for subtile in range(WORDS_PER_LANE):          # the slab's four 16-column sub-tiles
         lanes = [(words[0, lane * WORDS_PER_LANE + subtile], words[1, lane * WORDS_PER_LANE + subtile])
                  for lane in range(LANES)]
-        tile = fragment_from_lanes(lanes)
+        tile = fragment_from_lanes(lanes, offset)
         weights = torch.from_numpy(tile.view(np.uint8).copy()).view(torch.float8_e4m3fn).to(torch.float64)
         columns = slice(16 * subtile, 16 * subtile + 16)
-        expected = x @ (codes[:, columns].to(torch.float64) - 8)
+        w = codes[:, columns].to(torch.float64)
+        expected = x @ (w / FP8_DECODE_UNIT if offset else w - 8)
         assert torch.equal(stored_x @ weights.T, expected), f"sub-tile {subtile}"
 
 
@@ -105,6 +119,35 @@ def test_a_changed_constant_is_caught(old, new):
     mutated = source.replace(old, new)
     words = np.random.default_rng(7).integers(0, 2 ** 32, 512, dtype=np.uint64).astype(np.uint32)
     assert any(not np.array_equal(a, b) for a, b in zip(decode(words, source=mutated), decode(words)))
+
+
+@pytest.mark.parametrize("old,new", [("0x0F0F0F0Fu, 0u);        // nibbles 0", "0x0F0F0F07u, 0u);        // nibbles 0"),
+                                     ("0x6240u", "0x6241u"), ("0x7351u", "0x7315u"), ("q >> 4", "q >> 5")],
+                         ids=["mask", "row g gather", "row g + 8 gather", "shift"])
+def test_a_changed_constant_of_the_offset_decode_is_caught(old, new):
+    source = render_dequant("float16")
+    assert source.count(old) == 1
+    mutated = source.replace(old, new)
+    words = np.random.default_rng(7).integers(0, 2 ** 32, 512, dtype=np.uint64).astype(np.uint32)
+    assert any(not np.array_equal(a, b)
+               for a, b in zip(decode(words, source=mutated, offset=True), decode(words, offset=True)))
+
+
+def test_nvcc_makes_two_prmt_of_a_word_with_offset():
+    """offset_decode's cost per word of eight codes (PTX for sm_90a): two masks and a shift, two byte
+    gathers, no table and no conversion instruction."""
+    import re
+
+    from tilelang.contrib import nvcc
+
+    probe = render_dequant("float16") + (
+        'extern "C" __global__ void probe(const unsigned* words, unsigned* out) {\n'
+        f"  {fp8_decode_name(offset=True)}(words + threadIdx.x, out + 2 * threadIdx.x);\n}}\n")
+    ptx = bytes(nvcc.compile_cuda(probe, target_format="ptx", arch="sm_90a")).decode()
+    body = ptx[ptx.index(".entry probe"):]
+    assert len(re.findall(r"\bprmt\.b32\b", body)) == 2
+    assert len(re.findall(r"\b(and|lop3)\.b32\b", body)) <= 2
+    assert not re.search(r"\bcvt\.\w*(e4m3|f16|f32)", body)
 
 
 def test_nvcc_makes_seven_prmt_and_two_lop3_of_a_word_for_sm90():

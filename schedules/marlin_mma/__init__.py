@@ -7,7 +7,7 @@ from ..arch import Arch
 from ..family import lazy_build
 from ..knob_space import valid_points
 from ..problem import Problem
-from ..quant import torch_dtype
+from ..quant import FP8_K_TILE, torch_dtype
 from . import layout
 from .knobs import Knobs, check
 from .traits import FP8_KNOB_FACTORS, KNOB_FACTORS, TRAITS
@@ -78,16 +78,19 @@ def workspace_elems(problem: Problem, knobs: Knobs, m: int) -> tuple[int, int]:
 def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspace=None, counters=None) -> tuple:
     """The kernel's positional arguments, in the order build() declares them, after checking every
     tensor: a wrong dtype, shape or device is an error that names the tensor, never a wrong answer.
-    With FP8 activations (problem.fp8) `a` is the pair (float8_e4m3fn [M, K] in the FP8 k order,
-    token scales fp32 [M, 1]) that schedules.quant.fp8_kernel_activations makes."""
+    With FP8 activations (problem.fp8) `a` is the triple (float8_e4m3fn [M, K] in the FP8 k order,
+    token scales fp32 [M, 1], k-tile sums fp32 [M, K / 128]) that schedules.quant.fp8_kernel_activations
+    makes."""
     dtype = torch_dtype(problem.dtype)
-    token_scales = None
+    token_scales = tile_sums = None
     if problem.fp8:
-        if not (isinstance(a, (tuple, list)) and len(a) == 2):
-            raise TypeError("FP8 activations are the pair (float8_e4m3fn values [M, K], fp32 token scales [M, 1])")
-        a, token_scales = a
+        if not (isinstance(a, (tuple, list)) and len(a) == 3):
+            raise TypeError("FP8 activations are the triple (float8_e4m3fn values [M, K], fp32 token scales [M, 1], "
+                            "fp32 k-tile sums [M, K / 128])")
+        a, token_scales, tile_sums = a
         _expect("FP8 activations", a, torch.float8_e4m3fn, (None, problem.k))
         _expect("token scales", token_scales, torch.float32, (a.shape[0], 1))
+        _expect("k-tile sums", tile_sums, torch.float32, (a.shape[0], problem.k // FP8_K_TILE))
     else:
         _expect("activations", a, dtype, (None, problem.k))
     m = a.shape[0]
@@ -97,7 +100,7 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
     _expect("output", out, dtype, (m, problem.n))
     tensors = {"activations": a, "packed weight": weight, "scales": scales, "output": out}
     if token_scales is not None:
-        tensors["token scales"] = token_scales
+        tensors.update({"token scales": token_scales, "k-tile sums": tile_sums})
     if knobs.uses_workspace:
         ws_elems, n_counters = workspace_elems(problem, knobs, m)
         _expect("split-K workspace", workspace, torch.float32, None, min_elems=ws_elems)
@@ -108,7 +111,7 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
             raise ValueError(f"{what} is on {t.device}; tilemarlin kernels need CUDA tensors")
         if t.device != a.device:
             raise ValueError(f"{what} is on {t.device} but the activations are on {a.device}")
-    head = (a,) if token_scales is None else (a, token_scales)
+    head = (a,) if token_scales is None else (a, token_scales, tile_sums)
     if not knobs.uses_workspace:
         return (*head, weight, scales, out)
     return (*head, weight, scales, out, workspace[:ws_elems].view(-1, problem.n), counters)

@@ -29,7 +29,8 @@ build = lazy_build(__name__)
 NAME = "stream_wgmma"
 
 AXES = {
-    "block_m": (8, 16, 32, 64, 128, 176, 256),     # 8 and 16: small M, a TMA-fed weight stream
+    # 8 and 16: small M, a TMA-fed weight stream; 192: W4A8 only (knobs.FP8_BLOCK_M)
+    "block_m": (8, 16, 32, 64, 128, 176, 192, 256),
     "groups": (1, 2),
     "warpgroups": (1, 2),
     # 128: two 64-wide boxes (one 128-byte swizzle atom each) per stage, twice the work per barrier
@@ -91,11 +92,15 @@ AXES = {
     # the workspace level with the cluster pair (9.08 / 9.05 us); no M >= 128 winner took it
     # (docs/performance.md). A variant axis: the first round keeps one of each pair.
     "split_wait": (False, True),
+    # W4A8: the codes decoded as e4m3 bytes (c * 2^-9) and the offset corrected on 16-bit wgmmas:
+    # 0.86-0.99x of the table-lookup decode with two warpgroups at M = 256-4096, 0.90-1.06x with one
+    # (H100, 2026-12-06; docs/performance.md, offset decode).
+    "offset_decode": (False, True),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.
 VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m", "stage_unroll", "ring", "scale_on_acc",
-                "fold_lag", "split_wait")
+                "fold_lag", "split_wait", "offset_decode")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order
@@ -116,7 +121,10 @@ def space(problem: Problem, arch: Arch) -> list[Knobs]:
     twins = [dataclasses.replace(kb, split_wait=True) for kb in points if kb.split_k > 1 and kb.uses_workspace] \
         if True in waits else []
     points = (points if False in waits else []) + [kb for kb in twins if check(problem, kb, arch) is None]
-    return [kb for kb in points if not (kb.longer_splits(problem) and kb.cluster_reduce)]
+    # offset_decode's correction with the producer warp: 1.06-1.87x slower than the lookup decode at
+    # M = 256-1024 (H100, 2026-12-06; docs/performance.md, offset decode)
+    return [kb for kb in points if not (kb.longer_splits(problem) and kb.cluster_reduce)
+            and not (kb.offset_decode and kb.producer_warp)]
 
 
 __all__ = ["NAME", "LAYOUT", "AXES", "Knobs", "check", "from_axes", "space", "build", "PASS_CONFIGS", "pack", "unpack",

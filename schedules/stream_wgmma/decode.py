@@ -88,14 +88,15 @@ def decode_stage(plan, mem, abuf):
 
 @T.macro
 def zero_sums(plan, mem):
-    """The running sums start at zero; with scale_on_acc so do both k-tile sets and their scales, so
-    that the first k-tile's fold of the other set adds zero."""
+    """The running sums start at zero; with scale_on_acc so do both k-tile sets, so that the first
+    k-tile's fold of the other set adds zero, and their scales (W4A8's channelwise scales, which
+    multiply the output: ones, never read from the stages)."""
     acc, sc = mem.acc, mem.sc
     for i in T.unroll(plan.acc_all):
         acc[i] = T.float32(0)
     if plan.sacc:
         for i in T.unroll(2 * plan.per_s):
-            sc[i] = T.cast(0, plan.dtype)
+            sc[i] = T.cast(0 if plan.grouped else 1, plan.dtype)
 
 
 @T.macro

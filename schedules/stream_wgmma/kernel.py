@@ -30,6 +30,7 @@ from templates import render_dequant
 
 from ..epilogue import CLUSTER_HELPERS, EARLY_START_HELPERS, w4a8_prim_func, w4a16_prim_func
 from ..problem import Problem
+from .correction import FENCE_ASYNC_SHARED, K_TILES_PER_STEP, add_offset_correction
 from .decode import zero_sums
 from .knobs import PRODUCER_REGISTERS, WARPGROUP, Knobs
 from .mainloop import consume, finish_sums
@@ -43,12 +44,13 @@ def device_code(plan: Plan) -> str:
     kb = plan.kb
     return render_dequant(plan.dtype, plan.bits) + (CLUSTER_HELPERS if plan.cluster else "") + \
         (WARP_INDEX if kb.producer_warp else "") + (COPY16 if kb.staged_store else "") + \
-        (CONSUMERS_SYNC if kb.staged_store else "") + (EARLY_START_HELPERS if kb.early_start else "") + \
+        (CONSUMERS_SYNC if kb.staged_store or plan.offset else "") + (FENCE_ASYNC_SHARED if plan.offset else "") + \
+        (EARLY_START_HELPERS if kb.early_start else "") + \
         plan.split_k_prelude
 
 
 @T.macro
-def buffers(plan, A, B, S, C, ws, counters, TS):
+def buffers(plan, A, B, S, C, ws, counters, TS, KS):
     """The block's shared stages, barriers and per-thread registers."""
     stages, bm, bn, dtype = plan.stages, plan.bm, plan.bn, plan.dtype
     x_shape = (stages, bm, plan.bk) if plan.atoms == 1 else (stages, plan.atoms, bm, 64)
@@ -63,10 +65,12 @@ def buffers(plan, A, B, S, C, ws, counters, TS):
     a = T.alloc_local((plan.kb.ring * plan.g * 8 if plan.kb.ring else 2 * plan.a_len,), dtype)
     acc = T.alloc_local((plan.acc_all,), "float32")
     desc = T.alloc_wgmma_desc()
-    if plan.kb.staged_store:
-        Y_s = T.alloc_shared((bm, bn + 8), dtype)     # 16 bytes of padding per row: see store.acc_to_global_staged
-        return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s, TS)
-    return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, None, TS)
+    # offset_decode's correction (correction.py): its B tile and descriptor
+    KS_s = T.alloc_shared((2 * bm * K_TILES_PER_STEP,), dtype) if plan.offset else None
+    ks_desc = T.alloc_wgmma_desc() if plan.offset else None
+    Y_s = T.alloc_shared((bm, bn + 8), dtype) if plan.kb.staged_store else None   # padded: see store.py
+    return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s, TS, KS, KS_s,
+                   ks_desc)
 
 
 @T.macro
@@ -80,11 +84,21 @@ def pipeline(plan, mem, k0, by, bx, tx, wg, wq, lane, count):
             produce(plan, mem, k0, count, by, bx, tx)
         else:
             zero_sums(plan, mem)
+            start_sums(plan, mem, by, bx, tx, wg, wq, lane, k0, count)
             consume(plan, mem, k0, by, bx, tx, wg, wq, lane, count)
     else:
         for p in T.unroll(plan.stages - 1):
             load_tma(plan, mem, p, k0, by, bx, tx)
+        start_sums(plan, mem, by, bx, tx, wg, wq, lane, k0, count)
         consume(plan, mem, k0, by, bx, tx, wg, wq, lane, plan.trips)
+
+
+@T.macro
+def start_sums(plan, mem, by, bx, tx, wg, wq, lane, k0, count):
+    """offset_decode: the running sums start at the decode's offset correction for the block's k-tiles
+    (correction.py), its loads and wgmmas under the pipeline's first copies."""
+    if plan.offset:
+        add_offset_correction(plan, mem, by, bx, tx, wg, wq, lane, k0, count)
 
 
 @T.macro
@@ -108,9 +122,9 @@ def pipeline_setmaxnreg(plan, mem, by, bx, tx, wg, wq, lane):
 
 
 @T.macro
-def body(plan, A, B, S, C, ws, counters, TS=None):
+def body(plan, A, B, S, C, ws, counters, TS=None, KS=None):
     """One block: its output tile (by, bx) and split bz, the split's k-tiles from k0, the pipeline, and
-    the epilogue of its form (TS: W4A8's token scales)."""
+    the epilogue of its form (TS, KS: W4A8's token scales and k-tile sums)."""
     kb, m, bm, trips, extra, short = plan.kb, plan.m, plan.bm, plan.trips, plan.extra, plan.short
     producer = plan.producer
     # cluster_reduce: the split_k blocks of an output tile form one cluster (along the grid's z).
@@ -133,7 +147,7 @@ def body(plan, A, B, S, C, ws, counters, TS=None):
         if kb.early_start:
             start_early(plan, B, S, bx, k0)
         plan.wait_prior()
-        mem = buffers(plan, A, B, S, C, ws, counters, TS)
+        mem = buffers(plan, A, B, S, C, ws, counters, TS, KS)
 
         tx = T.get_thread_binding()
         wg = tx // WARPGROUP        # along N

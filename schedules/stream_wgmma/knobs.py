@@ -11,6 +11,9 @@ from ..problem import Problem
 
 WARPGROUP = 128
 PRODUCER_REGISTERS = 40   # setmaxnreg: what the producer warpgroup keeps (TMA issue and barrier waits)
+# W4A8's largest tile along M: scale_on_acc's two sets of sums (192 registers) and the rest fit 255
+# (256 rows spill); W4A16 does not search it
+FP8_BLOCK_M = 192
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,9 @@ class Knobs:
     k-steps of wgmmas in flight with D k-steps of A fragments instead of two whole stages' (ptxas at
     block_m 16, block_k 128: ~67 registers with D = 8 or 4, ~54 with D = 2, against ~104), so that
     more blocks fit per SM; 0 keeps the two whole buffers.
-    scale_on_acc (group scales; no ring or setmaxnreg) decodes the words unscaled (code - 8, or with
-    zero points code - z, exact)
-    and gives each k-tile's wgmmas sums of their own (the first k-step overwrites them): once k-tile
+    scale_on_acc (group scales, and every W4A8 kernel, whose channelwise scales fold as ones; no ring
+    or setmaxnreg) decodes the words unscaled (code - 8, with zero points code - z, with FP8 the code
+    as e4m3, all exact) and gives each k-tile's wgmmas sums of their own (the first k-step overwrites them): once k-tile
     t + 1 is decoded under k-tile t's wgmmas, the warpgroup waits for all of them, adds k-tile t's
     sums times its group's scales to the running fp32 sums and issues k-tile t + 1. Four HMUL2 per
     word become one FFMA per sum and k-tile. fold_lag (with scale_on_acc) keeps two sets of k-tile
@@ -76,6 +79,10 @@ class Knobs:
     rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
     slab (plan.slab_quarter), so that a warp's loads of its packed words from shared memory touch
     every bank once instead of 8 banks four times; the sums and scales follow.
+    offset_decode (W4A8) decodes each code c to the e4m3 byte c, worth c * 2^-9 (a mask, a shift and
+    two prmt per word against the table lookup's 12 instructions) and starts the running sums at the
+    correction for the offset, -8 times each k-tile's sum of activations times its scales, on 16-bit
+    wgmmas (correction.py); the final sums are times 512.
     split_wait (split-K through the workspace, with the producer warp): every split but the last
     stores its tile into a workspace slot of its own and leaves, without fence or counter; after
     its k-loop the last split reads the slots (again where a value has not landed yet), adds them to
@@ -103,6 +110,7 @@ class Knobs:
     fold_lag: bool = False
     rotate: bool = False
     split_wait: bool = False
+    offset_decode: bool = False
 
     @property
     def block_n(self) -> int:
@@ -154,7 +162,8 @@ class Knobs:
                  ("_cl", self.cluster_reduce), ("_pdl", self.pdl), ("_st", self.staged_store),
                  (f"_es{self.early_start}", self.early_start), (f"_pm{self.panel_m}", self.panel_m),
                  ("_su", self.stage_unroll), (f"_ring{self.ring}", self.ring), ("_sacc", self.scale_on_acc),
-                 ("_fl", self.fold_lag), ("_rot", self.rotate), ("_wait", self.split_wait))
+                 ("_fl", self.fold_lag), ("_rot", self.rotate), ("_wait", self.split_wait),
+                 ("_od", self.offset_decode))
         return (f"m{self.block_m}_g{self.groups}_wg{self.warpgroups}_k{self.block_k}_s{self.stages}"
                 f"_sk{self.split_k}" + "".join(tag for tag, on in flags if on))
 
@@ -177,7 +186,9 @@ class Knobs:
         c = self.block_m * self.block_n * 4 if self.split_k > 1 else 0
         # staged_store's tile (TileLang's merge may place it over the dead activation stages, or not)
         y = self.block_m * (self.block_n + 8) * 2 if self.staged_store else 0
-        return x + w + c + y + 64
+        # offset_decode's correction: two 16-bit parts of 16 k-tile sums per row (correction.py)
+        ks = self.block_m * 16 * 2 * 2 if self.offset_decode else 0
+        return x + w + c + y + ks + 64
 
     def registers_estimate(self, problem: Problem | None = None) -> int:
         # the total and one (scale_on_acc) or two (fold_lag) sets of k-tile sums
@@ -189,7 +200,14 @@ class Knobs:
         # zero points: z and the decode's subtrahends (scale_on_acc: 4 registers per group in fp16, 2 in
         # bf16) or offsets (1)
         zero = (5 if self.scale_on_acc else 2) * self.groups if problem is not None and problem.zero_points else 0
-        return acc + a + raw + zero + 40
+        return acc + a + raw + zero + self._other_registers(problem)
+
+    def _other_registers(self, problem: Problem | None) -> int:
+        """Addresses, barrier phases, the decode's constants. W4A8 without the producer warp needs almost
+        none beyond the terms (ptxas for sm_90a: block_m 128 170 registers, 192 230-232, against terms of
+        169 and 233: its decode is a mask, a shift and two prmt, and its scales go on the sums); with the
+        producer warp the same kernels had ptxas serialize the wgmmas at 158-160, so they keep W4A16's 40."""
+        return 4 if problem is not None and problem.fp8 and self.offset_decode and not self.producer_warp else 40
 
 
 def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
@@ -202,6 +220,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
             return f"{field}={getattr(kb, field)} must be positive"
     if kb.block_m % 8 or kb.block_m > 256:
         return f"block_m={kb.block_m} is the wgmma's N: a multiple of 8, at most 256"
+    if kb.block_m == FP8_BLOCK_M and not problem.fp8:
+        return f"block_m={FP8_BLOCK_M} is W4A8's largest tile with promoted sums; W4A16 takes 176 or 256"
     if kb.groups not in (1, 2, 4):
         return f"groups={kb.groups}: a packed word vector holds 4 groups, so 1, 2 or 4"
     if kb.warpgroups not in (1, 2):
@@ -214,7 +234,7 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.block_k not in (64, 128):
         return (f"block_k={kb.block_k}: TMA fills the stages in 64-wide swizzled tiles (block_k=64, or 128 as two "
                 "of them)")
-    reason = fp8_reason(problem, kb)
+    reason = fp8_reason(problem, kb) or offset_decode_reason(problem, kb)
     if reason:
         return reason
     if kb.producer_warp and not kb.release_barriers:
@@ -237,7 +257,7 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.ring < 0 or kb.ring and (kb.ring < 2 or kb.k_steps % kb.ring):
         return (f"ring={kb.ring}: 0 (two whole fragment buffers) or k-steps in flight, at least 2 and dividing "
                 f"the stage's {kb.k_steps} k-steps")
-    if kb.scale_on_acc and problem.channelwise:
+    if kb.scale_on_acc and problem.channelwise and not problem.fp8:
         return "scale_on_acc scales each k-tile's sums by its group's scales: channelwise scales have no groups"
     if kb.scale_on_acc and (kb.ring or kb.setmaxnreg):
         return ("scale_on_acc folds k-tile t - 1's sums after the wait for all wgmmas: it takes no ring (a wait "
@@ -282,25 +302,36 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
 
 def fp8_reason(problem: Problem, kb: Knobs) -> str | None:
     """Why the knobs cannot take FP8 activations (W4A8), or None: an FP8 k-tile of 128 is one 128-byte
-    swizzle atom, and e4m3 weights hold the codes - 8 exactly but no scale."""
+    swizzle atom, and e4m3 weights hold the codes c as c * 2^-9 but no scale, and their sums, offset by
+    the codes' mean of 7.5, must not run through the FP8 accumulator across K (its ~14 bits: 2.2e-3
+    relative error at K = 11008 with channelwise scales, 0.1-0.17 with activations of mean 1-4; H100,
+    2026-12-06): every k-tile's sums are promoted (scale_on_acc), channelwise ones times 1."""
     if not problem.fp8:
         return None
     if kb.block_k != 128:
         return f"block_k={kb.block_k}: with FP8 activations a k-tile is one 128-byte swizzle atom, block_k=128"
-    if not problem.channelwise and not kb.scale_on_acc:
-        return "FP8 weights are the codes - 8 unscaled: group scales go on the sums, so FP8 needs scale_on_acc"
+    if not kb.scale_on_acc:
+        return ("FP8 weights are the codes as e4m3, unscaled and offset: each k-tile's sums go into the running fp32 "
+                "sums times its group scale (1 for channelwise scales), so FP8 needs scale_on_acc")
     if kb.ring:
         return "ring decodes one 16-deep k-step per slot; FP8 wgmmas are 32 deep: ring=0"
     return None
 
 
+def offset_decode_reason(problem: Problem, kb: Knobs) -> str | None:
+    """Why the knobs cannot take offset_decode, or None."""
+    if kb.offset_decode and not problem.fp8:
+        return "offset_decode decodes the codes to FP8 e4m3: it is W4A8's (FP8 activations)"
+    return None
+
+
 def form_for(problem: Problem, kb: Knobs) -> Knobs:
     """Another problem's winner in the form `problem` takes, so that it transfers with its tiles, splits
-    and pipeline: FP8 activations need 128-deep k-tiles, no ring and (group scales) scale_on_acc
-    (fp8_reason); channelwise scales take no scale_on_acc (nor its fold_lag)."""
+    and pipeline: FP8 activations need 128-deep k-tiles, no ring, scale_on_acc and so no setmaxnreg
+    (fp8_reason); W4A16's channelwise scales take no scale_on_acc (nor its fold_lag)."""
     if problem.fp8:
-        sacc = not problem.channelwise
-        return dataclasses.replace(kb, block_k=128, ring=0, scale_on_acc=sacc, fold_lag=kb.fold_lag and sacc)
+        return dataclasses.replace(kb, block_k=128, ring=0, scale_on_acc=True, setmaxnreg=False)
+    kb = dataclasses.replace(kb, offset_decode=False)
     if kb.scale_on_acc and problem.channelwise:
         return dataclasses.replace(kb, scale_on_acc=False, fold_lag=False)
     return kb
@@ -310,6 +341,8 @@ def form_for(problem: Problem, kb: Knobs) -> Knobs:
 # flags that depend on each other cut the product of AXES (about 5 million points) to a few percent
 # before check() sees a point.
 RULES = (
+    Rule(("block_m",), lambda p, block_m: block_m != FP8_BLOCK_M or p.fp8),
+    Rule(("offset_decode",), lambda p, offset_decode: p.fp8 or not offset_decode),
     Rule(("groups", "warpgroups", "block_k"),
          lambda p, groups, warpgroups, block_k: tiling_reason(p, SLAB_N * groups * warpgroups, block_k) is None),
     Rule(("block_k", "stages", "split_k"), lambda p, block_k, stages, split_k: p.k // block_k // split_k >= stages),
@@ -326,9 +359,9 @@ RULES = (
          not early_start or pdl or cluster_reduce),
     Rule(("block_k", "ring"), lambda p, block_k, ring: ring == 0 or ring >= 2 and block_k // TILE_K % ring == 0),
     Rule(("setmaxnreg", "ring", "scale_on_acc"), lambda p, setmaxnreg, ring, scale_on_acc:
-         not scale_on_acc or not (p.channelwise or ring or setmaxnreg)),
+         not scale_on_acc or not (p.channelwise and not p.fp8 or ring or setmaxnreg)),
     Rule(("block_k", "ring", "scale_on_acc"), lambda p, block_k, ring, scale_on_acc:
-         not p.fp8 or block_k == 128 and ring == 0 and (scale_on_acc or p.channelwise)),
+         not p.fp8 or block_k == 128 and ring == 0 and scale_on_acc),
     Rule(("scale_on_acc", "fold_lag"), lambda p, scale_on_acc, fold_lag: scale_on_acc or not fold_lag),
     Rule(("groups", "rotate"), lambda p, groups, rotate: not rotate or groups < 4),
 )

@@ -22,6 +22,8 @@ import math
 
 import tilelang.language as T
 
+from templates import FP8_DECODE_UNIT as DECODE_UNIT
+
 from .decode import decode_stage, decode_step, fold_k_tile, read_w
 from .producer import load_tma
 
@@ -154,8 +156,9 @@ def consume(plan, mem, k0, by, bx, tx, wg, wq, lane, count):
 def finish_sums(plan, mem, by, lane):
     """After the k-loop: wait for the last wgmmas, whose sums the epilogues read (scale_on_acc: fold
     the last k-tile's, whose scales are set 1: the loop's k-tiles come in pairs, and a lone lead one
-    takes buffer 1). W4A8: then each sum times its row's token scale, so that every epilogue (and
-    split-K's sum of partial tiles, linear in them) stores finished values."""
+    takes buffer 1). W4A8: then each sum times its row's token scale (offset_decode: and 512, the
+    decode's 2^-9; its offset correction is in the sums from the start, kernel.start_sums), so that
+    every epilogue (and split-K's sum of partial tiles, linear in them) stores finished values."""
     T.warpgroup_wait(0)
     T.warpgroup_fence_operand(mem.acc, num_regs=plan.acc_len)
     if plan.sacc and not plan.lag:      # (fold_lag folded it at its trip's end)
@@ -166,9 +169,9 @@ def finish_sums(plan, mem, by, lane):
 
 @T.macro
 def scale_by_tokens(plan, mem, by, lane):
-    """The lane's sums times their rows' token scales: rows 8c + 2t + e of the tile (e = 0, 1) hold
-    elements c * 4 + 2h + e of each group (schedules/stream_wgmma/plan.fragment_element); rows past
-    M read the last row's scale (their sums are never stored)."""
+    """The lane's sums times their rows' token scales (offset_decode: times 512 too): rows 8c + 2t + e
+    of the tile (e = 0, 1) hold elements c * 4 + 2h + e of each group (schedules/stream_wgmma/
+    plan.fragment_element); rows past M read the last row's scale (their sums are never stored)."""
     bm, acc, TS = plan.bm, mem.acc, mem.TS
     for c in T.unroll(bm // 8):
         for e in T.unroll(2):
@@ -176,4 +179,7 @@ def scale_by_tokens(plan, mem, by, lane):
             for i in T.unroll(plan.g):
                 for h in T.unroll(2):
                     k = i * (bm // 2) + c * 4 + 2 * h + e
-                    acc[k] = acc[k] * TS[row, 0]
+                    if plan.offset:
+                        acc[k] = acc[k] * (TS[row, 0] * DECODE_UNIT)
+                    else:
+                        acc[k] = acc[k] * TS[row, 0]

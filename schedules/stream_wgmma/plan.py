@@ -93,8 +93,10 @@ class Plan:
         self.grid_n = problem.n // self.bn
         self.ab = "e4m3" if self.fp8 else mma_operand_dtype(problem.dtype)
         self.decode, self.decode_scaled = dequant_function_names(problem.dtype, problem.bits, operand="a")
+        # offset_decode: the codes as e4m3 bytes, the offset corrected from the start (correction.py)
+        self.offset = kb.offset_decode
         if self.fp8:
-            self.decode = fp8_decode_name(problem.bits)
+            self.decode = fp8_decode_name(problem.bits, offset=self.offset)
         self.zero = zero_decode(problem.dtype, problem.bits)
         self.cluster = kb.cluster_reduce     # the splits add their tiles through distributed shared memory
         self.release = kb.release_barriers   # stages freed by per-stage barriers, not a block barrier
@@ -170,7 +172,7 @@ class Buffers:
     """A block's tensors (A [M, K], packed B, scales S, C, and for split-K the workspace and tile
     counters), shared stages (X_s activations, W_s packed words, S_s scale rows, Y_s staged_store's
     tile), stage barriers and registers (w words, sc scales, a A fragments, acc sums, desc the wgmma
-    descriptor), handed to the macros as one argument."""
+    descriptor), and W4A8's, handed to the macros as one argument."""
     A: object
     B: object
     S: object
@@ -189,3 +191,6 @@ class Buffers:
     desc: object
     Y_s: object
     TS: object = None     # W4A8: the activations' token scales [M, 1] fp32
+    KS: object = None     # W4A8: the activations' k-tile sums [M, K / 128] fp32 (correction.py)
+    KS_s: object = None   # ... the correction's B tile and its descriptor
+    ks_desc: object = None

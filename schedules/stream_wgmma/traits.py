@@ -67,4 +67,7 @@ KNOB_FACTORS = {
 # (1.03-1.83x measured, 1.24-1.78x estimated), so those bounds keep W4A16's factors.
 FP8_KNOB_FACTORS = {
     ("warpgroups", 2): ((16, 1.1), (64, 1.22), (256, 1.3), (1024, 1.08), (None, 0.93)),
+    # offset_decode over the lookup decode, same kernels without the producer warp (8 pairs per M,
+    # block 128 x 64 and 128 x 128, Llama-2-7B's layers; H100, 2026-12-06)
+    "offset_decode": ((256, 0.9), (1024, 0.93), (None, 1.0)),
 }
