@@ -275,7 +275,8 @@ def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Proble
         _check_fp8_gpu(out.device)
     launcher = _launcher(out.device, problem, layout, bucket_of(a.shape[0]))
     if problem.fp8:     # quantized for the FP8 kernel, or rounded to FP8 for the W4A16 one
-        a = _quantized(a, problem) if launcher.problem.fp8 else _fp8_rounded(a, problem)
+        a = _quantized(a, problem, launcher.schedule.knobs.offset_decode) if launcher.problem.fp8 else \
+            _fp8_rounded(a, problem)
     launch_schedule(launcher.kernel, launcher.schedule, launcher.problem, a, qweight, scales, out)
 
 
@@ -287,13 +288,17 @@ def _rows_for_kernels(a: torch.Tensor) -> torch.Tensor:
     return a
 
 
-def _quantized(a: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(FP8 e4m3 [M, K] in the FP8 k order, token scales fp32 [M, 1], k-tile sums fp32 [M, K / 128]) of
-    a, by the activation kernel."""
+def _quantized(a: torch.Tensor, problem: Problem, sums: bool) -> tuple:
+    """(FP8 e4m3 [M, K] in the FP8 k order, token scales fp32 [M, 1], k-tile sums fp32 [M, K / 128] or,
+    unless `sums` (a kernel with offset_decode reads them), None) of a, by the activation kernel."""
     values = torch.empty(a.shape, dtype=torch.float8_e4m3fn, device=a.device)
     token_scales = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)
+    if not sums:
+        _activation_kernel("fp8_activations", a.device, problem.k, problem.dtype)(a, values, token_scales)
+        return values, token_scales, None
     tile_sums = torch.empty((a.shape[0], problem.k // FP8_K_TILE), dtype=torch.float32, device=a.device)
-    _activation_kernel("fp8_activations", a.device, problem.k, problem.dtype)(a, values, token_scales, tile_sums)
+    _activation_kernel("fp8_activations_sums", a.device, problem.k, problem.dtype)(a, values, token_scales,
+                                                                                    tile_sums)
     return values, token_scales, tile_sums
 
 

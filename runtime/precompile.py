@@ -30,18 +30,19 @@ from .dispatch import DEFAULT_LAYOUT, Dispatch, dispatch_for
 from .table import BUCKETS, bucket_of
 
 PRECOMPILE_ENV = "TILEMARLIN_PRECOMPILE"
+FP8_ACTIVATION_KERNELS = ("fp8_activations", "fp8_activations_sums", "fp8_rounded")
 _OFF = ("0", "false", "no", "off")
 
 
 def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = (),
                        normed: Iterable[Problem] = ()) -> list[tuple[str, int, str]]:
     """(kind, K, dtype) of each activation kernel (runtime.kernels.ACTIVATION_KERNELS) that layers of
-    `problems` need, W4A8's quantizer and its rounding for every FP8 one (two small kernels per K:
-    which one a bucket uses follows the tuned table, Dispatch.serving_problem, on the serving machine
-    too), that act-order layers of `gathered` need, the column gather, and that act-order layers fed
+    `problems` need, W4A8's quantizer (with and without the k-tile sums) and its rounding for every FP8
+    one (three small kernels per K: which one a bucket uses follows the tuned table,
+    Dispatch.serving_problem, and the kernel's offset_decode, on the serving machine too), that act-order layers of `gathered` need, the column gather, and that act-order layers fed
     by an RMSNorm in their order (`normed`, runtime/checkpoint/norm_fold.py) need, that norm; one per
     kind, K and input dtype, sorted."""
-    wanted = {(kind, p.k, p.dtype) for p in problems if p.fp8 for kind in ("fp8_activations", "fp8_rounded")}
+    wanted = {(kind, p.k, p.dtype) for p in problems if p.fp8 for kind in FP8_ACTIVATION_KERNELS}
     wanted |= {("gather_columns", p.k, p.dtype) for p in gathered}
     wanted |= {("rms_norm_gather", p.k, p.dtype) for p in normed}
     return sorted(wanted)

@@ -397,12 +397,15 @@ def w4a16_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str,
     return w4a16_gemm
 
 
-def w4a8_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str, workspace: bool, slots: int = 1):
+def w4a8_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str, workspace: bool, slots: int = 1,
+                   sums: bool = False):
     """w4a16_prim_func's signature with FP8 activations: A [m, K] float8_e4m3fn (in the FP8 k order of
-    schedules/marlin_mma/layout.fp8_k_order), their token scales TS [m, 1] fp32 and k-tile sums
-    KS [m, K / 128] fp32 first, then as there; `dtype` is the scales' and the output's. `body` also
-    takes TS and KS, as its last arguments."""
+    schedules/marlin_mma/layout.fp8_k_order), their token scales TS [m, 1] fp32 and with `sums` their
+    k-tile sums KS [m, K / 128] fp32 first, then as there; `dtype` is the scales' and the output's.
+    `body` also takes TS and KS (None without `sums`), as its last arguments."""
     fp8 = "float8_e4m3fn"
+    if not sums:
+        return _w4a8_prim_func(body, m, tiles, n, k, scale_rows, dtype, workspace, slots)
     k_tiles = k // FP8_K_TILE
     if workspace:
         @T.prim_func
@@ -419,4 +422,23 @@ def w4a8_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str, 
                       B: T.Tensor((k // 16, 2 * n), "int32"), S: T.Tensor((scale_rows, n), dtype),
                       C: T.Tensor((m, n), dtype)):
             body(A, B, S, C, None, None, TS, KS)
+    return w4a8_gemm
+
+
+def _w4a8_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str, workspace: bool, slots: int):
+    """w4a8_prim_func without the k-tile sums."""
+    fp8 = "float8_e4m3fn"
+    if workspace:
+        @T.prim_func
+        def w4a8_gemm(A: T.Tensor((m, k), fp8), TS: T.Tensor((m, 1), "float32"),
+                      B: T.Tensor((k // 16, 2 * n), "int32"), S: T.Tensor((scale_rows, n), dtype),
+                      C: T.Tensor((m, n), dtype), ws: T.Tensor((slots * m, n), "float32"),
+                      counters: T.Tensor((tiles,), "int32")):
+            body(A, B, S, C, ws, counters, TS, None)
+    else:
+        @T.prim_func
+        def w4a8_gemm(A: T.Tensor((m, k), fp8), TS: T.Tensor((m, 1), "float32"),
+                      B: T.Tensor((k // 16, 2 * n), "int32"), S: T.Tensor((scale_rows, n), dtype),
+                      C: T.Tensor((m, n), dtype)):
+            body(A, B, S, C, None, None, TS, None)
     return w4a8_gemm

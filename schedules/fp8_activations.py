@@ -6,10 +6,11 @@ taken from the shared copy in the FP8 k order, divided by amax / 448 as e4m3 (ro
 saturating), clamped to the finite range, at its position in marlin_mma.layout.fp8_k_order (position p
 of every 16 columns holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with the packed INT4 words
 sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the
-output, and the sum of each 128 columns' e4m3 values to KS [M, K / 128], which the GEMM needs because
-its weight decode is offset (templates/dequant.cuh.j2). Each block first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built
-with the pdl knob then starts while this one runs, asks L2 for its first weights (early_start) and
-waits for this kernel's writes before it reads them. The row is read from global memory once: read a
+output; build_with_sums also writes the sum of each 128 columns' e4m3 values to KS [M, K / 128], which
+GEMMs with offset_decode need (their weight decode is offset: templates/dequant.cuh.j2). Each block
+first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built with the pdl knob
+then starts while this one runs, asks L2 for its first weights (early_start) and waits for this
+kernel's writes before it reads them. The row is read from global memory once: read a
 second time in the k order, under those early weight reads, the calls measured slower
 (docs/performance.md). The math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
 
@@ -83,6 +84,48 @@ def _staged_row_scale(k: int):
     return staged_row_scale
 
 
+# The 16 lanes of a half-warp add their values (all 32 lanes call it).
+SUM16 = r"""
+__device__ __forceinline__ float tm_sum16(float v) {
+  for (int lanes = 8; lanes > 0; lanes >>= 1) v += __shfl_xor_sync(0xffffffffu, v, lanes);
+  return v;
+}
+"""
+
+
+def _k_tile_sums(k: int):
+    """A T.macro(x_s, scale, KS, row): KS[row, t] = the sum of k-tile t's e4m3 values (x_s / scale, in
+    any order: the FP8 k order permutes within 16 columns). Each thread sums the 8 values of a 16-byte
+    chunk, chunk c by thread c % threads as row_into_shared reads them, so that a k-tile's 16 chunks
+    are 16 neighbouring lanes, which add theirs by shuffles; the first writes. (TileLang's reduce over
+    a [k-tiles, 128] fragment left whole k-tiles to single threads: 26-44 us a call more at K = 11008,
+    M = 256-4096, H100.)"""
+    import tilelang.language as T
+
+    threads = threads_for(k)
+    chunks = k // 8
+    steps = -(-chunks // threads)
+    per_tile = FP8_K_TILE // 8
+
+    @T.macro
+    def k_tile_sums(x_s, scale, KS, row):
+        tx = T.get_thread_binding()
+        part = T.alloc_local((1,), "float32")
+        for step in T.unroll(steps):
+            chunk = step * threads + tx
+            part[0] = T.float32(0)
+            for v in T.unroll(8):
+                # (lanes past the row add zeros: every lane takes part in the shuffles)
+                part[0] += T.if_then_else(chunk < chunks, T.cast(_e4m3(
+                    T.cast(x_s[0, T.min(chunk, chunks - 1) * 8 + v], "float32") / scale[0]), "float32"), 0.0)
+            part[0] = T.call_extern("float32", "tm_sum16", part[0])
+            if chunk < chunks:
+                if tx % per_tile == 0:
+                    KS[row, chunk // per_tile] = part[0]
+
+    return k_tile_sums
+
+
 def _check_hopper(arch: Arch) -> None:
     if not arch.hopper:
         raise ValueError(f"W4A8's activation kernels serve FP8 wgmma (Hopper, sm_90a); {arch.name} has none")
@@ -97,38 +140,54 @@ def _e4m3(value):
 
 
 def build(k: int, dtype: str, arch: Arch):
-    """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32,
-    KS [M, K / 128] float32), M dynamic, for `arch` (Hopper: W4A8 runs on FP8 wgmma). KS holds the
-    sum of each 128 columns' e4m3 values (before the token scale): the W4A8 GEMM's decode leaves its
-    sums short by 8 times it per k-tile (templates/dequant.cuh.j2, tm_decode_e4m3_a_u4)."""
+    """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32), M dynamic,
+    for `arch` (Hopper: W4A8 runs on FP8 wgmma)."""
+    return _build(k, dtype, arch, sums=False)
+
+
+def build_with_sums(k: int, dtype: str, arch: Arch):
+    """build's prim_func with a fourth tensor, KS [M, K / 128] float32: the sum of each 128 columns'
+    e4m3 values (before the token scale), which GEMMs with offset_decode add back
+    (templates/dequant.cuh.j2, tm_decode_e4m3_offset_a_u4)."""
+    if k % FP8_K_TILE:
+        raise ValueError(f"K={k} must be a multiple of {FP8_K_TILE} (the W4A8 GEMM's k-tile, one sum each)")
+    return _build(k, dtype, arch, sums=True)
+
+
+def _build(k: int, dtype: str, arch: Arch, sums: bool):
     import tilelang.language as T
 
     _check_hopper(arch)
 
-    if k % FP8_K_TILE:
-        raise ValueError(f"K={k} must be a multiple of {FP8_K_TILE} (the W4A8 GEMM's k-tile, one sum each)")
+    if k % TILE_K:
+        raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
     m = T.dynamic("m")
-    tiles = k // FP8_K_TILE
     staged_row_scale = _staged_row_scale(k)
+    k_tile_sums = _k_tile_sums(k) if sums else None
 
-    @T.prim_func
-    def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
-                     S: T.Tensor((m, 1), "float32"), KS: T.Tensor((m, tiles), "float32")):
-        with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS) as row:
-            x_s = T.alloc_shared((1, k), dtype)
-            scale = T.alloc_local((1,), "float32")
-            q = T.alloc_fragment((tiles, FP8_K_TILE), "float32")
-            sums = T.alloc_fragment((tiles,), "float32")
-            staged_row_scale(X, row, x_s, scale)
-            for i, j in T.Parallel(1, k):
-                Q[row, j] = _e4m3(T.cast(x_s[i, _source_column(j)], "float32") / scale[0])
-            # (the FP8 k order permutes within 16 columns: a k-tile's sum is the same in either order)
-            for t, c in T.Parallel(tiles, FP8_K_TILE):
-                q[t, c] = T.cast(_e4m3(T.cast(x_s[0, t * FP8_K_TILE + c], "float32") / scale[0]), "float32")
-            T.reduce_sum(q, sums, dim=1)
-            for t in T.Parallel(tiles):
-                KS[row, t] = sums[t]
-            S[row, 0] = scale[0]
+    @T.macro
+    def quantize_row(X, Q, S, KS, row):
+        x_s = T.alloc_shared((1, k), dtype)
+        scale = T.alloc_local((1,), "float32")
+        staged_row_scale(X, row, x_s, scale)
+        for i, j in T.Parallel(1, k):
+            Q[row, j] = _e4m3(T.cast(x_s[i, _source_column(j)], "float32") / scale[0])
+        if sums:
+            k_tile_sums(x_s, scale, KS, row)
+        S[row, 0] = scale[0]
+
+    if sums:
+        @T.prim_func
+        def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
+                         S: T.Tensor((m, 1), "float32"), KS: T.Tensor((m, k // FP8_K_TILE), "float32")):
+            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + SUM16) as row:
+                quantize_row(X, Q, S, KS, row)
+    else:
+        @T.prim_func
+        def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
+                         S: T.Tensor((m, 1), "float32")):
+            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS) as row:
+                quantize_row(X, Q, S, None, row)
 
     return quantize_fp8
 

@@ -384,13 +384,14 @@ def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, ca
     assert gen_main(args) == 1
     err = capsys.readouterr().err
     assert "FP8 activations, K = 4096, float16 input" in err and "gen precompile --shapes 4096x4096 --act fp8" in err
-    folders = [fake_activation_entry(kind, 4096, "float16", toolkit=TOOLKIT) for kind in ("fp8_activations", "fp8_rounded")]
+    folders = [fake_activation_entry(kind, 4096, "float16", toolkit=TOOLKIT)
+               for kind in ("fp8_activations", "fp8_activations_sums", "fp8_rounded")]
     assert gen_main(args) == 0
     with tarfile.open(out) as tar:
         manifest = json.loads(tar.extractfile("manifest.json").read())
         shipped = {(entry["problem"].get("act", "dtype"), entry["bucket"])
                    for entry in json.loads(tar.extractfile(manifest["table"]).read())["entries"]}
-    assert len(manifest["kernels"]) == len(chosen) + 2 and manifest["about"]["act"] == "fp8"
+    assert len(manifest["kernels"]) == len(chosen) + 3 and manifest["about"]["act"] == "fp8"
     assert all(folder.relative_to(source).as_posix() in manifest["kernels"] for folder in folders)
     assert {("fp8", b) for b in BUCKETS} <= shipped       # every FP8 entry: they decide the W4A16 buckets
     assert {("dtype", b) for b, p in served.items() if not p.fp8} <= shipped

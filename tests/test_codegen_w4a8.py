@@ -5,6 +5,7 @@ register operand, decoded from the packed INT4 words by prmt byte lookups (no co
 the FP8 activations filled by TMA in the 128-byte swizzle, group scales on the sums, and the token
 scales read by the kernel; and the refusals where the W4A8 form cannot apply.
 """
+import dataclasses
 import re
 
 import pytest
@@ -180,8 +181,14 @@ def test_kernel_args_name_the_fp8_tensors():
                                  weight, scales, out)
     with pytest.raises(ValueError, match=r"token scales must have shape \[3x1\]"):
         stream_wgmma.kernel_args(problem, knobs, (a8, torch.ones(4, 1), sums), weight, scales, out)
+    # a kernel with offset_decode checks the sums; one without does not read them (None or not), so
+    # the next check (this kernel's split-K workspace) is the one that fails
+    offset = dataclasses.replace(knobs, offset_decode=True)
     with pytest.raises(ValueError, match=r"k-tile sums must have shape \[3x32\]"):
-        stream_wgmma.kernel_args(problem, knobs, (a8, torch.ones(3, 1), sums[:, :16]), weight, scales, out)
+        stream_wgmma.kernel_args(problem, offset, (a8, torch.ones(3, 1), sums[:, :16]), weight, scales, out)
+    for ignored in (sums[:, :16], None):
+        with pytest.raises(TypeError, match="split-K workspace must be a torch.Tensor"):
+            stream_wgmma.kernel_args(problem, knobs, (a8, torch.ones(3, 1), ignored), weight, scales, out)
 
 
 def test_the_fallback_runs_an_fp8_problem_on_its_w4a16_twins_winner_in_fp8_form():

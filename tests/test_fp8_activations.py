@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from schedules.arch import get_arch
-from schedules.fp8_activations import build, build_rounded
+from schedules.fp8_activations import build, build_rounded, build_with_sums
 from schedules.marlin_mma.layout import fp8_k_order
 from schedules.quant import fp8_k_tile_sums, quantize_fp8_per_token
 
@@ -64,10 +64,14 @@ def test_the_row_is_read_in_16_byte_chunks_at_k_11008(builder):
     assert len(re.findall(r"\bld\.global(\.nc)?\.v4\.u32\b", ptx)) == 6     # 1376 chunks over 256 threads
 
 
-@pytest.mark.parametrize("k", [4100, 4112])
-def test_widths_without_whole_k_tiles_are_refused(k):
+def test_widths_the_k_order_cannot_cover_are_refused():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        build(4100, "float16", SM90)
+
+
+def test_the_sums_need_whole_k_tiles():
     with pytest.raises(ValueError, match="multiple of 128"):
-        build(k, "float16", SM90)
+        build_with_sums(4112, "float16", SM90)
 
 
 @pytest.mark.gpu
@@ -81,14 +85,29 @@ def test_the_kernel_matches_the_reference_in_the_fp8_k_order(m, k):
     x[m // 2] = 0
     q = torch.full((m, k), float("nan"), device="cuda").to(torch.float8_e4m3fn)
     s = torch.full((m, 1), float("nan"), device="cuda")
-    sums = torch.full((m, k // 128), float("nan"), device="cuda")
-    kernel(x, q, s, sums)
+    kernel(x, q, s)
     q_ref, s_ref = quantize_fp8_per_token(x)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     order = fp8_k_order(k).cuda()
     # the same IEEE division (div.rn.f32) and round-to-nearest conversion as torch's: the same bytes
     assert torch.equal(q.view(torch.uint8), q_ref[:, order].contiguous().view(torch.uint8))
-    # each 128 columns' sum (fp32, in another order than torch's)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k", [(1, 4096), (17, 4096), (257, 4096), (3, 11008), (100, 11008), (2, 28672)])
+def test_the_kernel_with_sums_adds_each_128_columns(m, k):
+    """The same values and scales, and each k-tile's sum of the e4m3 values (fp32, in another order
+    than torch's: the values are multiples of 2^-9, so sums below 2^15 are exact either way)."""
+    kernel = compiled(k, builder=build_with_sums)
+    x = torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m)).half() * 3
+    x[m // 2] = 0
+    q = torch.full((m, k), float("nan"), device="cuda").to(torch.float8_e4m3fn)
+    s = torch.full((m, 1), float("nan"), device="cuda")
+    sums = torch.full((m, k // 128), float("nan"), device="cuda")
+    kernel(x, q, s, sums)
+    q_ref, s_ref = quantize_fp8_per_token(x)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), q_ref[:, fp8_k_order(k).cuda()].contiguous().view(torch.uint8))
     torch.testing.assert_close(sums, fp8_k_tile_sums(q_ref), rtol=1e-6, atol=1e-2)
 
 

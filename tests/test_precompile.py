@@ -555,7 +555,8 @@ def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monke
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096,4096x12288", "--act", "fp8",
                      "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "to build  FP8 activations, K = 4096, float16 input" in out and out.count(" FP8 activations") == 1
+    assert "to build  FP8 activations, K = 4096, float16 input" in out and out.count(" FP8 activations,") == 1
+    assert "to build  FP8 activations with k-tile sums, K = 4096, float16 input" in out
     assert "to build  FP8-rounded activations, K = 4096, float16 input" in out
     assert f"{problem.name} (4096x4096)" in out
     assert f"{Problem(4096, 4096).name} (4096x4096, W4A8 on W4A16 kernels)" in out   # small M, by the table
@@ -567,9 +568,10 @@ def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monke
 
     monkeypatch.setattr(store, "compile_many", compile_many)
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
-    assert built == [("fp8_activations", 4096, "float16", "sm_90a"), ("fp8_rounded", 4096, "float16", "sm_90a")]
+    assert built == [("fp8_activations", 4096, "float16", "sm_90a"), ("fp8_activations_sums", 4096, "float16", "sm_90a"),
+                     ("fp8_rounded", 4096, "float16", "sm_90a")]
     assert "already in the store, 0 failed" in capsys.readouterr().out   # in the GEMMs' compile_many call
-    for kind in ("fp8_activations", "fp8_rounded"):
+    for kind in ("fp8_activations", "fp8_activations_sums", "fp8_rounded"):
         fake_activation_entry(kind, 4096, "float16")
     built.clear()
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
@@ -588,8 +590,9 @@ def test_the_ops_precompile_builds_w4a8s_activation_kernels_with_the_gemms(h200,
                         lambda jobs, arch, workers=None, progress=None: calls.append(jobs) or dict.fromkeys(jobs))
     results = op.precompile([Problem(4096, 4096, act="fp8")], [1, 4096])
     (jobs,) = calls
-    assert set(results) == set(jobs) and all(isinstance(job, tuple) for job in jobs[:-2])
-    assert jobs[-2:] == [store.ActivationJob("fp8_activations", 4096, "float16"),
+    assert set(results) == set(jobs) and all(isinstance(job, tuple) for job in jobs[:-3])
+    assert jobs[-3:] == [store.ActivationJob("fp8_activations", 4096, "float16"),
+                         store.ActivationJob("fp8_activations_sums", 4096, "float16"),
                          store.ActivationJob("fp8_rounded", 4096, "float16")]
 
 

@@ -80,7 +80,8 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
     tensor: a wrong dtype, shape or device is an error that names the tensor, never a wrong answer.
     With FP8 activations (problem.fp8) `a` is the triple (float8_e4m3fn [M, K] in the FP8 k order,
     token scales fp32 [M, 1], k-tile sums fp32 [M, K / 128]) that schedules.quant.fp8_kernel_activations
-    makes."""
+    makes; the sums may be None for a kernel that does not read them (stream_wgmma without
+    offset_decode)."""
     dtype = torch_dtype(problem.dtype)
     token_scales = tile_sums = None
     if problem.fp8:
@@ -90,7 +91,10 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
         a, token_scales, tile_sums = a
         _expect("FP8 activations", a, torch.float8_e4m3fn, (None, problem.k))
         _expect("token scales", token_scales, torch.float32, (a.shape[0], 1))
-        _expect("k-tile sums", tile_sums, torch.float32, (a.shape[0], problem.k // FP8_K_TILE))
+        if not getattr(knobs, "offset_decode", False):
+            tile_sums = None        # (this kernel does not take them)
+        else:
+            _expect("k-tile sums", tile_sums, torch.float32, (a.shape[0], problem.k // FP8_K_TILE))
     else:
         _expect("activations", a, dtype, (None, problem.k))
     m = a.shape[0]
@@ -100,7 +104,9 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
     _expect("output", out, dtype, (m, problem.n))
     tensors = {"activations": a, "packed weight": weight, "scales": scales, "output": out}
     if token_scales is not None:
-        tensors.update({"token scales": token_scales, "k-tile sums": tile_sums})
+        tensors["token scales"] = token_scales
+    if tile_sums is not None:
+        tensors["k-tile sums"] = tile_sums
     if knobs.uses_workspace:
         ws_elems, n_counters = workspace_elems(problem, knobs, m)
         _expect("split-K workspace", workspace, torch.float32, None, min_elems=ws_elems)
@@ -111,7 +117,7 @@ def kernel_args(problem: Problem, knobs: Knobs, a, weight, scales, out, workspac
             raise ValueError(f"{what} is on {t.device}; tilemarlin kernels need CUDA tensors")
         if t.device != a.device:
             raise ValueError(f"{what} is on {t.device} but the activations are on {a.device}")
-    head = (a,) if token_scales is None else (a, token_scales, tile_sums)
+    head = (a,) if token_scales is None else (a, token_scales) if tile_sums is None else (a, token_scales, tile_sums)
     if not knobs.uses_workspace:
         return (*head, weight, scales, out)
     return (*head, weight, scales, out, workspace[:ws_elems].view(-1, problem.n), counters)

@@ -29,8 +29,7 @@ build = lazy_build(__name__)
 NAME = "stream_wgmma"
 
 AXES = {
-    # 8 and 16: small M, a TMA-fed weight stream; 192: W4A8 only (knobs.FP8_BLOCK_M)
-    "block_m": (8, 16, 32, 64, 128, 176, 192, 256),
+    "block_m": (8, 16, 32, 64, 128, 176, 256),     # 8 and 16: small M, a TMA-fed weight stream
     "groups": (1, 2),
     "warpgroups": (1, 2),
     # 128: two 64-wide boxes (one 128-byte swizzle atom each) per stage, twice the work per barrier
@@ -94,13 +93,17 @@ AXES = {
     "split_wait": (False, True),
     # W4A8: the codes decoded as e4m3 bytes (c * 2^-9) and the offset corrected on 16-bit wgmmas:
     # 0.86-0.99x of the table-lookup decode with two warpgroups at M = 256-4096, 0.90-1.06x with one
-    # (H100, 2026-12-06; docs/performance.md, offset decode).
-    "offset_decode": (False, True),
+    # (H100, 2026-12-06; docs/performance.md, offset decode). Not searched by default: its activation
+    # kernel also adds the k-tile sums, 4-13 us a layer more at M = 256-1024, which the tune's GEMM-only
+    # times leave out. `gen tune --axes "stream_wgmma.offset_decode=0,1 stream_wgmma.block_m=128,192"`
+    # or --variants reach it, and its 192-row tiles (the largest whose promoted sums fit: 230 registers;
+    # 256 rows spill).
+    "offset_decode": (False,),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.
 VARIANT_AXES = ("pdl", "staged_store", "early_start", "panel_m", "stage_unroll", "ring", "scale_on_acc",
-                "fold_lag", "split_wait", "offset_decode")
+                "fold_lag", "split_wait")
 
 
 from_axes = positional(Knobs)    # AXES name the Knobs fields in order

@@ -205,9 +205,10 @@ def build(problem: Problem, knobs: Knobs):
     points [2K/group, N], each group's zero-point row after its scale row), C [M, N];
     with split_k > 1 through the workspace also a zeroed fp32 workspace and int32 tile counters.
     With FP8 activations (epilogue.w4a8_prim_func) A is float8_e4m3fn in layout.fp8_k_order and
-    their token scales [M, 1] fp32 come after it.
+    their token scales [M, 1] fp32 come after it (offset_decode: then their k-tile sums [M, K / 128]).
     """
     plan = Plan(problem, knobs)
     make = w4a8_prim_func if problem.fp8 else w4a16_prim_func
+    extra = {"sums": knobs.offset_decode} if problem.fp8 else {}
     return make(functools.partial(body, plan), plan.m, plan.tiles, problem.n, problem.k, problem.scale_rows,
-                problem.dtype, workspace=knobs.uses_workspace, slots=knobs.workspace_slots)
+                problem.dtype, workspace=knobs.uses_workspace, slots=knobs.workspace_slots, **extra)

@@ -11,9 +11,6 @@ from ..problem import Problem
 
 WARPGROUP = 128
 PRODUCER_REGISTERS = 40   # setmaxnreg: what the producer warpgroup keeps (TMA issue and barrier waits)
-# W4A8's largest tile along M: scale_on_acc's two sets of sums (192 registers) and the rest fit 255
-# (256 rows spill); W4A16 does not search it
-FP8_BLOCK_M = 192
 
 
 @dataclass(frozen=True)
@@ -220,8 +217,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
             return f"{field}={getattr(kb, field)} must be positive"
     if kb.block_m % 8 or kb.block_m > 256:
         return f"block_m={kb.block_m} is the wgmma's N: a multiple of 8, at most 256"
-    if kb.block_m == FP8_BLOCK_M and not problem.fp8:
-        return f"block_m={FP8_BLOCK_M} is W4A8's largest tile with promoted sums; W4A16 takes 176 or 256"
     if kb.groups not in (1, 2, 4):
         return f"groups={kb.groups}: a packed word vector holds 4 groups, so 1, 2 or 4"
     if kb.warpgroups not in (1, 2):
@@ -341,7 +336,6 @@ def form_for(problem: Problem, kb: Knobs) -> Knobs:
 # flags that depend on each other cut the product of AXES (about 5 million points) to a few percent
 # before check() sees a point.
 RULES = (
-    Rule(("block_m",), lambda p, block_m: block_m != FP8_BLOCK_M or p.fp8),
     Rule(("offset_decode",), lambda p, offset_decode: p.fp8 or not offset_decode),
     Rule(("groups", "warpgroups", "block_k"),
          lambda p, groups, warpgroups, block_k: tiling_reason(p, SLAB_N * groups * warpgroups, block_k) is None),
