@@ -110,59 +110,37 @@ def test_the_activation_order_is_a_permutation_within_each_16_columns():
         fp8_k_order(40)
 
 
-@pytest.mark.parametrize("old,new", [("0x4e4c4a48u", "0x4e4c4a40u"), ("0x32103210u", "0x32013201u"),
-                                     ("0x3120u", "0x2130u"), ("0x77777777u", "0xf7777777u")],
-                         ids=["table entry", "pick", "row gather", "index mask"])
-def test_a_changed_constant_is_caught(old, new):
-    source = render_dequant("float16")
-    assert source.count(old) == 1
-    mutated = source.replace(old, new)
-    words = np.random.default_rng(7).integers(0, 2 ** 32, 512, dtype=np.uint64).astype(np.uint32)
-    assert any(not np.array_equal(a, b) for a, b in zip(decode(words, source=mutated), decode(words)))
-
-
-@pytest.mark.parametrize("old,new", [("0x0F0F0F0Fu, 0u);        // nibbles 0", "0x0F0F0F07u, 0u);        // nibbles 0"),
-                                     ("0x6240u", "0x6241u"), ("0x7351u", "0x7315u"), ("q >> 4", "q >> 5")],
-                         ids=["mask", "row g gather", "row g + 8 gather", "shift"])
-def test_a_changed_constant_of_the_offset_decode_is_caught(old, new):
+@pytest.mark.parametrize("offset,old,new", [
+    (False, "0x4e4c4a48u", "0x4e4c4a40u"), (False, "0x32103210u", "0x32013201u"), (False, "0x3120u", "0x2130u"),
+    (False, "0x77777777u", "0xf7777777u"),
+    (True, "0x0F0F0F0Fu, 0u);        // nibbles 0", "0x0F0F0F07u, 0u);        // nibbles 0"),
+    (True, "0x6240u", "0x6241u"), (True, "0x7351u", "0x7315u"), (True, "q >> 4", "q >> 5")],
+    ids=["table entry", "pick", "row gather", "index mask", "offset mask", "offset row g gather",
+         "offset row g + 8 gather", "offset shift"])
+def test_a_changed_constant_is_caught(offset, old, new):
     source = render_dequant("float16")
     assert source.count(old) == 1
     mutated = source.replace(old, new)
     words = np.random.default_rng(7).integers(0, 2 ** 32, 512, dtype=np.uint64).astype(np.uint32)
     assert any(not np.array_equal(a, b)
-               for a, b in zip(decode(words, source=mutated, offset=True), decode(words, offset=True)))
+               for a, b in zip(decode(words, source=mutated, offset=offset), decode(words, offset=offset)))
 
 
-def test_nvcc_makes_two_prmt_of_a_word_with_offset():
-    """offset_decode's cost per word of eight codes (PTX for sm_90a): two masks and a shift, two byte
-    gathers, no table and no conversion instruction."""
+@pytest.mark.parametrize("offset,prmt", [(False, 7), (True, 2)], ids=["lookup", "offset"])
+def test_what_nvcc_makes_of_a_word_for_sm90(offset, prmt):
+    """What the decode costs per word of eight codes, in the PTX nvcc makes of it for sm_90a: the table
+    lookup's byte gather, four table lookups and two picks, or offset_decode's two byte gathers; two
+    masks either way, no conversion instruction."""
     import re
 
     from tilelang.contrib import nvcc
 
     probe = render_dequant("float16") + (
         'extern "C" __global__ void probe(const unsigned* words, unsigned* out) {\n'
-        f"  {fp8_decode_name(offset=True)}(words + threadIdx.x, out + 2 * threadIdx.x);\n}}\n")
+        f"  {fp8_decode_name(offset=offset)}(words + threadIdx.x, out + 2 * threadIdx.x);\n}}\n")
     ptx = bytes(nvcc.compile_cuda(probe, target_format="ptx", arch="sm_90a")).decode()
     body = ptx[ptx.index(".entry probe"):]
-    assert len(re.findall(r"\bprmt\.b32\b", body)) == 2
-    assert len(re.findall(r"\b(and|lop3)\.b32\b", body)) <= 2
-    assert not re.search(r"\bcvt\.\w*(e4m3|f16|f32)", body)
-
-
-def test_nvcc_makes_seven_prmt_and_two_lop3_of_a_word_for_sm90():
-    """What the decode costs per word of eight codes, in the PTX nvcc makes of it for sm_90a: the byte
-    gather, four table lookups and two picks, two masks, no conversion instruction."""
-    import re
-
-    from tilelang.contrib import nvcc
-
-    probe = render_dequant("float16") + (
-        'extern "C" __global__ void probe(const unsigned* words, unsigned* out) {\n'
-        f"  {fp8_decode_name()}(words + threadIdx.x, out + 2 * threadIdx.x);\n}}\n")
-    ptx = bytes(nvcc.compile_cuda(probe, target_format="ptx", arch="sm_90a")).decode()
-    body = ptx[ptx.index(".entry probe"):]
-    assert len(re.findall(r"\bprmt\.b32\b", body)) == 7
+    assert len(re.findall(r"\bprmt\.b32\b", body)) == prmt
     assert len(re.findall(r"\blop3\.b32\b", body)) == 2
     assert not re.search(r"\bcvt\.\w*(e4m3|f16|f32)", body)
 

@@ -1,20 +1,21 @@
-"""W4A8's offset correction: what the FP8 decode leaves out of the sums, added back on the tensor cores.
+"""W4A8's offset correction (offset_decode): what the offset FP8 decode leaves out of the sums, added back
+on the tensor cores.
 
 Why it looks the way it does:
-- The FP8 decode (templates/dequant.cuh.j2, tm_decode_e4m3_a_u4) turns each code c into the e4m3 byte
-  c, whose value is c * 2^-9 exactly: a mask and a shift per word where a table lookup of c - 8 took
-  12 instructions, at the price of an offset. Per 128-deep k-tile j (one group, or part of one) the
-  wgmmas sum P_j = sum_k c_k x_k / 512 instead of sum_k (c_k - 8) x_k = 512 (P_j - X_j / 64), X_j
-  being the k-tile's sum of the FP8 activations (the activation kernel's KS).
+- offset_decode's decode (templates/dequant.cuh.j2, tm_decode_e4m3_offset_a_u4) turns each code c into
+  the e4m3 byte c, whose value is c * 2^-9 exactly: two masks, a shift and two prmt per word where the
+  table lookup of c - 8 takes 12 instructions, at the price of an offset. Per 128-deep k-tile j (one
+  group, or part of one) the wgmmas sum P_j = sum_k c_k x_k / 512 instead of sum_k (c_k - 8) x_k =
+  512 (P_j - X_j / 64), X_j being the k-tile's sum of the FP8 activations (the activation kernel's KS).
 - The fold puts each k-tile's sums times its group scale s_j into the running sums, so after the
   k-loop they hold sum_j s_j P_j and lack sum_j s_j (-X_j / 64): a product over k-tiles, [rows x
   k-tiles] scales by [k-tiles x tokens] sums. It is where the running sums start (kernel.start_sums),
   before the k-loop, so that its loads and wgmmas run while the pipeline's first stages fill (after
-  the k-loop its memory latency, 1-2 us a tile, stood alone). It runs as 16-bit wgmmas with fp32
-  sums into the running sums, one k16 step per 16 k-tiles: A from registers holds the lane's rows' scales (ones for
-  channelwise scales, which multiply the output instead), B from shared memory -X / 64 in two parts of
-  the scales' dtype (the second the first's rounding error), so that the correction keeps about 22
-  bits (fp16) or 16 (bf16). The final sums are then times 512 (with the token scales, mainloop.py).
+  the k-loop its memory latency stood alone). It runs as 16-bit wgmmas with fp32 sums, one k16 step
+  per 16 k-tiles: A from registers holds the lane's rows' scales (ones for channelwise scales, which
+  multiply the output instead), B from shared memory -X / 64 in two parts of the scales' dtype (the
+  second the first's rounding error), so that the correction keeps about 22 bits (fp16) or 16
+  (bf16). The final sums are then times 512 (with the token scales, mainloop.scale_by_tokens).
 - B's tile is written by the consumer threads in the canonical K-major layout without swizzle (8 x 8
   core matrices of 16-byte rows) and handed to the async proxy by a fence; k-tiles past the block's
   take zero scales.

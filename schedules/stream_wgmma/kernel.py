@@ -44,8 +44,8 @@ def device_code(plan: Plan) -> str:
     kb = plan.kb
     return render_dequant(plan.dtype, plan.bits) + (CLUSTER_HELPERS if plan.cluster else "") + \
         (WARP_INDEX if kb.producer_warp else "") + (COPY16 if kb.staged_store else "") + \
-        (CONSUMERS_SYNC if kb.staged_store or plan.offset else "") + (FENCE_ASYNC_SHARED if plan.offset else "") + \
-        (EARLY_START_HELPERS if kb.early_start else "") + \
+        (CONSUMERS_SYNC if kb.staged_store or plan.offset else "") + \
+        (FENCE_ASYNC_SHARED if plan.offset else "") + (EARLY_START_HELPERS if kb.early_start else "") + \
         plan.split_k_prelude
 
 
