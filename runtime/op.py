@@ -275,8 +275,8 @@ def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Proble
         _check_fp8_gpu(out.device)
     launcher = _launcher(out.device, problem, layout, bucket_of(a.shape[0]))
     if problem.fp8:     # quantized for the FP8 kernel, or rounded to FP8 for the W4A16 one
-        a = _quantized(a, problem, launcher.schedule.knobs.offset_decode) if launcher.problem.fp8 else \
-            _fp8_rounded(a, problem)
+        a = _quantized(a, problem, getattr(launcher.schedule.knobs, "offset_decode", False)) if launcher.problem.fp8 \
+            else _fp8_rounded(a, problem)
     launch_schedule(launcher.kernel, launcher.schedule, launcher.problem, a, qweight, scales, out)
 
 
