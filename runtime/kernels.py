@@ -299,8 +299,9 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
 
 
 # The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype, arch), "module:function", and
-# how listings name them: W4A8's FP8 quantizer (with the k-tile sums that offset_decode's GEMMs read), its FP8 rounding for the buckets that W4A16's kernels
-# serve, act-order's column gather, and the RMSNorm that writes its output in act-order's order.
+# how listings name them: W4A8's FP8 quantizer (and with the k-tile sums that offset_decode's GEMMs read),
+# its FP8 rounding for the buckets that W4A16's kernels serve, act-order's column gather, and the RMSNorm
+# that writes its output in act-order's order.
 ACTIVATION_KERNELS = {"fp8_activations": ("schedules.fp8_activations:build", "FP8 activations"),
                       "fp8_activations_sums": ("schedules.fp8_activations:build_with_sums",
                                                "FP8 activations with k-tile sums"),

@@ -39,7 +39,8 @@ def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] 
     """(kind, K, dtype) of each activation kernel (runtime.kernels.ACTIVATION_KERNELS) that layers of
     `problems` need, W4A8's quantizer (with and without the k-tile sums) and its rounding for every FP8
     one (three small kernels per K: which one a bucket uses follows the tuned table,
-    Dispatch.serving_problem, and the kernel's offset_decode, on the serving machine too), that act-order layers of `gathered` need, the column gather, and that act-order layers fed
+    Dispatch.serving_problem, and the kernel's offset_decode, on the serving machine too), that
+    act-order layers of `gathered` need, the column gather, and that act-order layers fed
     by an RMSNorm in their order (`normed`, runtime/checkpoint/norm_fold.py) need, that norm; one per
     kind, K and input dtype, sorted."""
     wanted = {(kind, p.k, p.dtype) for p in problems if p.fp8 for kind in FP8_ACTIVATION_KERNELS}

@@ -143,8 +143,8 @@ PRELUDE_HEADERS = frozenset({"instruction/wgmma.h", "instruction/mma.h", "intrin
                              "copy_sm90.h", "cluster.h", "cuda_fp8.h", "reduce.h", "scan.h", "ldsm.h",
                              "threadblock_swizzle.h", "debug.h"})
 PRELUDE_NAMES = frozenset({"DataType", "GmmaDescriptor", "initialize_wgmma_descriptor", "fence_barrier_init",
-                           "fence_proxy_async", "prefetch_tma_descriptor", "tma_load", "tl_shuffle_elect", "warpgroup_arrive",
-                           "warpgroup_commit_batch", "warpgroup_wait", "warpgroup_fence_operand",
+                           "fence_proxy_async", "prefetch_tma_descriptor", "tma_load", "tl_shuffle_elect",
+                           "warpgroup_arrive", "warpgroup_commit_batch", "warpgroup_wait", "warpgroup_fence_operand",
                            "warpgroup_reg_alloc", "warpgroup_reg_dealloc", "wgmma_rs", "cluster_sync",
                            "block_rank_in_cluster", "cp_async_gs", "cp_async_gs_conditional", "cp_async_commit",
                            "cp_async_wait", "ptx_ldmatrix_x4", "mma_sync"})

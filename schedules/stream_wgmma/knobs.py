@@ -64,9 +64,9 @@ class Knobs:
     block_m 16, block_k 128: ~67 registers with D = 8 or 4, ~54 with D = 2, against ~104), so that
     more blocks fit per SM; 0 keeps the two whole buffers.
     scale_on_acc (group scales, and every W4A8 kernel, whose channelwise scales fold as ones; no ring
-    or setmaxnreg) decodes the words unscaled (code - 8, with zero points code - z, with FP8 the code
-    as e4m3, all exact) and gives each k-tile's wgmmas sums of their own (the first k-step overwrites them): once k-tile
-    t + 1 is decoded under k-tile t's wgmmas, the warpgroup waits for all of them, adds k-tile t's
+    or setmaxnreg) decodes the words unscaled (code - 8, with zero points code - z, with FP8 as e4m3,
+    all exact) and gives each k-tile's wgmmas sums of their own (the first k-step overwrites them):
+    once k-tile t + 1 is decoded under k-tile t's wgmmas, the warpgroup waits for all of them, adds k-tile t's
     sums times its group's scales to the running fp32 sums and issues k-tile t + 1. Four HMUL2 per
     word become one FFMA per sum and k-tile. fold_lag (with scale_on_acc) keeps two sets of k-tile
     sums by parity and folds k-tile t's after the wait that completes it, while k-tile t + 1's
@@ -76,7 +76,7 @@ class Knobs:
     rotate (groups 1 or 2) has each 8-lane quarter of a warp read the next 16-column quarter of the
     slab (plan.slab_quarter), so that a warp's loads of its packed words from shared memory touch
     every bank once instead of 8 banks four times; the sums and scales follow.
-    offset_decode (W4A8) decodes each code c to the e4m3 byte c, worth c * 2^-9 (a mask, a shift and
+    offset_decode (W4A8) decodes each code c to the e4m3 byte c, worth c * 2^-9 (two masks, a shift and
     two prmt per word against the table lookup's 12 instructions) and starts the running sums at the
     correction for the offset, -8 times each k-tile's sum of activations times its scales, on 16-bit
     wgmmas (correction.py); the final sums are times 512.
@@ -202,7 +202,7 @@ class Knobs:
     def _other_registers(self, problem: Problem | None) -> int:
         """Addresses, barrier phases, the decode's constants. W4A8 without the producer warp needs almost
         none beyond the terms (ptxas for sm_90a: block_m 128 170 registers, 192 230-232, against terms of
-        169 and 233: its decode is a mask, a shift and two prmt, and its scales go on the sums); with the
+        169 and 233: its decode is two masks, a shift and two prmt, and its scales go on the sums); with the
         producer warp the same kernels had ptxas serialize the wgmmas at 158-160, so they keep W4A16's 40."""
         return 4 if problem is not None and problem.fp8 and self.offset_decode and not self.producer_warp else 40
 
@@ -297,17 +297,18 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
 
 def fp8_reason(problem: Problem, kb: Knobs) -> str | None:
     """Why the knobs cannot take FP8 activations (W4A8), or None: an FP8 k-tile of 128 is one 128-byte
-    swizzle atom, and e4m3 weights hold the codes c as c * 2^-9 but no scale, and their sums, offset by
-    the codes' mean of 7.5, must not run through the FP8 accumulator across K (its ~14 bits: 2.2e-3
-    relative error at K = 11008 with channelwise scales, 0.1-0.17 with activations of mean 1-4; H100,
-    2026-12-06): every k-tile's sums are promoted (scale_on_acc), channelwise ones times 1."""
+    swizzle atom, and e4m3 weights hold the codes - 8 (offset_decode: c * 2^-9) but no scale, and their
+    sums must not run through the FP8 accumulator across K, whose adds keep ~14 bits (offset_decode's
+    codes, of mean 7.5: 2.2e-3 relative error at K = 11008 with channelwise scales, 0.1-0.17 with
+    activations of mean 1-4; H100, 2026-12-06): every k-tile's sums are promoted (scale_on_acc),
+    channelwise ones times 1."""
     if not problem.fp8:
         return None
     if kb.block_k != 128:
         return f"block_k={kb.block_k}: with FP8 activations a k-tile is one 128-byte swizzle atom, block_k=128"
     if not kb.scale_on_acc:
-        return ("FP8 weights are the codes as e4m3, unscaled and offset: each k-tile's sums go into the running fp32 "
-                "sums times its group scale (1 for channelwise scales), so FP8 needs scale_on_acc")
+        return ("FP8 weights are the codes as e4m3, unscaled: each k-tile's sums go into the running fp32 sums "
+                "times its group scale (1 for channelwise scales), so FP8 needs scale_on_acc")
     if kb.ring:
         return "ring decodes one 16-deep k-step per slot; FP8 wgmmas are 32 deep: ring=0"
     return None
