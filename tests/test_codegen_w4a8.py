@@ -49,6 +49,15 @@ CASES = {
     "m192_wg2_channelwise_split2_offset": (Problem.make(4096, 11008, -1, act="fp8"),
                                            Knobs(192, 1, 2, 128, 3, split_k=2, scale_on_acc=True, rotate=True,
                                                  offset_decode=True)),
+    # 128 x 128 tiles behind a producer warpgroup that hands its registers to the consumers
+    # (setmaxnreg), whose warpgroups meet at no barrier: qkv_proj M = 4096's form, and with the offset
+    # decode at down_proj's K
+    "m128_wg2_setmaxnreg": (fp8(12288, 4096), Knobs(128, 1, 2, 128, 4, release_barriers=True, producer_warp=True,
+                                                    setmaxnreg=True, pdl=True, early_start=2, staged_store=True,
+                                                    stage_unroll=True, scale_on_acc=True, rotate=True)),
+    "m128_wg2_setmaxnreg_offset": (fp8(4096, 11008), Knobs(128, 1, 2, 128, 6, release_barriers=True,
+                                                           producer_warp=True, setmaxnreg=True, stage_unroll=True,
+                                                           scale_on_acc=True, rotate=True, offset_decode=True)),
 }
 
 

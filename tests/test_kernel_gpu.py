@@ -194,6 +194,9 @@ STREAM_WGMMA_KNOBS = {
                                                                   producer_warp=True, cluster_reduce=True,
                                                                   early_start=2, stage_unroll=True, scale_on_acc=True,
                                                                   fold_lag=True),
+    # group scales on the sums (scale_on_acc) behind a producer warpgroup (setmaxnreg)
+    "swg_m128_setmaxnreg_sacc": SW(128, 1, 2, 64, 4, release_barriers=True, producer_warp=True, setmaxnreg=True,
+                                   stage_unroll=True, scale_on_acc=True),
 }
 # rotate: the lane quarters' shifted slab quarters, on every path that reads the words (groups 1 and
 # 2, the block's own pipeline and the producer warp) and every way out (direct and staged stores, the

@@ -107,15 +107,14 @@ def pipeline_setmaxnreg(plan, mem, by, bx, tx, wg, wq, lane):
     the consumers take the registers it left and store their own sums. The two branches never
     meet again: code after a join would be held to the registers at the kernel's entry (the
     block's average), which made ptxas spill the accumulators and serialize the wgmmas."""
-    acc = mem.acc
     if plan.in_producer_warp():
         T.set_max_nreg(PRODUCER_REGISTERS, 0)
         if T.call_extern("int32", "tm_warp_index") == plan.consumers // 32:
             produce(plan, mem, 0, plan.trips, by, bx, tx)
     else:
         T.set_max_nreg(plan.kb.max_registers, 1)
-        for i in T.unroll(plan.acc_len):
-            acc[i] = T.float32(0)
+        zero_sums(plan, mem)
+        start_sums(plan, mem, by, bx, tx, wg, wq, lane, 0, plan.trips)
         consume(plan, mem, 0, by, bx, tx, wg, wq, lane, plan.trips)
         finish_sums(plan, mem, by, lane)
         store_sums(plan, mem, by, bx, tx, wg, wq, lane)

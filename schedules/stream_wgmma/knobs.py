@@ -63,8 +63,8 @@ class Knobs:
     k-steps of wgmmas in flight with D k-steps of A fragments instead of two whole stages' (ptxas at
     block_m 16, block_k 128: ~67 registers with D = 8 or 4, ~54 with D = 2, against ~104), so that
     more blocks fit per SM; 0 keeps the two whole buffers.
-    scale_on_acc (group scales, and every W4A8 kernel, whose channelwise scales fold as ones; no ring
-    or setmaxnreg) decodes the words unscaled (code - 8, with zero points code - z, with FP8 as e4m3,
+    scale_on_acc (group scales, and every W4A8 kernel, whose channelwise scales fold as ones; no
+    ring) decodes the words unscaled (code - 8, with zero points code - z, with FP8 as e4m3,
     all exact) and gives each k-tile's wgmmas sums of their own (the first k-step overwrites them):
     once k-tile t + 1 is decoded under k-tile t's wgmmas, the warpgroup waits for all of them, adds k-tile t's
     sums times its group's scales to the running fp32 sums and issues k-tile t + 1. Four HMUL2 per
@@ -254,9 +254,9 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
                 f"the stage's {kb.k_steps} k-steps")
     if kb.scale_on_acc and problem.channelwise and not problem.fp8:
         return "scale_on_acc scales each k-tile's sums by its group's scales: channelwise scales have no groups"
-    if kb.scale_on_acc and (kb.ring or kb.setmaxnreg):
+    if kb.scale_on_acc and kb.ring:
         return ("scale_on_acc folds k-tile t - 1's sums after the wait for all wgmmas: it takes no ring (a wait "
-                "a k-step) and no setmaxnreg")
+                "a k-step)")
     if kb.fold_lag and not kb.scale_on_acc:
         return "fold_lag delays scale_on_acc's fold of each k-tile's sums: it needs scale_on_acc"
     if kb.panel_m < 0 or kb.panel_m == 1:
@@ -323,10 +323,10 @@ def offset_decode_reason(problem: Problem, kb: Knobs) -> str | None:
 
 def form_for(problem: Problem, kb: Knobs) -> Knobs:
     """Another problem's winner in the form `problem` takes, so that it transfers with its tiles, splits
-    and pipeline: FP8 activations need 128-deep k-tiles, no ring, scale_on_acc and so no setmaxnreg
-    (fp8_reason); W4A16's channelwise scales take no scale_on_acc (nor its fold_lag)."""
+    and pipeline: FP8 activations need 128-deep k-tiles, no ring and scale_on_acc (fp8_reason); W4A16's
+    channelwise scales take no scale_on_acc (nor its fold_lag)."""
     if problem.fp8:
-        return dataclasses.replace(kb, block_k=128, ring=0, scale_on_acc=True, setmaxnreg=False)
+        return dataclasses.replace(kb, block_k=128, ring=0, scale_on_acc=True)
     kb = dataclasses.replace(kb, offset_decode=False)
     if kb.scale_on_acc and problem.channelwise:
         return dataclasses.replace(kb, scale_on_acc=False, fold_lag=False)
@@ -353,8 +353,8 @@ RULES = (
     Rule(("cluster_reduce", "pdl", "early_start"), lambda p, cluster_reduce, pdl, early_start:
          not early_start or pdl or cluster_reduce),
     Rule(("block_k", "ring"), lambda p, block_k, ring: ring == 0 or ring >= 2 and block_k // TILE_K % ring == 0),
-    Rule(("setmaxnreg", "ring", "scale_on_acc"), lambda p, setmaxnreg, ring, scale_on_acc:
-         not scale_on_acc or not (p.channelwise and not p.fp8 or ring or setmaxnreg)),
+    Rule(("ring", "scale_on_acc"), lambda p, ring, scale_on_acc:
+         not scale_on_acc or not (p.channelwise and not p.fp8 or ring)),
     Rule(("block_k", "ring", "scale_on_acc"), lambda p, block_k, ring, scale_on_acc:
          not p.fp8 or block_k == 128 and ring == 0 and scale_on_acc),
     Rule(("scale_on_acc", "fold_lag"), lambda p, scale_on_acc, fold_lag: scale_on_acc or not fold_lag),
