@@ -26,15 +26,8 @@ from .quant import FP8_E4M3_MAX, FP8_K_TILE
 from .row_kernels import threads_for
 
 
-def _source_column(j):
-    """The column stored at position j: j's 16-column block, then FP8_K_ORDER within it, written as
-    arithmetic on j (2 (p // 4) + 8 (p % 2) + (p % 4) // 2 for p = j % 16) so that it stays an index
-    expression; checked against FP8_K_ORDER at import."""
-    p = j % TILE_K
-    return j - p + 2 * (p // 4) + 8 * (p % 2) + p % 4 // 2
-
-
-assert tuple(_source_column(p) for p in range(TILE_K)) == FP8_K_ORDER
+# GROUP16 writes byte p of every 16 columns from column 2 (p // 4) + 8 (p % 2) + (p % 4) // 2
+assert tuple(2 * (p // 4) + 8 * (p % 2) + p % 4 // 2 for p in range(TILE_K)) == FP8_K_ORDER
 
 
 def row_into_shared(k: int):
@@ -84,46 +77,114 @@ def _staged_row_scale(k: int):
     return staged_row_scale
 
 
-# The 16 lanes of a half-warp add their values (all 32 lanes call it).
-SUM16 = r"""
-__device__ __forceinline__ float tm_sum16(float v) {
-  for (int lanes = 8; lanes > 0; lanes >>= 1) v += __shfl_xor_sync(0xffffffffu, v, lanes);
+# A thread's columns of the staged row at once: each divided by the row's scale (IEEE division, as
+# torch's reference), converted to e4m3 two at a time (round to nearest, saturating to +-448) and stored
+# in the FP8 k order, in which byte 4w + j of every 16 columns holds column 2w + 8 (j % 2) + j / 2
+# (FP8_K_ORDER): words w of a 16-column group read columns 2w, 2w + 1, 2w + 8 and 2w + 9. A thread
+# takes a whole group (kWords 4: columns 0-7 and 8-15, one 16-byte store) or half of one (kWords 2,
+# `cols` 4h columns in: columns 0-3 and 8-11 from there, one 8-byte store at byte 8h). It returns the
+# sum of its e4m3 values, exact in fp32 (multiples of 2^-9 below 2^13), which the plain kernel leaves
+# unused; the lanes of a k-tile then add theirs (tm_sum_lanes). The 16-bit values are converted from
+# their bits: the prelude precedes every header.
+GROUP16 = r"""
+__device__ __forceinline__ unsigned tm_e4m3x2(float low, float high) {
+  unsigned short pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(high), "f"(low));
+  return pair;
+}
+
+__device__ __forceinline__ float tm_e4m3x2_sum(unsigned pair) {
+  float low, high;
+  asm("{\n .reg .b32 halves;\n .reg .b16 l, h;\n cvt.rn.f16x2.e4m3x2 halves, %2;\n mov.b32 {l, h}, halves;\n"
+      " cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+      : "=f"(low), "=f"(high) : "h"(static_cast<unsigned short>(pair)));
+  return low + high;
+}
+
+template <bool kBfloat16>
+__device__ __forceinline__ float tm_16bit_to_float(unsigned short bits) {
+  if (kBfloat16) return __uint_as_float(static_cast<unsigned>(bits) << 16);
+  float value;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+  return value;
+}
+
+template <int kWords> struct tm_words { using type = uint4; };    // a thread's e4m3 bytes, one store
+template <> struct tm_words<2> { using type = uint2; };
+
+template <bool kBfloat16, int kWords>
+__device__ __forceinline__ float tm_e4m3_words(const void* cols, void* out, float scale) {
+  using Vec = typename tm_words<kWords>::type;
+  const Vec raw[2] = {static_cast<const Vec*>(cols)[0], static_cast<const Vec*>(cols)[8 / (2 * kWords)]};
+  const unsigned short* x = reinterpret_cast<const unsigned short*>(raw);   // columns 0 .. 2kWords - 1, 8 ..
+  float v[4 * kWords];
+  #pragma unroll
+  for (int c = 0; c < 4 * kWords; ++c) v[c] = __fdiv_rn(tm_16bit_to_float<kBfloat16>(x[c]), scale);
+  unsigned word[kWords];
+  float sum = 0.0f;
+  #pragma unroll
+  for (int w = 0; w < kWords; ++w) {
+    const unsigned low = tm_e4m3x2(v[2 * w], v[2 * kWords + 2 * w]);
+    const unsigned high = tm_e4m3x2(v[2 * w + 1], v[2 * kWords + 2 * w + 1]);
+    word[w] = low | high << 16;
+    sum += tm_e4m3x2_sum(low) + tm_e4m3x2_sum(high);
+  }
+  *static_cast<Vec*>(out) = *reinterpret_cast<const Vec*>(word);
+  return sum;
+}
+
+__device__ __forceinline__ float tm_sum_lanes(float v, int lanes) {     // all 32 lanes call it
+  for (lanes >>= 1; lanes > 0; lanes >>= 1) v += __shfl_xor_sync(0xffffffffu, v, lanes);
   return v;
 }
 """
 
 
-def _k_tile_sums(k: int):
-    """A T.macro(x_s, scale, KS, row): KS[row, t] = the sum of k-tile t's e4m3 values (x_s / scale, in
-    any order: the FP8 k order permutes within 16 columns). Each thread sums the 8 values of a 16-byte
-    chunk, chunk c by thread c % threads as row_into_shared reads them, so that a k-tile's 16 chunks
-    are 16 neighbouring lanes, which add theirs by shuffles; the first writes. (TileLang's reduce over
-    a [k-tiles, 128] fragment left whole k-tiles to single threads: 26-44 us a call more at K = 11008,
-    M = 256-4096, H100.)"""
+def quantize_unit(k: int) -> int:
+    """Columns a thread quantizes at a time: a whole 16-column group of the FP8 k order, or half of one
+    where the groups are fewer than the block's threads (K = 4096: 256 groups, 512 threads)."""
+    return TILE_K if k // TILE_K >= threads_for(k) else TILE_K // 2
+
+
+def _quantize_groups(k: int, dtype: str, sums: bool):
+    """A T.macro(x_s, scale, Q, KS, row) that writes row `row` of Q: the staged row x_s divided by
+    scale[0], as e4m3 in the FP8 k order, quantize_unit(k) columns a thread and store (GROUP16), unit
+    u by thread u % threads; with `sums` also KS[row, t], the sum of k-tile t's e4m3 values: its units
+    are neighbouring lanes, which add theirs by shuffles (lanes past the row add zeros), and the first
+    writes. (Column by column, with byte stores and the sums in a second pass, the kernel with sums
+    took 1.4-2.2x the plain one's time: H100, 2026-12-06, docs/performance.md.)"""
     import tilelang.language as T
 
     threads = threads_for(k)
-    chunks = k // 8
-    steps = -(-chunks // threads)
-    per_tile = FP8_K_TILE // 8
+    unit = quantize_unit(k)
+    units = k // unit
+    steps = -(-units // threads)
+    per_tile = FP8_K_TILE // unit
+    convert = f"tm_e4m3_words<{str(dtype == 'bfloat16').lower()}, {unit // 4}>"
+
+    def source(u):      # the unit's first column: a group's, or 4 columns in for its second half
+        return u // 2 * TILE_K + u % 2 * 4 if unit < TILE_K else u * TILE_K
 
     @T.macro
-    def k_tile_sums(x_s, scale, KS, row):
+    def quantize_groups(x_s, scale, Q, KS, row):
         tx = T.get_thread_binding()
         part = T.alloc_local((1,), "float32")
         for step in T.unroll(steps):
-            chunk = step * threads + tx
-            part[0] = T.float32(0)
-            for v in T.unroll(8):
-                # (lanes past the row add zeros: every lane takes part in the shuffles)
-                part[0] += T.if_then_else(chunk < chunks, T.cast(_e4m3(
-                    T.cast(x_s[0, T.min(chunk, chunks - 1) * 8 + v], "float32") / scale[0]), "float32"), 0.0)
-            part[0] = T.call_extern("float32", "tm_sum16", part[0])
-            if chunk < chunks:
-                if tx % per_tile == 0:
-                    KS[row, chunk // per_tile] = part[0]
+            u = step * threads + tx
+            if sums:
+                part[0] = T.float32(0)
+                if u < units:
+                    part[0] = T.call_extern("float32", convert, T.address_of(x_s[0, source(u)]),
+                                            T.address_of(Q[row, u * unit]), scale[0])
+                part[0] = T.call_extern("float32", "tm_sum_lanes", part[0], per_tile)
+                if u < units:
+                    if tx % per_tile == 0:
+                        KS[row, u // per_tile] = part[0]
+            elif u < units:
+                T.call_extern("handle", convert, T.address_of(x_s[0, source(u)]), T.address_of(Q[row, u * unit]),
+                              scale[0])
 
-    return k_tile_sums
+    return quantize_groups
 
 
 def _check_hopper(arch: Arch) -> None:
@@ -163,30 +224,27 @@ def _build(k: int, dtype: str, arch: Arch, sums: bool):
         raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
     m = T.dynamic("m")
     staged_row_scale = _staged_row_scale(k)
-    k_tile_sums = _k_tile_sums(k) if sums else None
+    quantize_groups = _quantize_groups(k, dtype, sums)
 
     @T.macro
     def quantize_row(X, Q, S, KS, row):
         x_s = T.alloc_shared((1, k), dtype)
         scale = T.alloc_local((1,), "float32")
         staged_row_scale(X, row, x_s, scale)
-        for i, j in T.Parallel(1, k):
-            Q[row, j] = _e4m3(T.cast(x_s[i, _source_column(j)], "float32") / scale[0])
-        if sums:
-            k_tile_sums(x_s, scale, KS, row)
+        quantize_groups(x_s, scale, Q, KS, row)
         S[row, 0] = scale[0]
 
     if sums:
         @T.prim_func
         def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                          S: T.Tensor((m, 1), "float32"), KS: T.Tensor((m, k // FP8_K_TILE), "float32")):
-            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + SUM16) as row:
+            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + GROUP16) as row:
                 quantize_row(X, Q, S, KS, row)
     else:
         @T.prim_func
         def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                          S: T.Tensor((m, 1), "float32")):
-            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS) as row:
+            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + GROUP16) as row:
                 quantize_row(X, Q, S, None, row)
 
     return quantize_fp8

@@ -34,7 +34,11 @@ def test_the_ptx_converts_to_e4m3_with_saturation_and_reduces_across_the_block(p
     assert re.search(r"\bshfl\.sync\.bfly\.b32\b", ptx)          # the block's amax, warp by warp
     assert re.search(r"\bst\.global\.f32\b", ptx)                  # the row's scale
     assert re.search(r"\bld\.global(\.nc)?\.v4\.u32\b", ptx)          # the row read once, 16 bytes a load
-    assert re.search(r"\bld\.shared\.u16\b", ptx)                # ... then in the k order from shared memory
+    # ... then (512 threads, 256 groups of 16 columns) half a group a thread from shared memory, stored
+    # in the FP8 k order 8 bytes at a time
+    assert re.search(r"\bld\.shared\.v2\.u32\b", ptx) and re.search(r"\bst\.global\.v2\.(u32|b32)\b", ptx)
+    assert not re.search(r"\bst\.global\.(u8|b8)\b", ptx)
+    assert len(re.findall(r"\bdiv\.rn\.f32\b", ptx)) == 9        # IEEE x / scale, 8 a thread; amax / 448
     assert "griddepcontrol.launch_dependents" in ptx             # the next kernel launches at once
     # launched as the previous kernel drains, it waits for that kernel's writes before reading the row
     assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
@@ -109,6 +113,20 @@ def test_the_kernel_with_sums_adds_each_128_columns(m, k):
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     assert torch.equal(q.view(torch.uint8), q_ref[:, fp8_k_order(k).cuda()].contiguous().view(torch.uint8))
     torch.testing.assert_close(sums, fp8_k_tile_sums(q_ref), rtol=1e-6, atol=1e-2)
+
+
+def test_a_thread_takes_a_whole_group_where_the_groups_outnumber_the_threads():
+    from tilelang.contrib import nvcc
+    from tvm.target import Target
+
+    from schedules.fp8_activations import quantize_unit
+
+    assert [quantize_unit(k) for k in (4096, 3584, 11008, 14336)] == [8, 8, 16, 16]
+    with Target(SM90.target):
+        ptx = nvcc.get_ptx_from_source(compiled(11008, builder=build_with_sums).get_kernel_source())
+    # 688 groups over 256 threads in three steps: 16 e4m3 bytes a store, a k-tile's 8 lanes add theirs
+    assert len(re.findall(r"\bst\.global\.v4\.(u32|b32)\b", ptx)) == 3
+    assert re.search(r"\bcvt\.rn\.f16x2\.e4m3x2\b", ptx) and re.search(r"\bshfl\.sync\.bfly\.b32\b", ptx)
 
 
 def test_the_block_is_as_wide_as_the_row_splits_evenly():

@@ -93,12 +93,10 @@ AXES = {
     "split_wait": (False, True),
     # W4A8: the codes decoded as e4m3 bytes (c * 2^-9) and the offset corrected on 16-bit wgmmas:
     # 0.86-0.99x of the table-lookup decode with two warpgroups at M = 256-4096, 0.90-1.06x with one
-    # (H100, 2026-12-06; docs/performance.md, offset decode). Not searched by default: its activation
-    # kernel also adds the k-tile sums, 4-13 us a layer more at M = 256-1024, which the tune's GEMM-only
-    # times leave out. `gen tune --axes "stream_wgmma.offset_decode=0,1 stream_wgmma.block_m=128,192"`
-    # or --variants reach it, and its 192-row tiles (the largest whose promoted sums fit: 230 registers;
-    # 256 rows spill).
-    "offset_decode": (False,),
+    # (H100, 2026-12-06; docs/performance.md, offset decode). Its activation kernel also writes the
+    # k-tile sums, which the tune's GEMM-only times leave out: 0.2-1.2 us a layer more than the plain
+    # kernel at M = 256-1024 (H100, 2026-12-06), against GEMMs 1-15 us faster.
+    "offset_decode": (False, True),
 }
 # Knobs of the launch, the epilogue and the loop's unrolling: the first search round keeps one of
 # each point's variants.
