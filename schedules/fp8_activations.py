@@ -1,11 +1,11 @@
 """W4A8's activation kernel: per-token dynamic FP8 e4m3, stored in the k order of the FP8 decode.
 
 One block per row (token): its threads copy the row into shared memory (16-byte loads, the row's only
-read of global memory) and reduce the largest magnitude across the block, then write each element,
-taken from the shared copy in the FP8 k order, divided by amax / 448 as e4m3 (round to nearest,
-saturating), clamped to the finite range, at its position in marlin_mma.layout.fp8_k_order (position p
-of every 16 columns holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with the packed INT4 words
-sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the
+read of global memory) and reduce the largest magnitude across the block; then each thread takes 16
+columns (or 8) of the shared copy, divides them by amax / 448, converts them to e4m3 (round to nearest,
+saturating to the finite range) and stores the bytes at once in the order of
+marlin_mma.layout.fp8_k_order (position p of every 16 columns holds column FP8_K_ORDER[p]), so that an
+8-bit MMA fed with the packed INT4 words sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the
 output; build_with_sums also writes the sum of each 128 columns' e4m3 values to KS [M, K / 128], which
 GEMMs with offset_decode need (their weight decode is offset: templates/dequant.cuh.j2). Each block
 first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built with the pdl knob
@@ -26,7 +26,7 @@ from .quant import FP8_E4M3_MAX, FP8_K_TILE
 from .row_kernels import threads_for
 
 
-# GROUP16 writes byte p of every 16 columns from column 2 (p // 4) + 8 (p % 2) + (p % 4) // 2
+# E4M3_COLUMNS stores byte p of every 16 columns from column 2 (p // 4) + 8 (p % 2) + (p % 4) // 2
 assert tuple(2 * (p // 4) + 8 * (p % 2) + p % 4 // 2 for p in range(TILE_K)) == FP8_K_ORDER
 
 
@@ -86,7 +86,7 @@ def _staged_row_scale(k: int):
 # sum of its e4m3 values, exact in fp32 (multiples of 2^-9 below 2^13), which the plain kernel leaves
 # unused; the lanes of a k-tile then add theirs (tm_sum_lanes). The 16-bit values are converted from
 # their bits: the prelude precedes every header.
-GROUP16 = r"""
+E4M3_COLUMNS = r"""
 __device__ __forceinline__ unsigned tm_e4m3x2(float low, float high) {
   unsigned short pair;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(high), "f"(low));
@@ -146,9 +146,9 @@ def quantize_unit(k: int) -> int:
     return TILE_K if k // TILE_K >= threads_for(k) else TILE_K // 2
 
 
-def _quantize_groups(k: int, dtype: str, sums: bool):
+def _quantize_columns(k: int, dtype: str, sums: bool):
     """A T.macro(x_s, scale, Q, KS, row) that writes row `row` of Q: the staged row x_s divided by
-    scale[0], as e4m3 in the FP8 k order, quantize_unit(k) columns a thread and store (GROUP16), unit
+    scale[0], as e4m3 in the FP8 k order, quantize_unit(k) columns a thread and store (E4M3_COLUMNS), unit
     u by thread u % threads; with `sums` also KS[row, t], the sum of k-tile t's e4m3 values: its units
     are neighbouring lanes, which add theirs by shuffles (lanes past the row add zeros), and the first
     writes. (Column by column, with byte stores and the sums in a second pass, the kernel with sums
@@ -166,7 +166,7 @@ def _quantize_groups(k: int, dtype: str, sums: bool):
         return u // 2 * TILE_K + u % 2 * 4 if unit < TILE_K else u * TILE_K
 
     @T.macro
-    def quantize_groups(x_s, scale, Q, KS, row):
+    def quantize_columns(x_s, scale, Q, KS, row):
         tx = T.get_thread_binding()
         part = T.alloc_local((1,), "float32")
         for step in T.unroll(steps):
@@ -184,7 +184,7 @@ def _quantize_groups(k: int, dtype: str, sums: bool):
                 T.call_extern("handle", convert, T.address_of(x_s[0, source(u)]), T.address_of(Q[row, u * unit]),
                               scale[0])
 
-    return quantize_groups
+    return quantize_columns
 
 
 def _check_hopper(arch: Arch) -> None:
@@ -224,27 +224,27 @@ def _build(k: int, dtype: str, arch: Arch, sums: bool):
         raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
     m = T.dynamic("m")
     staged_row_scale = _staged_row_scale(k)
-    quantize_groups = _quantize_groups(k, dtype, sums)
+    quantize_columns = _quantize_columns(k, dtype, sums)
 
     @T.macro
     def quantize_row(X, Q, S, KS, row):
         x_s = T.alloc_shared((1, k), dtype)
         scale = T.alloc_local((1,), "float32")
         staged_row_scale(X, row, x_s, scale)
-        quantize_groups(x_s, scale, Q, KS, row)
+        quantize_columns(x_s, scale, Q, KS, row)
         S[row, 0] = scale[0]
 
     if sums:
         @T.prim_func
         def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                          S: T.Tensor((m, 1), "float32"), KS: T.Tensor((m, k // FP8_K_TILE), "float32")):
-            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + GROUP16) as row:
+            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + E4M3_COLUMNS) as row:
                 quantize_row(X, Q, S, KS, row)
     else:
         @T.prim_func
         def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                          S: T.Tensor((m, 1), "float32")):
-            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + GROUP16) as row:
+            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + E4M3_COLUMNS) as row:
                 quantize_row(X, Q, S, None, row)
 
     return quantize_fp8
