@@ -45,19 +45,26 @@ class Dispatch:
         on its W4A16 twin (the same packed weights; FP16 / BF16 MMAs fed the FP8-rounded activations,
         the same products) where the tuned table times the twin's kernel faster at that bucket: at
         small M, memory-bound, the FP8 kernels' 128-deep k-tiles and promoted sums cost more than their
-        math saves. Without both entries, the problem itself."""
+        math saves. Where the twin's schedule can round the activations in its registers (stream_mma),
+        it serves as fp8_rounded, with no activation kernel before it. Without both entries, the
+        problem itself."""
         if not problem.fp8:
             return problem
         twin = problem.w4a16_twin
         fp8, dense = self.table.entry(problem, bucket), self.table.entry(twin, bucket)
-        return twin if fp8 is not None and dense is not None and dense.us < fp8.us else problem
+        if fp8 is None or dense is None or dense.us >= fp8.us:
+            return problem
+        schedule = dense.schedule
+        rounded = problem.rounded_twin
+        return rounded if schedule.module.check(rounded, schedule.knobs, self.arch) is None else twin
 
     def choose(self, problem: Problem, bucket: int, layout: str) -> tuple[Schedule, str | None]:
         """(schedule, how it was chosen: None for the tuned table's entry, else the fallback's note).
         The schedule's family must read weights packed in `layout`."""
         from . import fallback
 
-        schedule, how = self.table.lookup(problem, bucket), None
+        # (fp8_rounded runs its W4A16 twin's schedules: it has no entries of its own)
+        schedule, how = self.table.lookup(problem.w4a16_twin if problem.rounds_fp8 else problem, bucket), None
         if schedule is None:
             schedule, how = fallback.fallback_schedule(problem, bucket, self.arch, self.gpu, self.winners,
                                                        self.table)

@@ -111,9 +111,10 @@ def twins(problem: Problem) -> list[Problem]:
     """The problems of the same shape, group and bits that differ in dtype or zero points, nearest
     first: the other dtype (the same form: the zero points' decode decides more of a winner's knobs
     than the dtype's, docs/performance.md), then the other zero-point setting, then both. With FP8
-    activations (no zero points): the other dtype's, then the W4A16 problems of either dtype."""
+    activations, also rounded to them in the kernel (no zero points): the other dtype's, then the W4A16
+    problems of either dtype."""
     other_dtype = "bfloat16" if problem.dtype == "float16" else "float16"
-    if problem.fp8:
+    if problem.act != "dtype":
         return [dataclasses.replace(problem, dtype=other_dtype), dataclasses.replace(problem, act="dtype"),
                 dataclasses.replace(problem, act="dtype", dtype=other_dtype)]
     return [dataclasses.replace(problem, dtype=other_dtype),

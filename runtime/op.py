@@ -257,10 +257,12 @@ def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: i
     (torch.ops.tilemarlin.w4a8_gemm).
 
     x is quantized per token (row) to FP8 e4m3 by a kernel of its own (schedules/fp8_activations.py:
-    scale = the row's largest magnitude / 448), then multiplied by the same packed INT4 weights and
-    scales that w4a16_gemm takes (symmetric weights; no zero points). At the buckets where the tuned
-    table times the W4A16 kernel faster (small M), x is instead rounded to those FP8 values times
-    their scale, in x's dtype, and runs on it (runtime.dispatch.Dispatch.serving_problem).
+    scale = the smallest power of two s with 448 s >= the row's largest magnitude), then multiplied by
+    the same packed INT4 weights and scales that w4a16_gemm takes (symmetric weights; no zero points).
+    At the buckets where the tuned table times the W4A16 kernel faster (small M), x is instead rounded
+    to those FP8 values times their scale, in x's dtype, and runs on it: in the kernel's registers
+    where its family can (stream_mma), else by a row kernel first
+    (runtime.dispatch.Dispatch.serving_problem).
     Arguments and result as w4a16_gemm's. Raises RuntimeError on a GPU without FP8 wgmma.
     """
     return _W4A8_OP(x, qweight, scales, n, k, group, layout)
@@ -269,14 +271,16 @@ def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: i
 def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Problem, layout: str) -> None:
     """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream. FP8
     activations: quantized by the activation kernel for the FP8 kernel, or, at buckets where the
-    W4A16 twin's kernel serves (Dispatch.serving_problem), rounded to their FP8 values in a's dtype."""
+    W4A16 twin's kernel serves (Dispatch.serving_problem), rounded to their FP8 values in a's dtype (by
+    that kernel itself where it serves as fp8_rounded)."""
     a = _rows_for_kernels(a)
     if problem.fp8:
         _check_fp8_gpu(out.device)
     launcher = _launcher(out.device, problem, layout, bucket_of(a.shape[0]))
-    if problem.fp8:     # quantized for the FP8 kernel, or rounded to FP8 for the W4A16 one
-        a = _quantized(a, problem, getattr(launcher.schedule.knobs, "offset_decode", False)) if launcher.problem.fp8 \
-            else _fp8_rounded(a, problem)
+    if launcher.problem.fp8:
+        a = _quantized(a, problem, getattr(launcher.schedule.knobs, "offset_decode", False))
+    elif problem.fp8 and not launcher.problem.rounds_fp8:      # the W4A16 twin's kernel takes FP8-rounded x
+        a = _fp8_rounded(a, problem)
     launch_schedule(launcher.kernel, launcher.schedule, launcher.problem, a, qweight, scales, out)
 
 

@@ -2,8 +2,9 @@
 
 One block per row (token): its threads copy the row into shared memory (16-byte loads, the row's only
 read of global memory) and reduce the largest magnitude across the block; then each thread takes 16
-columns (or 8) of the shared copy, divides them by amax / 448, converts them to e4m3 (round to nearest,
-saturating to the finite range) and stores the bytes at once in the order of
+columns (or 8) of the shared copy, divides them by the row's scale (the smallest power of two s with
+448 s >= amax: schedules.quant.fp8_token_scales), converts them to e4m3 (round to nearest, saturating
+to the finite range) and stores the bytes at once in the order of
 marlin_mma.layout.fp8_k_order (position p of every 16 columns holds column FP8_K_ORDER[p]), so that an
 8-bit MMA fed with the packed INT4 words sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the
 output; build_with_sums also writes the sum of each 128 columns' e4m3 values to KS [M, K / 128], which
@@ -55,8 +56,8 @@ def row_into_shared(k: int):
 def _staged_row_scale(k: int):
     """A T.macro(X, row, x_s, scale): lets the next kernel launch, waits for the previous one's writes
     (the kernel itself launches as that one drains: TileLang's pdl_sync), copies row `row` of X into
-    the shared x_s (its only global read) and sets scale[0] to its largest magnitude / 448 (1 for a zero
-    row)."""
+    the shared x_s (its only global read) and sets scale[0] to its token scale (TOKEN_SCALE; 1 for a
+    zero row)."""
     import tilelang.language as T
     from tilelang.cuda.language.pdl import pdl_sync
 
@@ -72,13 +73,23 @@ def _staged_row_scale(k: int):
         T.sync_threads()
         T.copy(x_s, x)
         T.reduce_absmax(x, amax, dim=1)
-        scale[0] = T.if_then_else(amax[0] > 0, amax[0] / FP8_E4M3_MAX, 1.0)
+        scale[0] = T.if_then_else(amax[0] > 0, T.call_extern("float32", "tm_token_scale", amax[0]), 1.0)
 
     return staged_row_scale
 
 
-# A thread's columns of the staged row at once: each divided by the row's scale (IEEE division, as
-# torch's reference), converted to e4m3 two at a time (round to nearest, saturating to +-448) and stored
+# The token scale of a row whose largest magnitude is amax > 0, as schedules.quant.fp8_token_scales:
+# amax = f 2^e with f in [0.5, 1) takes 2^(e - 9) while f <= 0.875, else 2^(e - 8).
+TOKEN_SCALE = r"""
+__device__ __forceinline__ float tm_token_scale(float amax) {
+  int e;
+  const float f = frexpf(amax, &e);
+  return ldexpf(1.0f, f <= 0.875f ? e - 9 : e - 8);
+}
+"""
+
+# A thread's columns of the staged row at once: each divided by the row's scale (IEEE division, exact
+# by a power of two, also where the scale is subnormal), converted to e4m3 two at a time (round to nearest, saturating to +-448) and stored
 # in the FP8 k order, in which byte 4w + j of every 16 columns holds column 2w + 8 (j % 2) + j / 2
 # (FP8_K_ORDER): words w of a 16-column group read columns 2w, 2w + 1, 2w + 8 and 2w + 9. A thread
 # takes a whole group (kWords 4: columns 0-7 and 8-15, one 16-byte store) or half of one (kWords 2,
@@ -238,13 +249,13 @@ def _build(k: int, dtype: str, arch: Arch, sums: bool):
         @T.prim_func
         def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                          S: T.Tensor((m, 1), "float32"), KS: T.Tensor((m, k // FP8_K_TILE), "float32")):
-            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + E4M3_COLUMNS) as row:
+            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + TOKEN_SCALE + E4M3_COLUMNS) as row:
                 quantize_row(X, Q, S, KS, row)
     else:
         @T.prim_func
         def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                          S: T.Tensor((m, 1), "float32")):
-            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + E4M3_COLUMNS) as row:
+            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + TOKEN_SCALE + E4M3_COLUMNS) as row:
                 quantize_row(X, Q, S, None, row)
 
     return quantize_fp8
@@ -264,7 +275,7 @@ def build_rounded(k: int, dtype: str, arch: Arch):
 
     @T.prim_func
     def round_fp8(X: T.Tensor((m, k), dtype), Y: T.Tensor((m, k), dtype)):
-        with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS) as row:
+        with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + TOKEN_SCALE) as row:
             x_s = T.alloc_shared((1, k), dtype)
             scale = T.alloc_local((1,), "float32")
             staged_row_scale(X, row, x_s, scale)

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 SUPPORTED_BITS = (4,)
-# What the GEMM's activation operand is: the problem's dtype itself (W4A16), or FP8 e4m3 with a scale
-# per token (W4A8: schedules/fp8_activations.py quantizes them first).
-SUPPORTED_ACTS = ("dtype", "fp8")
+# What the GEMM's activation operand is: the problem's dtype itself (W4A16), FP8 e4m3 with a scale per
+# token (W4A8: schedules/fp8_activations.py quantizes them first), or the problem's dtype rounded to
+# those FP8 values by the kernel itself (W4A8 on the W4A16 weight stream, stream_mma: fp8_rounded).
+SUPPORTED_ACTS = ("dtype", "fp8", "fp8_rounded")
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Problem:
             raise ValueError(f"K={self.k} is not a multiple of the group size {self.group}")
         if self.act not in SUPPORTED_ACTS:
             raise ValueError(f"activations {self.act!r} are not supported; use one of {SUPPORTED_ACTS}")
-        if self.act == "fp8" and self.zero_points:
+        if self.act != "dtype" and self.zero_points:
             raise ValueError("FP8 activations with zero points are not supported: W4A8 takes symmetric weights")
 
     @classmethod
@@ -67,6 +68,19 @@ class Problem:
         return self.act == "fp8"
 
     @property
+    def rounds_fp8(self) -> bool:
+        """W4A8 on a W4A16 kernel that rounds the activations (in the problem's dtype) to their FP8
+        values in its registers: e4m3's 3 mantissa bits, which with W4A8's power-of-two token scales
+        are its values wherever they are normal e4m3 numbers (schedules.quant.fp8_token_scales)."""
+        return self.act == "fp8_rounded"
+
+    @property
+    def rounded_twin(self) -> "Problem":
+        """The same weights as fp8_rounded: what a W4A8 problem runs as on its W4A16 twin's kernels
+        where their family rounds in registers (runtime.dispatch.Dispatch.serving_problem)."""
+        return dataclasses.replace(self, act="fp8_rounded")
+
+    @property
     def w4a16_twin(self) -> "Problem":
         """The same weights with activations in the problem's dtype: the W4A16 problem whose kernels
         serve a W4A8 one at the buckets where they are faster (runtime.dispatch.Dispatch.serving_problem)."""
@@ -80,7 +94,7 @@ class Problem:
     def name(self) -> str:
         g = "cw" if self.channelwise else f"g{self.group}"
         return f"n{self.n}_k{self.k}_{g}_{self.dtype}_w{self.bits}" + ("_zp" if self.zero_points else "") + \
-            ("_a8" if self.fp8 else "")
+            ("_a8" if self.fp8 else "") + ("_r8" if self.rounds_fp8 else "")
 
     @property
     def scale_rows(self) -> int:

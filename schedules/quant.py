@@ -99,14 +99,24 @@ FP8_E4M3_MAX = 448.0     # the largest finite float8_e4m3fn
 FP8_K_TILE = 128         # W4A8's k-tile: the activations' sums come per 128 columns (fp8_k_tile_sums)
 
 
+def fp8_token_scales(a: torch.Tensor) -> torch.Tensor:
+    """W4A8's per-token scales of a [M, K], fp32 [M, 1]: the smallest power of two s with 448 s >= the
+    row's largest magnitude (1 for an all-zero row). With amax = m 2^E, m in [1, 2), that is 2^(E - 8)
+    while m <= 1.75 (448 = 1.75 * 2^8), else 2^(E - 7): no division, so the kernels compute the same
+    bits. A power of two makes a / s exact, and e4m3's rounding of a / s the same as rounding a to
+    e4m3's 3 mantissa bits wherever a / s is a normal e4m3 number (>= 2^-6): what lets the W4A16
+    stream round activations in its registers without the scale (schedules/stream_mma)."""
+    amax = a.float().abs().amax(dim=-1, keepdim=True)
+    mantissa, exponent = torch.frexp(amax)      # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    scales = torch.ldexp(torch.ones_like(amax), torch.where(mantissa <= 0.875, exponent - 9, exponent - 8))
+    return torch.where(amax > 0, scales, torch.ones_like(amax))
+
+
 def quantize_fp8_per_token(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W4A8's activations: (a8 float8_e4m3fn [M, K], scales fp32 [M, 1]) with a ~ a8 * scales, one
-    scale per row (token) taken dynamically from its largest magnitude, which becomes exactly 448;
-    an all-zero row gets scale 1."""
-    amax = a.float().abs().amax(dim=-1, keepdim=True)
-    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded reciprocal,
-    # one ulp away from the IEEE quotient the kernels compute
-    scales = torch.where(amax > 0, amax / torch.full_like(amax, FP8_E4M3_MAX), torch.ones_like(amax))
+    power-of-two scale per row (token) taken dynamically from its largest magnitude (fp8_token_scales),
+    which lands in (224, 448]."""
+    scales = fp8_token_scales(a)
     return (a.float() / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scales
 
 
@@ -139,8 +149,9 @@ def fp8_kernel_activations(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 def problem_reference(problem, a: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                       zeros: torch.Tensor | None = None, precision: torch.dtype = torch.float32) -> torch.Tensor:
     """The fp32 product a kernel of `problem` must match: W4A16's reference_matmul, or with FP8
-    activations reference_w4a8 (in `precision`, as reference_matmul)."""
-    if problem.fp8:
+    activations (also rounded to them in the kernel, fp8_rounded) reference_w4a8 (in `precision`, as
+    reference_matmul)."""
+    if problem.fp8 or problem.rounds_fp8:
         return reference_w4a8(a, codes.to(a.device), scales.to(a.device), problem.bits, precision=precision)
     return reference_matmul(a, codes, scales, problem.bits, zeros, precision)
 

@@ -365,7 +365,8 @@ def test_untuned_pairs_ship_the_fallbacks_kernels_and_no_entries(artifact, monke
 def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, capsys, tmp_path):
     """--act fp8: refused while the per-token activation kernels are not in the store (the command to
     build them named), packed beside the GEMMs once they are: the FP8 kernels, the W4A16 twin's at
-    the buckets it serves, and the FP8 entries that decide those buckets."""
+    the buckets it serves (at M = 1 compiled to round the activations itself), and the FP8 entries
+    that decide those buckets."""
     from runtime.dispatch import Dispatch
     from tests.test_precompile import fake_activation_entry
 
@@ -374,8 +375,8 @@ def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, ca
     fp8 = Problem(4096, 4096, act="fp8")
     committed = Dispatch(get_arch("sm_90a"), None, TunedTable.read(COMMITTED), ())
     served = {b: committed.serving_problem(fp8, b) for b in BUCKETS}
-    assert {p.act for p in served.values()} == {"fp8", "dtype"}
-    chosen = {(p, committed.table.lookup(p, b)) for b, p in served.items()}
+    assert {p.act for p in served.values()} == {"fp8", "dtype", "fp8_rounded"}
+    chosen = {(p, committed.choose(p, b, op.DEFAULT_LAYOUT)[0]) for b, p in served.items()}
     for problem, schedule in chosen:
         if not store.kernel_folder(problem, schedule, committed.arch).exists():   # (the fixture built W4A16's)
             fake_entry(problem, schedule, toolkit=TOOLKIT)

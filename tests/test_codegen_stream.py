@@ -63,6 +63,13 @@ CASES = {
     "sm90a_fold_lag": ("sm_90a", Problem(4096, 11008, 128),
                        Knobs(2, 8, 4, 2, ahead=4, fold_zero_point=True, cluster_reduce=True, x_ldmatrix=True,
                              async_weights=True, sum_slices=True, fold_lag=True)),
+    # W4A8 on the weight stream: the activations rounded to their FP8 values in registers, after
+    # ldmatrix (qkv_proj M = 1's form) and straight from global memory into bf16 registers
+    "sm90a_fp8_rounded": ("sm_90a", Problem(12288, 4096, 128, act="fp8_rounded"),
+                          Knobs(1, 4, 4, 2, ahead=3, fold_zero_point=True, cluster_reduce=True, x_ldmatrix=True,
+                                async_weights=True, sum_slices=True, early_start=2)),
+    "sm90a_fp8_rounded_bf16_registers": ("sm_90a", Problem(512, 4096, 128, dtype="bfloat16", act="fp8_rounded"),
+                                         Knobs(2, 4, 4, 2, ahead=2, fold_zero_point=True)),
 }
 
 
@@ -236,6 +243,22 @@ def test_half_precision_arithmetic_per_weight_only_without_fold(compiled):
     assert count(r"mma\.sync\.aligned\.m16n8k16", ptx) % per_batch == 0
 
 
+def test_fp8_rounded_rounds_every_activation_register_before_the_mmas(compiled):
+    """Each register of two activations: add the rounding bias and the last kept bit, then clear the
+    dropped bits (7 of float16's mantissa: 0xFF80FF80, 4 of bfloat16's: 0xFFF0FFF0), once per register
+    of a batch in each of the unrolled loop's `ahead` copies of it."""
+    _, problem, knobs, src, ptx = compiled
+    masks = re.findall(r"\band\.b32\s+%r\d+, %r\d+, (-8323200|-983056);", ptx)
+    registers = knobs.unroll * knobs.m_tiles * 2
+    if not problem.rounds_fp8:
+        assert not masks and "tm_round_e4m3" not in src
+        return
+    assert set(masks) == {"-8323200" if problem.dtype == "float16" else "-983056"}
+    assert len(masks) >= registers * knobs.ahead
+    # the rounded registers are the MMAs' B operands: no other conversion of the activations
+    assert count(r"\bcvt\.\w*e4m3", ptx) == 0
+
+
 def test_split_k_reduction_present_only_when_split(compiled):
     arch, problem, knobs, src, ptx = compiled
     body = kernel_body(src)
@@ -339,8 +362,11 @@ def test_early_start_prefetches_weights_before_the_wait_and_launches_dependents(
     launch, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
     assert count(r"griddepcontrol\.launch_dependents", ptx) == 1
     # first, or with late_trigger after the k-loop: behind the last weight load, before the sums meet
-    last_weight_load = max(m.start() for m in re.finditer(r"ld\.global\.nc\.L1::no_allocate", ptx))
-    assert (launch > last_weight_load) if knobs.late_trigger else (launch < wait)
+    if knobs.late_trigger:
+        last_weight_load = max(m.start() for m in re.finditer(r"ld\.global\.nc\.L1::no_allocate", ptx))
+        assert launch > last_weight_load
+    else:
+        assert launch < wait
     assert all(m.start() < wait for m in re.finditer(r"cp\.async\.bulk\.prefetch", ptx))
     # nothing is loaded from global memory into registers before the wait
     assert not re.search(r"ld\.global", ptx[:wait])

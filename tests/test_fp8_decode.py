@@ -147,18 +147,24 @@ def test_what_nvcc_makes_of_a_word_for_sm90(offset, prmt):
 
 # --- the activations' side: per-token FP8 and the product W4A8 kernels must match --------------------
 
-def test_per_token_fp8_scales_each_rows_largest_magnitude_to_448():
+def test_per_token_fp8_scales_are_the_smallest_powers_of_two_that_fit_each_row():
     from schedules.quant import FP8_E4M3_MAX, quantize_fp8_per_token
 
     generator = torch.Generator().manual_seed(5)
     a = torch.randn(7, 256, generator=generator).to(torch.float16) * torch.logspace(-3, 3, 7).unsqueeze(1).half()
     a[3] = 0
+    a[5, 7] = 448.0      # exactly 448 s for s = 1: not 2
     a8, scales = quantize_fp8_per_token(a)
     assert a8.dtype == torch.float8_e4m3fn and scales.shape == (7, 1) and scales.dtype == torch.float32
-    peaks = a8.float().abs().amax(dim=1)
-    assert torch.equal(peaks[[0, 1, 2, 4, 5, 6]], torch.full((6,), FP8_E4M3_MAX))
+    rows = [0, 1, 2, 4, 5, 6]
+    exponents = torch.log2(scales[rows, 0])
+    assert torch.equal(exponents, exponents.round())
+    amax = a[rows].float().abs().amax(dim=1)
+    assert (amax <= FP8_E4M3_MAX * scales[rows, 0]).all() and (amax > FP8_E4M3_MAX / 2 * scales[rows, 0]).all()
+    assert scales[5].item() == 1
     assert scales[3].item() == 1 and not a8[3].float().any()
     back = a8.float() * scales
+    assert torch.equal(a.float() / scales * scales, a.float())          # a / s is exact
     assert ((back - a.float()).abs() <= a.float().abs() / 16 + scales * 2.0 ** -9).all()   # 3 mantissa bits
 
 
@@ -170,3 +176,37 @@ def test_w4a8_reference_is_near_the_w4a16_one_and_not_equal():
     codes, scales = quantize_rtn(torch.randn(512, 128, generator=generator), 128)
     w4a16, w4a8 = reference_matmul(a, codes, scales), reference_w4a8(a, codes, scales)
     assert 0 < relative_error(w4a8, w4a16) < 0.06
+
+
+def _round_pairs(pairs: torch.Tensor, dropped: int) -> torch.Tensor:
+    """stream_mma's fp8_rounded on int64 words of two 16-bit activations (schedules/stream_mma/batch.py,
+    ROUND_FP8: tm_round_e4m3_pair), in 32-bit unsigned arithmetic."""
+    bias = ((1 << (dropped - 1)) - 1) * 0x00010001
+    kept = ((0xFFFF << dropped) & 0xFFFF) * 0x00010001
+    return ((pairs + bias + ((pairs >> dropped) & 0x00010001)) & kept) & 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("dtype, dropped", [(torch.float16, 7), (torch.bfloat16, 4)])
+@pytest.mark.parametrize("exponent", [-9, -1, 0, 6])
+def test_rounding_the_mantissa_is_e4m3_of_x_over_a_power_of_two_scale(dtype, dropped, exponent):
+    """Every finite 16-bit value, paired with another in one word: each half rounds on its own, and to
+    what W4A8 gives it, e4m3(x / s) * s for a power-of-two token scale s, wherever |x / s| is a normal
+    e4m3 number (2^-6 .. 448) and x a normal number of its dtype; elsewhere within e4m3's subnormal step
+    (2^-9 s) or float16's rounded one (2^-17) of it."""
+    patterns = torch.arange(0, 1 << 16, dtype=torch.int64)
+    partners = patterns[torch.randperm(1 << 16, generator=torch.Generator().manual_seed(exponent + 20))]
+    rounded = _round_pairs(patterns | partners << 16, dropped)
+    low, high = rounded & 0xFFFF, rounded >> 16
+    alone = _round_pairs(partners, dropped)
+    values = patterns.to(torch.int32).to(torch.int16).view(dtype).float()
+    finite = torch.isfinite(values) & torch.isfinite(partners.to(torch.int32).to(torch.int16).view(dtype).float())
+    assert torch.equal(high[finite], alone[finite])          # no carry crosses into the other half
+    got = low.to(torch.int32).to(torch.int16).view(dtype).float()
+    scale = 2.0 ** exponent
+    ratio = values.abs() / scale
+    normal = finite & (ratio >= 2.0 ** -6) & (ratio <= 448) & (values.abs() >= torch.finfo(dtype).tiny)
+    e4m3 = (values / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    assert torch.equal(got[normal], e4m3[normal])
+    small = finite & (ratio < 448) & ~normal
+    assert small.any()
+    assert ((got[small] - e4m3[small]).abs() <= values[small].abs() / 8 + 2.0 ** -9 * scale + 2.0 ** -17).all()

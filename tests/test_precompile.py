@@ -80,7 +80,9 @@ def test_the_plan_is_the_ops_choice_for_every_problem_and_bucket(h200, monkeypat
 
 def test_the_plan_of_a_w4a8_problem_is_what_the_ops_launcher_loads(h200, monkeypatch):
     """For W4A8 the op's _launcher first picks the problem that serves the bucket (its W4A16 twin at
-    small M on the committed table); the plan lists the same (problem, schedule) for every bucket."""
+    small M on the committed table: at M = 1 a stream_mma kernel that rounds the activations itself,
+    at M = 2-32 stream_wgmma kernels fed rounded ones); the plan lists the same (problem, schedule) for
+    every bucket."""
     import runtime.kernels
     import runtime.selfcheck
     import schedules.arch
@@ -97,7 +99,7 @@ def test_the_plan_of_a_w4a8_problem_is_what_the_ops_launcher_loads(h200, monkeyp
     fp8 = Problem(12288, 4096, act="fp8")
     planned = plan([fp8], BUCKETS, dispatch, op.DEFAULT_LAYOUT)
     served = {b: (p, s) for (p, s), buckets in planned.items() for b, _ in buckets}
-    assert sorted(served) == list(BUCKETS) and {p.act for p, _ in served.values()} == {"dtype", "fp8"}
+    assert sorted(served) == list(BUCKETS) and {p.act for p, _ in served.values()} == {"fp8_rounded", "dtype", "fp8"}
     for bucket, (problem, schedule) in served.items():
         launcher = op._launcher(CUDA0, fp8, op.DEFAULT_LAYOUT, bucket)
         assert (launcher.problem, launcher.schedule) == (problem, schedule), bucket
@@ -597,20 +599,29 @@ def test_the_ops_precompile_builds_w4a8s_activation_kernels_with_the_gemms(h200,
 
 
 def test_w4a8_runs_on_its_w4a16_twin_where_the_table_times_the_twin_faster():
-    """Dispatch.serving_problem compares the two tuned entries of a bucket; without both, the FP8 kernel."""
+    """Dispatch.serving_problem compares the two tuned entries of a bucket; without both, the FP8 kernel.
+    A twin whose schedule rounds the activations in its registers (stream_mma) serves as fp8_rounded."""
     from types import SimpleNamespace
 
+    from schedules import stream_mma, stream_wgmma
+    from schedules.registry import Schedule
+
     fp8, twin = Problem(4096, 4096, act="fp8"), Problem(4096, 4096)
-    timings = {(fp8, 1): 6.2, (twin, 1): 4.7, (fp8, 256): 12.7, (twin, 256): 14.7, (fp8, 16): 6.6,
-               (twin, 32): 5.0, (fp8, 128): 9.0, (twin, 128): 9.0}
+    timings = {(fp8, 1): 6.2, (twin, 1): 4.7, (fp8, 2): 6.3, (twin, 2): 4.6, (fp8, 256): 12.7, (twin, 256): 14.7,
+               (fp8, 16): 6.6, (twin, 32): 5.0, (fp8, 128): 9.0, (twin, 128): 9.0}
+    streams = Schedule("stream_mma", stream_mma.Knobs(split_k=2))
+    wgmma = Schedule("stream_wgmma", stream_wgmma.Knobs(block_m=8, groups=1, block_k=128, stages=6,
+                                                        release_barriers=True, producer_warp=True))
 
     class TimedTable:
         def entry(self, problem, bucket):
             us = timings.get((problem, bucket))
-            return None if us is None else SimpleNamespace(us=us)
+            schedule = streams if (problem, bucket) == (twin, 2) else wgmma
+            return None if us is None else SimpleNamespace(us=us, schedule=schedule)
 
     dispatch = Dispatch(SM90, None, TimedTable(), ())
     assert dispatch.serving_problem(fp8, 1) == twin
+    assert dispatch.serving_problem(fp8, 2) == fp8.rounded_twin
     assert dispatch.serving_problem(fp8, 256) == fp8
     assert dispatch.serving_problem(fp8, 16) == fp8 and dispatch.serving_problem(fp8, 64) == fp8
     assert dispatch.serving_problem(fp8, 32) == fp8         # the twin alone was tuned: nothing to compare
@@ -619,13 +630,14 @@ def test_w4a8_runs_on_its_w4a16_twin_where_the_table_times_the_twin_faster():
 
 
 def test_the_plan_of_a_w4a8_layer_names_the_twins_kernels_at_its_small_buckets(h200):
-    """On the committed H200 table Llama-2-7B's W4A8 layers run W4A16's kernels at M = 1 and FP8's at
-    M = 4096; the plan lists each kernel under the problem it is compiled for."""
+    """On the committed H200 table Llama-2-7B's W4A8 layers run W4A16's kernels at M = 1 (stream_mma,
+    rounding the activations in its registers) and FP8's at M = 4096; the plan lists each kernel under
+    the problem it is compiled for."""
     dispatch, _ = h200
     fp8 = Problem(4096, 11008, act="fp8")
     planned = plan([fp8], [1, 4096], dispatch, marlin_mma.LAYOUT)
     assert {(problem.act, tuple(b for b, _ in served)) for (problem, _), served in planned.items()} == \
-        {("dtype", (1,)), ("fp8", (4096,))}
+        {("fp8_rounded", (1,)), ("fp8", (4096,))}
 
 
 

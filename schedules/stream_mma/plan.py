@@ -11,6 +11,8 @@ from ..marlin_mma.layout import TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
 
+ROUND_FP8_NAMES = {"float16": "tm_round_e4m3_f16x2", "bfloat16": "tm_round_e4m3_bf16x2"}
+
 
 class Plan:
     """The build-time constants of one kernel (the knobs' own fields are read from `knobs`)."""
@@ -45,6 +47,10 @@ class Plan:
         self.x_cols = TILE_K * self.unroll + 8   # padded rows: ldmatrix's 8 row addresses hit 8 bank groups
         # 16-byte cp.async per lane per batch of activations
         self.x_chunks = MMA_N * self.m_tiles * TILE_K * self.unroll // 8 // 32
+
+        # fp8_rounded: each batch's activation fragments rounded to e4m3's 3 mantissa bits before its MMAs
+        self.round_fp8 = problem.rounds_fp8
+        self.round_fp8_name = ROUND_FP8_NAMES[self.dtype]
 
         # The decode and the sums.
         self.mma_dtype = mma_operand_dtype(self.dtype)
