@@ -42,21 +42,18 @@ class Dispatch:
 
     def serving_problem(self, problem: Problem, bucket: int) -> Problem:
         """The problem whose kernel runs `problem` at `bucket`: itself, except that a W4A8 problem runs
-        on its W4A16 twin (the same packed weights; FP16 / BF16 MMAs fed the FP8-rounded activations,
-        the same products) where the tuned table times the twin's kernel faster at that bucket: at
-        small M, memory-bound, the FP8 kernels' 128-deep k-tiles and promoted sums cost more than their
-        math saves. Where the twin's schedule can round the activations in its registers (stream_mma),
-        it serves as fp8_rounded, with no activation kernel before it. Without both entries, the
-        problem itself."""
+        as fp8_rounded on its W4A16 twin's schedule (the same packed weights; FP16 / BF16 MMAs on the
+        activations rounded to their FP8 values by the kernel, the same products, no activation kernel
+        before it) where the tuned table times the twin's kernel faster at that bucket and its family
+        rounds (stream_mma, stream_wgmma): at small M, memory-bound, the FP8 kernels' 128-deep k-tiles
+        and promoted sums cost more than their math saves. Without both entries, the problem itself."""
         if not problem.fp8:
             return problem
-        twin = problem.w4a16_twin
-        fp8, dense = self.table.entry(problem, bucket), self.table.entry(twin, bucket)
+        fp8, dense = self.table.entry(problem, bucket), self.table.entry(problem.w4a16_twin, bucket)
         if fp8 is None or dense is None or dense.us >= fp8.us:
             return problem
-        schedule = dense.schedule
         rounded = problem.rounded_twin
-        return rounded if schedule.module.check(rounded, schedule.knobs, self.arch) is None else twin
+        return rounded if dense.schedule.module.check(rounded, dense.schedule.knobs, self.arch) is None else problem
 
     def choose(self, problem: Problem, bucket: int, layout: str) -> tuple[Schedule, str | None]:
         """(schedule, how it was chosen: None for the tuned table's entry, else the fallback's note).

@@ -300,12 +300,10 @@ def _store_entry(folder: Path, jit, ident: dict) -> None:
 
 # The kernels beside the GEMMs, each built per (K, dtype) by a function(k, dtype, arch), "module:function", and
 # how listings name them: W4A8's FP8 quantizer (and with the k-tile sums that offset_decode's GEMMs read),
-# its FP8 rounding for the buckets that W4A16's kernels serve, act-order's column gather, and the RMSNorm
-# that writes its output in act-order's order.
+# act-order's column gather, and the RMSNorm that writes its output in act-order's order.
 ACTIVATION_KERNELS = {"fp8_activations": ("schedules.fp8_activations:build", "FP8 activations"),
                       "fp8_activations_sums": ("schedules.fp8_activations:build_with_sums",
                                                "FP8 activations with k-tile sums"),
-                      "fp8_rounded": ("schedules.fp8_activations:build_rounded", "FP8-rounded activations"),
                       "gather_columns": ("schedules.gather:build", "act-order gather"),
                       "rms_norm_gather": ("schedules.norm_gather:build", "act-order RMSNorm")}
 
@@ -330,8 +328,7 @@ def is_activation_kernel_stored(kind: str, k: int, dtype: str, arch: Arch) -> bo
 def compile_activation_kernel(kind: str, k: int, dtype: str, arch: Arch) -> CompiledKernel:
     """Activation kernel `kind` for K = k and `dtype` input: "fp8_activations" (schedules/fp8_activations.py;
     call it with x [M, K], fp8 out [M, K], token scales [M, 1] fp32), "fp8_activations_sums" (the same
-    and k-tile sums [M, K / 128] fp32), "fp8_rounded" (x [M, K], out
-    [M, K] in x's dtype), "gather_columns" (schedules/gather.py; x [M, K], perm [K] int32, out
+    and k-tile sums [M, K / 128] fp32), "gather_columns" (schedules/gather.py; x [M, K], perm [K] int32, out
     [M, K]) or "rms_norm_gather" (schedules/norm_gather.py; x [M, K], weight [K] in x's dtype, perm [K]
     int32, eps [1] fp32, out [M, K]). From this process's memory, else the store
     (`kernels/<arch>/<kind>/`), else built and stored."""

@@ -259,10 +259,8 @@ def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: i
     x is quantized per token (row) to FP8 e4m3 by a kernel of its own (schedules/fp8_activations.py:
     scale = the smallest power of two s with 448 s >= the row's largest magnitude), then multiplied by
     the same packed INT4 weights and scales that w4a16_gemm takes (symmetric weights; no zero points).
-    At the buckets where the tuned table times the W4A16 kernel faster (small M), x is instead rounded
-    to those FP8 values times their scale, in x's dtype, and runs on it: in the kernel's registers
-    where its family can (stream_mma), else by a row kernel first
-    (runtime.dispatch.Dispatch.serving_problem).
+    At the buckets where the tuned table times the W4A16 kernel faster (small M), that kernel runs
+    instead, rounding x to those FP8 values itself (runtime.dispatch.Dispatch.serving_problem).
     Arguments and result as w4a16_gemm's. Raises RuntimeError on a GPU without FP8 wgmma.
     """
     return _W4A8_OP(x, qweight, scales, n, k, group, layout)
@@ -271,16 +269,14 @@ def w4a8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, n: i
 def _launch(a: torch.Tensor, qweight, scales, out: torch.Tensor, problem: Problem, layout: str) -> None:
     """Run the kernel of a's M bucket: out[M, N] = a[M, K] @ dequant(W), on the current stream. FP8
     activations: quantized by the activation kernel for the FP8 kernel, or, at buckets where the
-    W4A16 twin's kernel serves (Dispatch.serving_problem), rounded to their FP8 values in a's dtype (by
-    that kernel itself where it serves as fp8_rounded)."""
+    W4A16 twin's kernel serves (Dispatch.serving_problem), a itself: that kernel rounds it to its FP8
+    values (Problem.rounds_fp8)."""
     a = _rows_for_kernels(a)
     if problem.fp8:
         _check_fp8_gpu(out.device)
     launcher = _launcher(out.device, problem, layout, bucket_of(a.shape[0]))
     if launcher.problem.fp8:
         a = _quantized(a, problem, getattr(launcher.schedule.knobs, "offset_decode", False))
-    elif problem.fp8 and not launcher.problem.rounds_fp8:      # the W4A16 twin's kernel takes FP8-rounded x
-        a = _fp8_rounded(a, problem)
     launch_schedule(launcher.kernel, launcher.schedule, launcher.problem, a, qweight, scales, out)
 
 
@@ -304,14 +300,6 @@ def _quantized(a: torch.Tensor, problem: Problem, sums: bool) -> tuple:
     _activation_kernel("fp8_activations_sums", a.device, problem.k, problem.dtype)(a, values, token_scales,
                                                                                     tile_sums)
     return values, token_scales, tile_sums
-
-
-def _fp8_rounded(a: torch.Tensor, problem: Problem) -> torch.Tensor:
-    """a's elements as W4A8 quantizes them (e4m3, a scale per token), times their token's scale, in a's
-    dtype and order: the W4A16 kernels' input for the same products."""
-    rounded = torch.empty_like(a)
-    _activation_kernel("fp8_rounded", a.device, problem.k, problem.dtype)(a, rounded)
-    return rounded
 
 
 _FP8_GPUS: set = set()

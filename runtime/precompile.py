@@ -30,7 +30,7 @@ from .dispatch import DEFAULT_LAYOUT, Dispatch, dispatch_for
 from .table import BUCKETS, bucket_of
 
 PRECOMPILE_ENV = "TILEMARLIN_PRECOMPILE"
-FP8_ACTIVATION_KERNELS = ("fp8_activations", "fp8_activations_sums", "fp8_rounded")
+FP8_ACTIVATION_KERNELS = ("fp8_activations", "fp8_activations_sums")
 _OFF = ("0", "false", "no", "off")
 
 

@@ -14,9 +14,6 @@ then starts while this one runs, asks L2 for its first weights (early_start) and
 kernel's writes before it reads them. The row is read from global memory once: read a
 second time in the k order, under those early weight reads, the calls measured slower
 (docs/performance.md). The math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
-
-build_rounded is the same row kernel for the buckets where W4A8 runs on the W4A16 kernels: it writes
-each element's e4m3 value times the row's scale, in the input's dtype and order.
 """
 # (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
 # build()'s locals)
@@ -260,27 +257,3 @@ def _build(k: int, dtype: str, arch: Arch, sums: bool):
 
     return quantize_fp8
 
-
-def build_rounded(k: int, dtype: str, arch: Arch):
-    """The TileLang prim_func round_fp8(X [M, K] `dtype`, Y [M, K] `dtype`), M dynamic, for `arch`
-    (Hopper): Y = the FP8 e4m3 value of each element times its row's scale, in X's order and dtype, for
-    W4A8 calls that run on the W4A16 kernels (runtime.dispatch.Dispatch.serving_problem). e4m3
-    values are exact in float16 and bfloat16; the product with the scale is rounded once, to `dtype`."""
-    import tilelang.language as T
-
-    _check_hopper(arch)
-
-    m = T.dynamic("m")
-    staged_row_scale = _staged_row_scale(k)
-
-    @T.prim_func
-    def round_fp8(X: T.Tensor((m, k), dtype), Y: T.Tensor((m, k), dtype)):
-        with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + TOKEN_SCALE) as row:
-            x_s = T.alloc_shared((1, k), dtype)
-            scale = T.alloc_local((1,), "float32")
-            staged_row_scale(X, row, x_s, scale)
-            for i, j in T.Parallel(1, k):
-                q = _e4m3(T.cast(x_s[i, j], "float32") / scale[0])
-                Y[row, j] = T.cast(T.cast(q, "float32") * scale[0], dtype)
-
-    return round_fp8

@@ -8,7 +8,7 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 SUPPORTED_BITS = (4,)
 # What the GEMM's activation operand is: the problem's dtype itself (W4A16), FP8 e4m3 with a scale per
 # token (W4A8: schedules/fp8_activations.py quantizes them first), or the problem's dtype rounded to
-# those FP8 values by the kernel itself (W4A8 on the W4A16 weight stream, stream_mma: fp8_rounded).
+# those FP8 values by a W4A16 kernel itself (fp8_rounded: W4A8 at small M, schedules/fp8_rounding.py).
 SUPPORTED_ACTS = ("dtype", "fp8", "fp8_rounded")
 
 
@@ -70,20 +70,21 @@ class Problem:
     @property
     def rounds_fp8(self) -> bool:
         """W4A8 on a W4A16 kernel that rounds the activations (in the problem's dtype) to their FP8
-        values in its registers: e4m3's 3 mantissa bits, which with W4A8's power-of-two token scales
-        are its values wherever they are normal e4m3 numbers (schedules.quant.fp8_token_scales)."""
+        values itself: e4m3's 3 mantissa bits, which with W4A8's power-of-two token scales are its
+        values wherever they are normal e4m3 numbers (schedules/fp8_rounding.py)."""
         return self.act == "fp8_rounded"
 
     @property
     def rounded_twin(self) -> "Problem":
-        """The same weights as fp8_rounded: what a W4A8 problem runs as on its W4A16 twin's kernels
-        where their family rounds in registers (runtime.dispatch.Dispatch.serving_problem)."""
+        """The same weights as fp8_rounded: what a W4A8 problem runs as on its W4A16 twin's schedules
+        (runtime.dispatch.Dispatch.serving_problem)."""
         return dataclasses.replace(self, act="fp8_rounded")
 
     @property
     def w4a16_twin(self) -> "Problem":
-        """The same weights with activations in the problem's dtype: the W4A16 problem whose kernels
-        serve a W4A8 one at the buckets where they are faster (runtime.dispatch.Dispatch.serving_problem)."""
+        """The same weights with activations in the problem's dtype: the W4A16 problem whose tuned
+        schedules serve a W4A8 one, as fp8_rounded, at the buckets where they are faster
+        (runtime.dispatch.Dispatch.serving_problem)."""
         return dataclasses.replace(self, act="dtype")
 
     @property

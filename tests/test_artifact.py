@@ -365,8 +365,8 @@ def test_untuned_pairs_ship_the_fallbacks_kernels_and_no_entries(artifact, monke
 def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, capsys, tmp_path):
     """--act fp8: refused while the per-token activation kernels are not in the store (the command to
     build them named), packed beside the GEMMs once they are: the FP8 kernels, the W4A16 twin's at
-    the buckets it serves (at M = 1 compiled to round the activations itself), and the FP8 entries
-    that decide those buckets."""
+    the buckets it serves (compiled to round the activations itself), and the FP8 entries that decide
+    those buckets."""
     from runtime.dispatch import Dispatch
     from tests.test_precompile import fake_activation_entry
 
@@ -375,7 +375,7 @@ def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, ca
     fp8 = Problem(4096, 4096, act="fp8")
     committed = Dispatch(get_arch("sm_90a"), None, TunedTable.read(COMMITTED), ())
     served = {b: committed.serving_problem(fp8, b) for b in BUCKETS}
-    assert {p.act for p in served.values()} == {"fp8", "dtype", "fp8_rounded"}
+    assert {p.act for p in served.values()} == {"fp8", "fp8_rounded"}
     chosen = {(p, committed.choose(p, b, op.DEFAULT_LAYOUT)[0]) for b, p in served.items()}
     for problem, schedule in chosen:
         if not store.kernel_folder(problem, schedule, committed.arch).exists():   # (the fixture built W4A16's)
@@ -386,13 +386,13 @@ def test_a_w4a8_artifact_carries_the_activation_kernel(artifact, monkeypatch, ca
     err = capsys.readouterr().err
     assert "FP8 activations, K = 4096, float16 input" in err and "gen precompile --shapes 4096x4096 --act fp8" in err
     folders = [fake_activation_entry(kind, 4096, "float16", toolkit=TOOLKIT)
-               for kind in ("fp8_activations", "fp8_activations_sums", "fp8_rounded")]
+               for kind in ("fp8_activations", "fp8_activations_sums")]
     assert gen_main(args) == 0
     with tarfile.open(out) as tar:
         manifest = json.loads(tar.extractfile("manifest.json").read())
         shipped = {(entry["problem"].get("act", "dtype"), entry["bucket"])
                    for entry in json.loads(tar.extractfile(manifest["table"]).read())["entries"]}
-    assert len(manifest["kernels"]) == len(chosen) + 3 and manifest["about"]["act"] == "fp8"
+    assert len(manifest["kernels"]) == len(chosen) + 2 and manifest["about"]["act"] == "fp8"
     assert all(folder.relative_to(source).as_posix() in manifest["kernels"] for folder in folders)
     assert {("fp8", b) for b in BUCKETS} <= shipped       # every FP8 entry: they decide the W4A16 buckets
     assert {("dtype", b) for b, p in served.items() if not p.fp8} <= shipped

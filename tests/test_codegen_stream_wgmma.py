@@ -139,6 +139,14 @@ CASES = {
     "producer_split_wait_split4_channelwise": (Problem.make(1024, 4096, -1),
                                                Knobs(32, 1, 1, 64, 4, split_k=4, release_barriers=True,
                                                      producer_warp=True, stage_unroll=True, split_wait=True)),
+    # W4A8 on the W4A16 stream (fp8_rounded): each landed stage rounded to its FP8 values in place, in
+    # qkv_proj 16's form (one warpgroup) and with two warpgroups in bf16 (block-barrier stages)
+    "fp8_rounded_qkv16": (Problem(12288, 4096, 128, act="fp8_rounded"),
+                          Knobs(16, 1, 1, 128, 6, split_k=2, release_barriers=True, producer_warp=True, pdl=True,
+                                early_start=2, stage_unroll=True, scale_on_acc=True, fold_lag=True, rotate=True,
+                                split_wait=True)),
+    "fp8_rounded_bf16_wg2": (Problem(1024, 4096, 128, dtype="bfloat16", act="fp8_rounded"),
+                             Knobs(32, 1, 2, 64, 4, split_k=2)),
 }
 
 
@@ -205,6 +213,26 @@ def compiled(request, tmp_path_factory):
     return compiled_case(*CASES[request.param], tmp_path_factory)
 
 
+def test_fp8_rounded_rounds_each_landed_stage_before_its_wgmmas(compiled):
+    """Per k-tile: the stage's barrier wait, its 16-byte chunks rounded (mask 0xFF80FF80 in float16,
+    0xFFF0FFF0 in bfloat16: schedules/fp8_rounding.py), a fence for the async proxy and the consumers'
+    barrier, then the wgmmas."""
+    problem, knobs, src, ptx = compiled
+    masks = re.findall(r"\band\.b32\s+%r\d+, %r\d+, (-8323200|-983056);", ptx)
+    if not problem.rounds_fp8:
+        assert not masks and "tm_round_e4m3" not in src
+        return
+    assert set(masks) == {"-8323200" if problem.dtype == "float16" else "-983056"}
+    body = src[src.index("__global__"):]
+    calls = [m.start() for m in re.finditer(r"tm_round_e4m3_chunks<", body)]
+    assert calls
+    for call in calls:
+        before, after = body[:call], body[call:]
+        assert before.rindex(".wait(") > before.rfind("wgmma_rs")      # the stage has landed
+        assert after.index("tm_consumers_sync(") < after.index("wgmma_rs")
+    assert count(r"fence\.proxy\.async\.shared::cta", ptx) >= 1
+
+
 def test_wgmma_takes_the_weights_from_registers(compiled):
     problem, knobs, src, ptx = compiled
     ab = "f16" if problem.dtype == "float16" else "bf16"
@@ -220,9 +248,10 @@ def test_wgmma_takes_the_weights_from_registers(compiled):
 def test_the_stages_fill_by_tma(compiled):
     problem, knobs, src, ptx = compiled
     # Three tile copies per k-tile (activations with the 128-byte swizzle, words, scales), waited
-    # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA.
+    # for on the stage's mbarrier; no cp.async, and wgmma needs no proxy fence after TMA (fp8_rounded's
+    # own writes to the stage do).
     assert count(r"cp\.async\.bulk\.tensor", ptx) > 0 and count(r"mbarrier\.try_wait", ptx) > 0
-    assert count(r"cp\.async\.cg", ptx) == 0 and count(r"fence\.proxy\.async", ptx) == 0
+    assert count(r"cp\.async\.cg", ptx) == 0 and (count(r"fence\.proxy\.async", ptx) == 0) != problem.rounds_fp8
     # (channelwise scales are read once, by the epilogue)
     assert count(r"ld\.global\.nc", ptx) == 0 or problem.channelwise
     assert not re.search(r"= S\[", k_loop(src))
@@ -306,13 +335,15 @@ def test_split_k_sums_move_whole_vectors(compiled):
 
 def test_barriers_in_the_k_loops(compiled):
     """What each pipeline's k-loops wait on (each barrier counted once per k-tile of the loop text)."""
-    _, knobs, src, _ = compiled
+    problem, knobs, src, _ = compiled
     loops = k_loops(src)
     consumers = [loop for loop in loops if "wgmma_rs" in loop]
     assert consumers, "no k-loop issues wgmmas"
     syncs = r"__syncthreads\(\)"
     empty_wait, empty_arrive = r"empty\[[^\]]+\]\.wait\(", r"empty\[[^\]]+\]\.arrive\(\)"
-    assert all("fence_proxy_async" not in loop for loop in consumers)      # TMA writes through the async proxy
+    # TMA writes through the async proxy; fp8_rounded's rounding writes the stage through the generic one
+    # (its own fence, and TileLang's before the wgmmas)
+    assert all(("fence_proxy_async" in loop) == problem.rounds_fp8 for loop in consumers)
     if not knobs.release_barriers:
         assert all(count(syncs, loop) == 1 for loop in consumers)         # frees the oldest stage for its TMA
         return
@@ -568,8 +599,9 @@ def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
     sums = knobs.groups * knobs.block_m // 2
     assert count(r"fma\.rn\.f32", ptx) >= sums * tiles_per_loop
     if knobs.block_m == 16 and knobs.groups == 1:
-        # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, still 3 blocks per SM)
-        uneven = knobs.longer_splits(problem)
+        # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, fp8_rounded's stage
+        # rounding: 115, still 3 blocks per SM)
+        uneven = knobs.longer_splits(problem) or problem.rounds_fp8
         out = ptxas_output(ptx, "sm_90a", tmp_path)
         bound = (128 if uneven else 112) if knobs.fold_lag else 80
         assert int(re.search(r"Used (\d+) registers", out).group(1)) <= bound, out

@@ -180,7 +180,7 @@ def test_w4a8_reference_is_near_the_w4a16_one_and_not_equal():
 
 def _round_pairs(pairs: torch.Tensor, dropped: int) -> torch.Tensor:
     """stream_mma's fp8_rounded on int64 words of two 16-bit activations (schedules/stream_mma/batch.py,
-    ROUND_FP8: tm_round_e4m3_pair), in 32-bit unsigned arithmetic."""
+    tm_round_e4m3_word in schedules/fp8_rounding.py), in 32-bit unsigned arithmetic."""
     bias = ((1 << (dropped - 1)) - 1) * 0x00010001
     kept = ((0xFFFF << dropped) & 0xFFFF) * 0x00010001
     return ((pairs + bias + ((pairs >> dropped) & 0x00010001)) & kept) & 0xFFFFFFFF

@@ -80,9 +80,8 @@ def test_the_plan_is_the_ops_choice_for_every_problem_and_bucket(h200, monkeypat
 
 def test_the_plan_of_a_w4a8_problem_is_what_the_ops_launcher_loads(h200, monkeypatch):
     """For W4A8 the op's _launcher first picks the problem that serves the bucket (its W4A16 twin at
-    small M on the committed table: at M = 1 a stream_mma kernel that rounds the activations itself,
-    at M = 2-32 stream_wgmma kernels fed rounded ones); the plan lists the same (problem, schedule) for
-    every bucket."""
+    small M on the committed table, compiled to round the activations itself); the plan lists the same
+    (problem, schedule) for every bucket."""
     import runtime.kernels
     import runtime.selfcheck
     import schedules.arch
@@ -99,7 +98,7 @@ def test_the_plan_of_a_w4a8_problem_is_what_the_ops_launcher_loads(h200, monkeyp
     fp8 = Problem(12288, 4096, act="fp8")
     planned = plan([fp8], BUCKETS, dispatch, op.DEFAULT_LAYOUT)
     served = {b: (p, s) for (p, s), buckets in planned.items() for b, _ in buckets}
-    assert sorted(served) == list(BUCKETS) and {p.act for p, _ in served.values()} == {"fp8_rounded", "dtype", "fp8"}
+    assert sorted(served) == list(BUCKETS) and {p.act for p, _ in served.values()} == {"fp8_rounded", "fp8"}
     for bucket, (problem, schedule) in served.items():
         launcher = op._launcher(CUDA0, fp8, op.DEFAULT_LAYOUT, bucket)
         assert (launcher.problem, launcher.schedule) == (problem, schedule), bucket
@@ -550,18 +549,18 @@ def test_a_checkpoint_that_cannot_be_loaded_is_named(cache, capsys, tmp_path):
 
 
 def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monkeypatch):
-    """--act fp8: the FP8 problems' GEMMs (the committed table's fp8 entries), the W4A16 twins' at the
-    buckets the table times them faster, and two activation kernels per K and input dtype (the FP8
-    quantizer and its rounding), listed by --dry-run and built in the GEMMs' worker processes."""
+    """--act fp8: the FP8 problems' GEMMs (the committed table's fp8 entries), the W4A16 twins' schedules
+    built to round the activations themselves at the buckets the table times them faster, and two
+    activation kernels per K and input dtype (the FP8 quantizer, with and without the k-tile sums),
+    listed by --dry-run and built in the GEMMs' worker processes."""
     problem = Problem(4096, 4096, act="fp8")
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096,4096x12288", "--act", "fp8",
                      "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "to build  FP8 activations, K = 4096, float16 input" in out and out.count(" FP8 activations,") == 1
     assert "to build  FP8 activations with k-tile sums, K = 4096, float16 input" in out
-    assert "to build  FP8-rounded activations, K = 4096, float16 input" in out
     assert f"{problem.name} (4096x4096)" in out
-    assert f"{Problem(4096, 4096).name} (4096x4096, W4A8 on W4A16 kernels)" in out   # small M, by the table
+    assert f"{problem.rounded_twin.name} (4096x4096, W4A8 on W4A16 kernels)" in out   # small M, by the table
     built = []
 
     def compile_many(jobs, arch, workers=None, progress=None):
@@ -571,9 +570,9 @@ def test_w4a8_layers_precompile_their_activation_kernel_too(cache, capsys, monke
     monkeypatch.setattr(store, "compile_many", compile_many)
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
     assert built == [("fp8_activations", 4096, "float16", "sm_90a"),
-                     ("fp8_activations_sums", 4096, "float16", "sm_90a"), ("fp8_rounded", 4096, "float16", "sm_90a")]
+                     ("fp8_activations_sums", 4096, "float16", "sm_90a")]
     assert "already in the store, 0 failed" in capsys.readouterr().out   # in the GEMMs' compile_many call
-    for kind in ("fp8_activations", "fp8_activations_sums", "fp8_rounded"):
+    for kind in ("fp8_activations", "fp8_activations_sums"):
         fake_activation_entry(kind, 4096, "float16")
     built.clear()
     assert gen_main(["precompile", "--arch", "sm_90a", "--shapes", "4096x4096", "--act", "fp8"]) == 0
@@ -592,36 +591,35 @@ def test_the_ops_precompile_builds_w4a8s_activation_kernels_with_the_gemms(h200,
                         lambda jobs, arch, workers=None, progress=None: calls.append(jobs) or dict.fromkeys(jobs))
     results = op.precompile([Problem(4096, 4096, act="fp8")], [1, 4096])
     (jobs,) = calls
-    assert set(results) == set(jobs) and all(isinstance(job, tuple) for job in jobs[:-3])
-    assert jobs[-3:] == [store.ActivationJob("fp8_activations", 4096, "float16"),
-                         store.ActivationJob("fp8_activations_sums", 4096, "float16"),
-                         store.ActivationJob("fp8_rounded", 4096, "float16")]
+    assert set(results) == set(jobs) and all(isinstance(job, tuple) for job in jobs[:-2])
+    assert jobs[-2:] == [store.ActivationJob("fp8_activations", 4096, "float16"),
+                         store.ActivationJob("fp8_activations_sums", 4096, "float16")]
 
 
 def test_w4a8_runs_on_its_w4a16_twin_where_the_table_times_the_twin_faster():
     """Dispatch.serving_problem compares the two tuned entries of a bucket; without both, the FP8 kernel.
-    A twin whose schedule rounds the activations in its registers (stream_mma) serves as fp8_rounded."""
+    The twin's schedule serves as fp8_rounded where its family rounds the activations (not marlin_mma)."""
     from types import SimpleNamespace
 
-    from schedules import stream_mma, stream_wgmma
+    from schedules import marlin_mma, stream_mma, stream_wgmma
     from schedules.registry import Schedule
 
     fp8, twin = Problem(4096, 4096, act="fp8"), Problem(4096, 4096)
-    timings = {(fp8, 1): 6.2, (twin, 1): 4.7, (fp8, 2): 6.3, (twin, 2): 4.6, (fp8, 256): 12.7, (twin, 256): 14.7,
-               (fp8, 16): 6.6, (twin, 32): 5.0, (fp8, 128): 9.0, (twin, 128): 9.0}
-    streams = Schedule("stream_mma", stream_mma.Knobs(split_k=2))
-    wgmma = Schedule("stream_wgmma", stream_wgmma.Knobs(block_m=8, groups=1, block_k=128, stages=6,
-                                                        release_barriers=True, producer_warp=True))
+    timings = {(fp8, 1): 6.2, (twin, 1): 4.7, (fp8, 2): 6.3, (twin, 2): 4.6, (fp8, 4): 6.3, (twin, 4): 4.6,
+               (fp8, 256): 12.7, (twin, 256): 14.7, (fp8, 16): 6.6, (twin, 32): 5.0, (fp8, 128): 9.0,
+               (twin, 128): 9.0}
+    schedules = {1: Schedule("marlin_mma", marlin_mma.Knobs()), 2: Schedule("stream_mma", stream_mma.Knobs(split_k=2)),
+                 4: Schedule("stream_wgmma", stream_wgmma.Knobs(block_m=8, groups=1, block_k=128, stages=6,
+                                                                release_barriers=True, producer_warp=True))}
 
     class TimedTable:
         def entry(self, problem, bucket):
             us = timings.get((problem, bucket))
-            schedule = streams if (problem, bucket) == (twin, 2) else wgmma
-            return None if us is None else SimpleNamespace(us=us, schedule=schedule)
+            return None if us is None else SimpleNamespace(us=us, schedule=schedules.get(bucket, schedules[4]))
 
     dispatch = Dispatch(SM90, None, TimedTable(), ())
-    assert dispatch.serving_problem(fp8, 1) == twin
-    assert dispatch.serving_problem(fp8, 2) == fp8.rounded_twin
+    assert dispatch.serving_problem(fp8, 1) == fp8            # marlin_mma cannot round: the FP8 kernel
+    assert dispatch.serving_problem(fp8, 2) == fp8.rounded_twin == dispatch.serving_problem(fp8, 4)
     assert dispatch.serving_problem(fp8, 256) == fp8
     assert dispatch.serving_problem(fp8, 16) == fp8 and dispatch.serving_problem(fp8, 64) == fp8
     assert dispatch.serving_problem(fp8, 32) == fp8         # the twin alone was tuned: nothing to compare

@@ -14,6 +14,7 @@ from schedules.problem import Problem
 from schedules.quant import fp8_kernel_activations, mismatch, reference_w4a8, relative_error
 from schedules.registry import Schedule
 from tests.test_codegen_stream import CASES as STREAM_CASES
+from tests.test_codegen_stream_wgmma import CASES as WGMMA_CASES
 from tests.test_codegen_w4a8 import CASES
 
 pytestmark = pytest.mark.gpu
@@ -98,36 +99,43 @@ def check_kernel(name, problem, knobs, a) -> float:
     return relative_error(out, reference)
 
 
-ROUNDED = sorted(name for name, (_, problem, _) in STREAM_CASES.items() if problem.rounds_fp8)
+# fp8_rounded kernels: (family, problem, knobs) by name
+ROUNDED = {**{name: ("stream_mma", problem, knobs) for name, (_, problem, knobs) in STREAM_CASES.items()
+              if problem.rounds_fp8},
+           **{name: ("stream_wgmma", problem, knobs) for name, (problem, knobs) in WGMMA_CASES.items()
+              if problem.rounds_fp8}}
 
 
-@pytest.mark.parametrize("name", ROUNDED)
+@pytest.mark.parametrize("name", sorted(ROUNDED))
 @pytest.mark.parametrize("m", ODD_M)
-def test_the_weight_stream_rounding_activations_itself_matches_the_w4a8_reference(name, m):
-    """stream_mma's fp8_rounded kernels (the activations rounded to e4m3's 3 mantissa bits in their
-    registers) against the same W4A8 reference as the FP8 kernels: NaN-poisoned outputs, odd M,
-    twice on the workspace the first call left; activations of mean 0 and 2."""
-    _, problem, knobs = STREAM_CASES[name]
+def test_w4a16_kernels_rounding_activations_themselves_match_the_w4a8_reference(name, m):
+    """The fp8_rounded kernels (the activations rounded to e4m3's 3 mantissa bits in stream_mma's
+    registers or in stream_wgmma's landed stages) against the same W4A8 reference as the FP8 kernels:
+    NaN-poisoned outputs, odd M, twice on the workspace the first call left; activations of mean 0
+    and 2."""
+    family, problem, knobs = ROUNDED[name]
+    module = stream_mma if family == "stream_mma" else stream_wgmma
     dtype = getattr(torch, problem.dtype)
     codes, scales = weights(problem.k, problem.n, problem.group, dtype)
     qweight, packed_scales = marlin_mma.pack(codes, scales)
-    kernel = compile_schedule(problem, Schedule("stream_mma", knobs), SM90)
-    ws_elems, counters = stream_mma.workspace_elems(problem, knobs, m)
+    kernel = compile_schedule(problem, Schedule(family, knobs), SM90)
+    ws_elems, counters = module.workspace_elems(problem, knobs, m)
     ws = torch.zeros(max(ws_elems, 1), dtype=torch.float32, device="cuda")
     tile_counters = torch.zeros(max(counters, 1), dtype=torch.int32, device="cuda")
     out = torch.empty((m, problem.n), dtype=dtype, device="cuda")
     for call, mean in ((1, 0.0), (2, 2.0)):
         a = activations(m, problem.k, dtype, seed=m + call) + mean
         out.fill_(float("nan"))
-        kernel(*stream_mma.kernel_args(problem, knobs, a, qweight, packed_scales, out, ws, tile_counters))
+        kernel(*module.kernel_args(problem, knobs, a, qweight, packed_scales, out, ws, tile_counters))
         torch.cuda.synchronize()
         why = mismatch(out, reference_w4a8(a, codes, scales), problem.dtype)
         assert why is None, f"{name} M={m} call {call}: {why}"
 
 
-def test_the_op_at_m_1_rounds_in_the_weight_stream_on_the_committed_table(monkeypatch):
-    """With the committed H200 table, W4A8 at M = 1 runs on the W4A16 twin's stream_mma kernel compiled
-    as fp8_rounded (no activation kernel), within 2e-3 of the W4A8 reference."""
+@pytest.mark.parametrize("m, family", [(1, "stream_mma"), (16, "stream_wgmma")])
+def test_the_op_at_small_m_rounds_in_the_twins_kernel_on_the_committed_table(monkeypatch, m, family):
+    """With the committed H200 table, W4A8 at M = 1 and 16 runs on the W4A16 twin's kernel compiled as
+    fp8_rounded (no activation kernel), within 2e-3 of the W4A8 reference."""
     import runtime.dispatch as dispatching
     import runtime.op as op
     from runtime.table import TunedTable
@@ -139,11 +147,11 @@ def test_the_op_at_m_1_rounds_in_the_weight_stream_on_the_committed_table(monkey
     k, n = 4096, 12288
     codes, scales = weights(k, n, 128)
     qweight, packed_scales = marlin_mma.pack(codes, scales)
-    a = activations(1, k)
+    a = activations(m, k)
     out = w4a8_gemm(a, qweight, packed_scales, n, k, 128)
     launcher = op._launcher(torch.device("cuda", torch.cuda.current_device()), Problem(n, k, act="fp8"),
-                            op.DEFAULT_LAYOUT, 1)
-    assert launcher.problem.rounds_fp8 and launcher.schedule.family == "stream_mma"
+                            op.DEFAULT_LAYOUT, m)
+    assert launcher.problem.rounds_fp8 and launcher.schedule.family == family
     assert relative_error(out, reference_w4a8(a, codes, scales)) < 2e-3
 
 

@@ -46,14 +46,13 @@ class Deployment:
         return plan([t.problem for t in self.targets], self.buckets, self.dispatch, DEFAULT_LAYOUT)
 
     def labels(self) -> dict:
-        """problem -> its name and the layers that share it; a W4A8 problem's W4A16 twins, whose kernels
-        serve some of its buckets (Dispatch.serving_problem: fed FP8-rounded activations, or rounding
-        them in registers), are named after the same layers."""
+        """problem -> its name and the layers that share it; a W4A8 problem's fp8_rounded twin, whose
+        kernels serve some of its buckets (Dispatch.serving_problem), is named after the same layers."""
         labels = {}
         for t in self.targets:
             if t.problem.fp8:
-                for twin in (t.problem.w4a16_twin, t.problem.rounded_twin):
-                    labels.setdefault(twin, f"{twin.name} ({t.label}, W4A8 on W4A16 kernels)")
+                twin = t.problem.rounded_twin
+                labels.setdefault(twin, f"{twin.name} ({t.label}, W4A8 on W4A16 kernels)")
             labels[t.problem] = f"{t.problem.name} ({t.label})"
         return labels
 

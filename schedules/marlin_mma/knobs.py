@@ -103,8 +103,8 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if problem.fp8:
         return "FP8 activations run on stream_wgmma only (FP8 wgmma, sm_90a)"
     if problem.rounds_fp8:
-        return ("activations rounded to FP8 in the kernel are stream_mma's: marlin_mma's pass from shared memory "
-                "to the MMAs by ldmatrix without a rounding step")
+        return ("activations rounded to FP8 in the kernel are stream_mma's and stream_wgmma's: marlin_mma's pass "
+                "from shared memory to the MMAs by ldmatrix without a rounding step")
     reason = tiling_reason(problem, kb.block_n, kb.block_k, "one scale row per tile")
     if reason:
         return reason

@@ -9,28 +9,6 @@ from ..marlin_mma.layout import SLAB_N
 from .knobs import MMA_N
 from .plan import Plan
 
-# fp8_rounded (W4A8 on this kernel): a register of two activations rounded to e4m3's 3 mantissa bits,
-# to nearest with ties to even, each 16-bit half on its own: add half the last kept bit's weight less
-# one, and that bit itself (the tie goes to the even side), then clear the dropped bits (7 of float16's
-# mantissa, 4 of bfloat16's). A carry out of the mantissa moves the exponent up, as rounding should;
-# none crosses into the other half for finite values. With W4A8's power-of-two token scales this is
-# e4m3's rounding of x / s, times s, wherever x / s is a normal e4m3 number (schedules.quant.
-# fp8_token_scales) and x is a normal float16 / bfloat16: no scale is needed, so no activation kernel
-# runs before this one. Below 2^-6 s, where e4m3 has subnormals, values keep 3 bits instead, and
-# float16's subnormals (under 2^-14) round to multiples of 2^-17: within 2^-9 s or 2^-17 of W4A8's
-# value (tests/test_fp8_decode.py). float16 values from 63488 up round to infinity, as the rounded
-# product with the scale does.
-ROUND_FP8 = r"""
-template <int kDropped>
-__device__ __forceinline__ void tm_round_e4m3_pair(void* pair) {
-  constexpr unsigned kBias = ((1u << (kDropped - 1)) - 1) * 0x00010001u;
-  constexpr unsigned kKept = ((0xFFFFu << kDropped) & 0xFFFFu) * 0x00010001u;
-  unsigned& w = *static_cast<unsigned*>(pair);
-  w = (w + kBias + ((w >> kDropped) & 0x00010001u)) & kKept;
-}
-__device__ __forceinline__ void tm_round_e4m3_f16x2(void* pair) { tm_round_e4m3_pair<7>(pair); }
-__device__ __forceinline__ void tm_round_e4m3_bf16x2(void* pair) { tm_round_e4m3_pair<4>(pair); }
-"""
 
 
 def batch_compute(plan: Plan):
@@ -51,7 +29,7 @@ def batch_compute(plan: Plan):
             T.call_extern("handle", "__syncwarp")      # ... for every lane of the warp
         if batch < plan.batches:
             read_slots(bufs, slot, lane, wk, xb)
-            if plan.round_fp8:
+            if plan.round_fp8:      # fp8_rounded: each register of two activations (schedules/fp8_rounding.py)
                 for i in T.unroll(plan.per_x // 2):
                     T.call_extern("handle", plan.round_fp8_name, T.access_ptr(bufs.x[xb + 2 * i], "rw"))
             if plan.fold and not plan.lag:    # fold_lag zeroes a set right after folding it

@@ -47,9 +47,10 @@ from templates import render_dequant
 
 from ..epilogue import (CLUSTER_HELPERS, EARLY_START_HELPERS, split_k_prelude, store_tile,
                         w4a16_prim_func, wait_for_prior_grids)
+from ..fp8_rounding import ROUND_PAIR
 from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
-from .batch import ROUND_FP8, batch_compute, sums_fold
+from .batch import batch_compute, sums_fold
 from .knobs import Knobs
 from .plan import Buffers, Plan
 from .stream import STREAM_LOAD, batch_loads, start_early
@@ -67,7 +68,7 @@ def build(problem: Problem, knobs: Knobs):
     m = T.dynamic("m")
     tiles = T.dynamic("tiles")
     bm, bn, warps, ahead = plan.bm, plan.bn, plan.warps, plan.ahead
-    prelude = (render_dequant(problem.dtype, problem.bits) + STREAM_LOAD + (ROUND_FP8 if plan.round_fp8 else "")
+    prelude = (render_dequant(problem.dtype, problem.bits) + STREAM_LOAD + (ROUND_PAIR if plan.round_fp8 else "")
                + (CLUSTER_HELPERS if plan.cluster else "") + (EARLY_START_HELPERS if kb.early_start else "")
                + split_k_prelude(bm, bn, kb.split_k, kb.threads, problem.n, not plan.grouped, plan.cluster))
     wait_prior = wait_for_prior_grids(plan.cluster, kb.pdl)

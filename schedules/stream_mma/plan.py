@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 from templates import dequant_function_names, mma_operand_dtype, raw_decode, zero_decode
 
+from ..fp8_rounding import round_pair_call
 from ..marlin_mma.layout import TILE_K
 from ..problem import Problem
 from .knobs import MMA_N, Knobs
-
-ROUND_FP8_NAMES = {"float16": "tm_round_e4m3_f16x2", "bfloat16": "tm_round_e4m3_bf16x2"}
 
 
 class Plan:
@@ -50,7 +49,7 @@ class Plan:
 
         # fp8_rounded: each batch's activation fragments rounded to e4m3's 3 mantissa bits before its MMAs
         self.round_fp8 = problem.rounds_fp8
-        self.round_fp8_name = ROUND_FP8_NAMES[self.dtype]
+        self.round_fp8_name = round_pair_call(self.dtype)
 
         # The decode and the sums.
         self.mma_dtype = mma_operand_dtype(self.dtype)

@@ -29,6 +29,7 @@ from tilelang.layout import make_swizzled_layout
 from templates import render_dequant
 
 from ..epilogue import CLUSTER_HELPERS, EARLY_START_HELPERS, w4a8_prim_func, w4a16_prim_func
+from ..fp8_rounding import ROUND_CHUNKS
 from ..problem import Problem
 from .correction import FENCE_ASYNC_SHARED, K_TILES_PER_STEP, add_offset_correction
 from .decode import zero_sums
@@ -44,7 +45,8 @@ def device_code(plan: Plan) -> str:
     kb = plan.kb
     return render_dequant(plan.dtype, plan.bits) + (CLUSTER_HELPERS if plan.cluster else "") + \
         (WARP_INDEX if kb.producer_warp else "") + (COPY16 if kb.staged_store else "") + \
-        (CONSUMERS_SYNC if kb.staged_store or plan.offset else "") + \
+        (CONSUMERS_SYNC if kb.staged_store or plan.offset or plan.round_fp8 else "") + \
+        (ROUND_CHUNKS if plan.round_fp8 else "") + \
         (FENCE_ASYNC_SHARED if plan.offset else "") + (EARLY_START_HELPERS if kb.early_start else "") + \
         plan.split_k_prelude
 

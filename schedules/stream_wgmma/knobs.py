@@ -229,9 +229,6 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.block_k not in (64, 128):
         return (f"block_k={kb.block_k}: TMA fills the stages in 64-wide swizzled tiles (block_k=64, or 128 as two "
                 "of them)")
-    if problem.rounds_fp8:
-        return ("activations rounded to FP8 in the kernel are stream_mma's: wgmma reads stream_wgmma's from shared "
-                "memory, never from registers")
     reason = fp8_reason(problem, kb) or offset_decode_reason(problem, kb)
     if reason:
         return reason

@@ -56,6 +56,16 @@ def mma_stage(plan, mem, abuf, tile, sums=0):
 
 
 @T.macro
+def round_stage(plan, mem, tile):
+    """fp8_rounded: the consumers round the landed stage's activations to their FP8 values in place and
+    fence them for the async proxy (schedules/fp8_rounding.py), then meet, so that no wgmma reads the
+    stage before every chunk of it is rounded."""
+    T.call_extern("handle", plan.round_stage,
+                  mem.X_s.access_ptr("rw", offset=tile % plan.stages * plan.stage_units * 8))
+    T.call_extern("handle", "tm_consumers_sync", plan.consumers)
+
+
+@T.macro
 def mma_ring(plan, mem, tile):
     """ring = D: the stage's k-steps one commit group each, k-step u decoded into fragment slot
     u % D once the wgmmas that read it last (D groups back) are done: D k-steps of wgmmas in
@@ -81,6 +91,8 @@ def consume_k_tile(plan, mem, k0, by, bx, tx, wg, wq, lane, g, t, r, first=True,
     once per trip)."""
     stages, sacc, release, empty = plan.stages, plan.sacc, plan.release, mem.empty
     T.mbarrier_wait_parity(mem.full[g % stages], g // stages % 2)
+    if plan.round_fp8:
+        round_stage(plan, mem, g)
     read_w(plan, mem, g, wg, wq, lane, r % 2 * plan.per_s if sacc else 0)
     if plan.kb.ring:
         mma_ring(plan, mem, g)

@@ -25,6 +25,7 @@ from templates import dequant_function_names, fp8_decode_name, mma_operand_dtype
 
 from ..epilogue import split_k_prelude, store_tile, store_tile_split_wait, wait_for_prior_grids
 from ..marlin_mma.layout import SLAB_N
+from ..fp8_rounding import round_chunks_call
 from ..problem import Problem
 from .knobs import Knobs
 
@@ -124,6 +125,10 @@ class Plan:
         x_bytes = 1 if self.fp8 else 2
         self.atoms = self.bk * x_bytes // 128    # [block_m, 128-byte] swizzled tiles per stage, along K
         self.stage_units = self.bm * self.bk * x_bytes // 16
+        # fp8_rounded: each landed stage's activations rounded to their FP8 values in place by the
+        # consumers (schedules/fp8_rounding.py), who then meet before its wgmmas
+        self.round_fp8 = problem.rounds_fp8
+        self.round_stage = round_chunks_call(problem.dtype, self.stage_units, self.consumers)
         self.out_chunks = self.bm * self.bn // 8     # 16-byte chunks of the output tile (staged_store)
         self.out_rounds = -(-self.out_chunks // self.consumers)
         self.split_k_prelude = split_k_prelude(self.bm, self.bn, kb.split_k, self.threads, problem.n,
