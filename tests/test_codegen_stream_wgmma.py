@@ -140,13 +140,14 @@ CASES = {
                                                Knobs(32, 1, 1, 64, 4, split_k=4, release_barriers=True,
                                                      producer_warp=True, stage_unroll=True, split_wait=True)),
     # W4A8 on the W4A16 stream (fp8_rounded): each landed stage rounded to its FP8 values in place, in
-    # qkv_proj 16's form (one warpgroup) and with two warpgroups in bf16 (block-barrier stages)
+    # qkv_proj 16's form (one warpgroup) and with two warpgroups in bf16 (block-barrier stages); up to
+    # block_m 16 (knobs.check)
     "fp8_rounded_qkv16": (Problem(12288, 4096, 128, act="fp8_rounded"),
                           Knobs(16, 1, 1, 128, 6, split_k=2, release_barriers=True, producer_warp=True, pdl=True,
                                 early_start=2, stage_unroll=True, scale_on_acc=True, fold_lag=True, rotate=True,
                                 split_wait=True)),
     "fp8_rounded_bf16_wg2": (Problem(1024, 4096, 128, dtype="bfloat16", act="fp8_rounded"),
-                             Knobs(32, 1, 2, 64, 4, split_k=2)),
+                             Knobs(16, 1, 2, 64, 4, split_k=2)),
 }
 
 
@@ -460,6 +461,15 @@ def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
         assert f"if ({short} <= ((int)blockIdx.z))" in src
 
 
+def test_fp8_rounded_is_refused_past_block_m_16_and_by_marlin_mma():
+    from schedules import marlin_mma
+
+    rounded = Problem(1024, 4096, 128, act="fp8_rounded")
+    assert stream_wgmma.check(rounded, Knobs(16, 1, 1, 128, 4), SM90) is None
+    assert "block_m=16" in stream_wgmma.check(rounded, Knobs(32, 1, 1, 128, 4), SM90)
+    assert "stream_mma's and stream_wgmma's" in marlin_mma.check(rounded, marlin_mma.Knobs(), SM90)
+
+
 def test_split_wait_is_refused_where_it_cannot_apply():
     problem = Problem(1024, 4096, 128)
     released = dict(release_barriers=True)
@@ -599,9 +609,8 @@ def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
     sums = knobs.groups * knobs.block_m // 2
     assert count(r"fma\.rn\.f32", ptx) >= sums * tiles_per_loop
     if knobs.block_m == 16 and knobs.groups == 1:
-        # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, fp8_rounded's stage
-        # rounding: 115, still 3 blocks per SM)
-        uneven = knobs.longer_splits(problem) or problem.rounds_fp8
+        # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, still 3 blocks per SM)
+        uneven = knobs.longer_splits(problem)
         out = ptxas_output(ptx, "sm_90a", tmp_path)
         bound = (128 if uneven else 112) if knobs.fold_lag else 80
         assert int(re.search(r"Used (\d+) registers", out).group(1)) <= bound, out

@@ -229,6 +229,11 @@ def check(problem: Problem, knobs: Knobs, arch: Arch) -> str | None:
     if kb.block_k not in (64, 128):
         return (f"block_k={kb.block_k}: TMA fills the stages in 64-wide swizzled tiles (block_k=64, or 128 as two "
                 "of them)")
+    if problem.rounds_fp8 and kb.block_m > 16:
+        # The consumers round every landed stage on their own path: 4-12 % of the kernel at block_m 16,
+        # 30-60 % at 32 and 64 (H100, 2026-12-06; docs/performance.md, W4A8 on the W4A16 kernels).
+        return (f"fp8_rounded rounds each stage's {kb.block_m} x {kb.block_k} activations on the consumers' path: "
+                "measured worth it up to block_m=16 only")
     reason = fp8_reason(problem, kb) or offset_decode_reason(problem, kb)
     if reason:
         return reason
