@@ -41,7 +41,7 @@ ROUND_CHUNKS = ROUND_PAIR + r"""
 template <int kDropped, int kChunks, int kThreads>
 __device__ __forceinline__ void tm_round_e4m3_chunks(void* stage) {
   uint4* chunks = static_cast<uint4*>(stage);
-  #pragma unroll 1
+  #pragma unroll
   for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
     const int c = i * kThreads + static_cast<int>(threadIdx.x);
     if (kChunks % kThreads == 0 || c < kChunks) {
