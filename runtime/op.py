@@ -70,7 +70,10 @@ FP8_K_TILE = 128
 def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAYOUT,
                zero_points: bool = False, act: str = "dtype") -> Problem:
     """The Problem of a layer, after checking that `layout` can hold its weights (N, K) and that the
-    kernel families take its group size."""
+    kernel families take its group size. A layer's activations are its dtype's or FP8's (`act`
+    "dtype" or "fp8"); fp8_rounded is what the op runs W4A8 as at some buckets, not a layer's choice."""
+    if act not in ("dtype", "fp8"):
+        raise ValueError(f"act={act!r}: a layer's activations are 'dtype' (W4A16) or 'fp8' (W4A8)")
     problem = Problem.make(n=n, k=k, group=group, dtype=dtype, zero_points=zero_points, act=act)
     layout_family(layout).layout.check_packable(problem.k, problem.n)
     reason = group_size_problem(group, k)

@@ -20,7 +20,7 @@ second time in the k order, under those early weight reads, the calls measured s
 from .arch import Arch
 from .epilogue import EARLY_START_HELPERS
 from .marlin_mma.layout import FP8_K_ORDER, TILE_K
-from .quant import FP8_E4M3_MAX, FP8_K_TILE
+from .quant import FP8_K_TILE
 from .row_kernels import threads_for
 
 
@@ -86,7 +86,8 @@ __device__ __forceinline__ float tm_token_scale(float amax) {
 """
 
 # A thread's columns of the staged row at once: each divided by the row's scale (IEEE division, exact
-# by a power of two, also where the scale is subnormal), converted to e4m3 two at a time (round to nearest, saturating to +-448) and stored
+# by a power of two, also where the scale is subnormal), converted to e4m3 two at a time (round to
+# nearest, saturating to +-448) and stored
 # in the FP8 k order, in which byte 4w + j of every 16 columns holds column 2w + 8 (j % 2) + j / 2
 # (FP8_K_ORDER): words w of a 16-column group read columns 2w, 2w + 1, 2w + 8 and 2w + 9. A thread
 # takes a whole group (kWords 4: columns 0-7 and 8-15, one 16-byte store) or half of one (kWords 2,
@@ -199,13 +200,6 @@ def _check_hopper(arch: Arch) -> None:
     if not arch.hopper:
         raise ValueError(f"W4A8's activation kernels serve FP8 wgmma (Hopper, sm_90a); {arch.name} has none")
 
-
-def _e4m3(value):
-    """value (float32, already divided by the row's scale) as e4m3: clamped to the finite range, then
-    rounded to nearest (saturating)."""
-    import tilelang.language as T
-
-    return T.cast(T.clamp(value, -FP8_E4M3_MAX, FP8_E4M3_MAX), "float8_e4m3fn")
 
 
 def build(k: int, dtype: str, arch: Arch):

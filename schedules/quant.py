@@ -105,7 +105,7 @@ def fp8_token_scales(a: torch.Tensor) -> torch.Tensor:
     while m <= 1.75 (448 = 1.75 * 2^8), else 2^(E - 7): no division, so the kernels compute the same
     bits. A power of two makes a / s exact, and e4m3's rounding of a / s the same as rounding a to
     e4m3's 3 mantissa bits wherever a / s is a normal e4m3 number (>= 2^-6): what lets the W4A16
-    stream round activations in its registers without the scale (schedules/stream_mma)."""
+    kernels round activations themselves without the scale (schedules/fp8_rounding.py)."""
     amax = a.float().abs().amax(dim=-1, keepdim=True)
     mantissa, exponent = torch.frexp(amax)      # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
     scales = torch.ldexp(torch.ones_like(amax), torch.where(mantissa <= 0.875, exponent - 9, exponent - 8))

@@ -121,6 +121,13 @@ def test_w4a8_group_sizes_its_kernels_cannot_run_are_refused(no_kernel_build):
     QuantLinear(4096, 256, group_size=64, precompile=False)
 
 
+@pytest.mark.parametrize("act", ["fp8_rounded", "int8"])
+def test_a_layer_takes_only_its_dtypes_or_fp8_activations(no_kernel_build, act):
+    """fp8_rounded is what the op runs some W4A8 buckets as, not a layer's choice."""
+    with pytest.raises(ValueError, match=f"act='{act}'.*'dtype' \\(W4A16\\) or 'fp8' \\(W4A8\\)"):
+        QuantLinear(4096, 256, act=act, precompile=False)
+
+
 @pytest.mark.parametrize("codes, scales, match", [
     (torch.full((256, 128), 16, dtype=torch.uint8), torch.ones(2, 128), "code 16 at row 0, column 0"),
     (torch.zeros(2, 256, 128, dtype=torch.uint8), torch.ones(2, 128), r"codes must be \[K, N\]"),

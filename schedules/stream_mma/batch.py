@@ -10,7 +10,6 @@ from .knobs import MMA_N
 from .plan import Plan
 
 
-
 def batch_compute(plan: Plan):
     """A T.macro(bufs, buf, slot, batch, lane, wk) that decodes and multiplies the batch in register
     buffer `buf` (activations, and with async_weights the weights and scales too: shared slot `slot`),

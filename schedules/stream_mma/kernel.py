@@ -24,6 +24,8 @@ Why it looks the way it does:
   loads repeat row M-1 (L1 hits), the shared slots are zero-filled (at M = 1 eight copies of one
   row, fetched by L2-only cp.async, were eight requests for the same lines from every warp); their
   copies allocate in L1, since the blocks of an SM read the same k-steps of A.
+- W4A8 at small M (fp8_rounded problems) runs here too: each batch's activation registers are rounded
+  to their FP8 values before its MMAs (schedules/fp8_rounding.py).
 - Group scales multiply the decoded weights (one half2 multiply per pair), or with fold_zero_point
   the MMA gets raw magic-number codes while the offsets (magic number and zero point) come off each
   batch's sums before the scale: the kernel is bound by the SM's instructions, not by HBM

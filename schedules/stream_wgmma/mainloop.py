@@ -13,6 +13,9 @@ Why it looks the way it does:
 - ring = D commits each k-step's wgmmas as a group of their own and decodes k-step u into slot u % D
   once the wgmmas that read it last are done: D k-steps of fragments instead of two stages', fewer
   registers, more blocks per SM (docs/performance.md, ring).
+- fp8_rounded (W4A8 on this kernel, block_m <= 16): once a stage has landed the consumers round its
+  activations to their FP8 values in place, fence them for the async proxy and meet before its
+  wgmmas (schedules/fp8_rounding.py).
 - scale_on_acc gives each k-tile's wgmmas sums of their own; ptxas serializes every wgmma (C7514)
   if sums are read with any wgmma in flight across the loop's back edge, so the fold waits for all
   of them, or with fold_lag folds k-tile t - 1's under k-tile t's wgmmas within the unrolled trip and

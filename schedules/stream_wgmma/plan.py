@@ -24,8 +24,8 @@ import tilelang.language as T
 from templates import dequant_function_names, fp8_decode_name, mma_operand_dtype, zero_decode
 
 from ..epilogue import split_k_prelude, store_tile, store_tile_split_wait, wait_for_prior_grids
-from ..marlin_mma.layout import SLAB_N
 from ..fp8_rounding import round_chunks_call
+from ..marlin_mma.layout import SLAB_N
 from ..problem import Problem
 from .knobs import Knobs
 
