@@ -381,8 +381,9 @@ def w4a16_prim_func(body, m, tiles, n: int, k: int, scale_rows: int, dtype: str,
     """The kernel's signature, shared by the mma.sync families: A [m, K], packed B [K/16, 2N] int32,
     scales [scale_rows, N] (Problem.scale_rows: K/group, with zero points a zero-point row after each),
     C [m, N], and with `workspace` (split-K through global memory) the fp32 workspace [slots * m, N]
-    (split_wait: a slot of m rows per split but the last) and int32 tile counters [tiles]. `body` is a T.macro(A, B, S, C, ws, counters) and m, tiles the T.dynamic
-    variables it was built with."""
+    (split_wait: a slot of m rows per split but the last) and int32 tile counters [tiles]. `body` is a
+    T.macro(A, B, S, C, ws, counters) and m, tiles the T.dynamic variables it was built with. (TileLang
+    reads a prim_func's parameters from its Python signature, so each set of tensors is a def of its own.)"""
     if workspace:
         @T.prim_func
         def w4a16_gemm(A: T.Tensor((m, k), dtype), B: T.Tensor((k // 16, 2 * n), "int32"),

@@ -4,10 +4,10 @@ One block per row (token): its threads copy the row into shared memory (16-byte 
 read of global memory) and reduce the largest magnitude across the block; then each thread takes 16
 columns (or 8) of the shared copy, divides them by the row's scale (the smallest power of two s with
 448 s >= amax: schedules.quant.fp8_token_scales), converts them to e4m3 (round to nearest, saturating
-to the finite range) and stores the bytes at once in the order of
-marlin_mma.layout.fp8_k_order (position p of every 16 columns holds column FP8_K_ORDER[p]), so that an
-8-bit MMA fed with the packed INT4 words sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the per-token factor of the
-output; build_with_sums also writes the sum of each 128 columns' e4m3 values to KS [M, K / 128], which
+to the finite range) and stores the bytes at once in the order of marlin_mma.layout.fp8_k_order
+(position p of every 16 columns holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with the
+packed INT4 words sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the
+per-token factor of the output; build_with_sums also writes the sum of each 128 columns' e4m3 values to KS [M, K / 128], which
 GEMMs with offset_decode need (their weight decode is offset: templates/dequant.cuh.j2). Each block
 first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built with the pdl knob
 then starts while this one runs, asks L2 for its first weights (early_start) and waits for this
