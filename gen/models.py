@@ -42,7 +42,7 @@ UNFUSED_HELP = ("the --model layers as transformers' modules run them: q, k, v, 
 def add_layer_arguments(p, shapes_help: str = "extra KxN shapes, comma separated, e.g. 4096x12288,11008x4096") -> None:
     """The flags that name the layers and their form, the same in every command that takes them:
     --model, --tp, --unfused, --shapes, --group, --dtype, --zero-points, --checkpoint, --act."""
-    from schedules.problem import SUPPORTED_ACTS, SUPPORTED_DTYPES
+    from schedules.problem import LAYER_ACTS, SUPPORTED_DTYPES
 
     p.add_argument("--model", help="a registered model (see gen/models.py) or a path to a Hugging Face config.json; "
                    "several, comma separated, share one run (a layer shape they share is one problem)")
@@ -59,7 +59,7 @@ def add_layer_arguments(p, shapes_help: str = "extra KxN shapes, comma separated
                         "runtime.load_quantized serves them (fused q_k_v_proj and gate_up_proj where the model reads them "
                         "from one input, their group sizes and zero points, "
                         "the act-order gathers), in --dtype; instead of --model and --shapes")
-    p.add_argument("--act", choices=SUPPORTED_ACTS, default="dtype",
+    p.add_argument("--act", choices=LAYER_ACTS, default="dtype",
                    help="the layers' activations: dtype (W4A16) or fp8 (W4A8: FP8 e4m3 per token on FP8 wgmma, "
                         "sm_90a, with its activation kernel for each K, whose time is the same for every "
                         "candidate and not part of tuned times)")

@@ -25,7 +25,7 @@ from typing import Iterable
 
 import torch
 
-from schedules.problem import Problem
+from schedules.problem import LAYER_ACTS, Problem
 from schedules.quant import FP8_K_TILE
 from schedules.registry import FAMILIES, Schedule, group_size_problem
 
@@ -72,7 +72,7 @@ def problem_of(n: int, k: int, group: int, dtype: str, layout: str = DEFAULT_LAY
     """The Problem of a layer, after checking that `layout` can hold its weights (N, K) and that the
     kernel families take its group size. A layer's activations are its dtype's or FP8's (`act`
     "dtype" or "fp8"); fp8_rounded is what the op runs W4A8 as at some buckets, not a layer's choice."""
-    if act not in ("dtype", "fp8"):
+    if act not in LAYER_ACTS:
         raise ValueError(f"act={act!r}: a layer's activations are 'dtype' (W4A16) or 'fp8' (W4A8)")
     problem = Problem.make(n=n, k=k, group=group, dtype=dtype, zero_points=zero_points, act=act)
     layout_family(layout).layout.check_packable(problem.k, problem.n)

@@ -10,6 +10,8 @@ SUPPORTED_BITS = (4,)
 # token (W4A8: schedules/fp8_activations.py quantizes them first), or the problem's dtype rounded to
 # those FP8 values by a W4A16 kernel itself (fp8_rounded: W4A8 at small M, schedules/fp8_rounding.py).
 SUPPORTED_ACTS = ("dtype", "fp8", "fp8_rounded")
+# What a layer asks for: fp8_rounded is what the op runs a W4A8 layer as at some buckets, not a choice.
+LAYER_ACTS = ("dtype", "fp8")
 
 
 @dataclass(frozen=True)

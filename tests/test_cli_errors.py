@@ -87,3 +87,12 @@ def test_a_malformed_or_missing_flag_is_one_line_naming_it(capsys, argv, message
         main(argv)
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and err.startswith(message) and err.endswith("--help)") and "\n" not in err, err
+
+
+def test_act_takes_what_a_layer_can_ask_for(capsys):
+    """fp8_rounded is what the op runs some W4A8 buckets as (on the W4A16 twin's tuned entries), not
+    activations a layer, and so a tune, can ask for."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["tune", "--shapes", "4096x4096", "--act", "fp8_rounded", "--dry-run"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'fp8_rounded'" in err
