@@ -13,9 +13,9 @@ Why it looks the way it does:
 - ring = D commits each k-step's wgmmas as a group of their own and decodes k-step u into slot u % D
   once the wgmmas that read it last are done: D k-steps of fragments instead of two stages', fewer
   registers, more blocks per SM (docs/performance.md, ring).
-- fp8_rounded (W4A8 on this kernel): the consumers wait for a stage's "rounded" barrier instead of
-  its "full" one: the producer warp has rounded its activations to their FP8 values in place and
-  fenced them for the async proxy (producer.py).
+- fp8_rounded (W4A8 on this kernel): the consumers also wait for a stage's "rounded" barrier: the
+  producer warp has rounded its activations to their FP8 values in place and fenced them for the
+  async proxy (producer.py).
 - scale_on_acc gives each k-tile's wgmmas sums of their own; ptxas serializes every wgmma (C7514)
   if sums are read with any wgmma in flight across the loop's back edge, so the fold waits for all
   of them, or with fold_lag folds k-tile t - 1's under k-tile t's wgmmas within the unrolled trip and
@@ -77,13 +77,17 @@ def mma_ring(plan, mem, tile):
 @T.macro
 def consume_k_tile(plan, mem, k0, by, bx, tx, wg, wq, lane, g, t, r, first=True, last=True):
     """K-tile t (number g of the block's sequence) into A fragment buffer r % 2: wait for its stage's
-    barrier phase (fp8_rounded: its "rounded" barrier's), decode, issue the wgmmas; then free the
+    barrier phase (fp8_rounded: and its "rounded" barrier's), decode, issue the wgmmas; then free the
     oldest stage: a block barrier after the wgmma wait (and the next copy, issued by one elected
     thread), or with release_barriers an arrival on the stage's "empty" barrier (warp 0 refills it,
     or with producer_warp the producer warp). first / last: whether it opens / closes its unrolled
     trip (fold_lag waits for all wgmmas once per trip)."""
     stages, sacc, release, empty = plan.stages, plan.sacc, plan.release, mem.empty
-    T.mbarrier_wait_parity((mem.rounded if plan.round_fp8 else mem.full)[g % stages], g // stages % 2)
+    T.mbarrier_wait_parity(mem.full[g % stages], g // stages % 2)
+    if plan.round_fp8:
+        # (after the copies' own barrier, whose completion makes the words and scales visible to this
+        # thread directly: the wait costs nothing once the producer warp has seen it complete)
+        T.mbarrier_wait_parity(mem.rounded[g % stages], g // stages % 2)
     read_w(plan, mem, g, wg, wq, lane, r % 2 * plan.per_s if sacc else 0)
     if plan.kb.ring:
         mma_ring(plan, mem, g)

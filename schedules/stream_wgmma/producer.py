@@ -89,7 +89,7 @@ def fill(plan, mem, k0, g, t, by, bx, tx):
 def round_landed(plan, mem, g):
     """fp8_rounded: wait for the copies of the block's k-tile g, round its activations in place with the
     warp's 32 lanes (each fences its chunks for the async proxy), and let every lane arrive on the
-    stage's "rounded" barrier, which the consumers wait on."""
+    stage's "rounded" barrier, which the consumers wait on after the copies' own."""
     stages = plan.stages
     T.mbarrier_wait_parity(mem.full[g % stages], g // stages % 2)
     T.call_extern("handle", plan.round_stage, mem.X_s.access_ptr("rw", offset=g % stages * plan.stage_units * 8))
