@@ -186,15 +186,19 @@ def test_ptxas_spills_nothing(compiled, tmp_path):
     assert ptxas_spills(ptx, arch, tmp_path) == (0, 0)
 
 
-def k_loop(src: str) -> str:
-    """The source of the kernel's main loop over batches (`for (int it0 = 0; ...) { ... }`, unrolled by `ahead` inside)."""
-    start = src.index("for (int it0 = 0;")
+def braced(src: str, start: int) -> str:
+    """src from `start` to the brace that closes the first one opened there."""
     depth, i = 0, src.index("{", start)
     for i in range(i, len(src)):
         depth += {"{": 1, "}": -1}.get(src[i], 0)
         if depth == 0:
             return src[start:i + 1]
     raise AssertionError("unbalanced braces")
+
+
+def k_loop(src: str) -> str:
+    """The source of the kernel's main loop over batches (`for (int it0 = 0; ...) { ... }`, unrolled by `ahead` inside)."""
+    return braced(src, src.index("for (int it0 = 0;"))
 
 
 def test_no_block_barrier_inside_the_k_loop(compiled):

@@ -13,7 +13,7 @@ from schedules import stream_wgmma
 from schedules.arch import get_arch
 from schedules.problem import Problem
 from schedules.registry import Schedule
-from tests.test_codegen_stream import assert_split_sums_move_vectors, count, ptxas_output, ptxas_spills
+from tests.test_codegen_stream import assert_split_sums_move_vectors, braced, count, ptxas_output, ptxas_spills
 
 Knobs = stream_wgmma.Knobs
 SM90 = get_arch("sm_90a")
@@ -367,16 +367,6 @@ def test_barriers_in_the_k_loops(compiled):
         assert all("tma_load" not in loop and count(empty_wait, loop) == 0 for loop in consumers)
     else:                        # warp 0 waits for the release before it refills
         assert all(count(empty_wait, loop) == 1 for loop in consumers)
-
-
-def braced(src: str, start: int) -> str:
-    """src from `start` to the brace that closes the first one opened there."""
-    depth, i = 0, src.index("{", start)
-    for i in range(i, len(src)):
-        depth += {"{": 1, "}": -1}.get(src[i], 0)
-        if depth == 0:
-            return src[start:i + 1]
-    raise AssertionError("unbalanced braces")
 
 
 def k_loops(src: str) -> list[str]:
