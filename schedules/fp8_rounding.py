@@ -13,8 +13,8 @@ or 2^-17 of W4A8's value (tests/test_fp8_decode.py). float16 values from 63488 u
 the rounded product with the scale does.
 
 stream_mma rounds its activation registers before their MMAs (ROUND_PAIR); stream_wgmma, whose wgmmas
-read the activations from shared memory, has its producer warp round each landed stage in place and
-hand it to the async proxy (ROUND_CHUNKS), off the consumers' path.
+read the activations from shared memory, rounds each landed stage in place and hands it to the async
+proxy (ROUND_CHUNKS).
 """
 
 # Bits of each dtype's mantissa that e4m3 drops.
@@ -34,18 +34,16 @@ __device__ __forceinline__ void tm_round_e4m3_pair(void* pair) {
 }
 """
 
-# A shared stage of kChunks 16-byte chunks rounded in place by kThreads consecutive threads (the element
-# order does not matter: every element is rounded alike, so the swizzle is ignored), then fenced for the
-# async proxy that the wgmmas read through; the caller's barrier tells the wgmmas' threads it is done.
+# A shared stage of kChunks 16-byte chunks rounded in place by kThreads threads (the element order does
+# not matter: every element is rounded alike, so the swizzle is ignored), then fenced for the async
+# proxy that the wgmmas read through; the caller makes the threads meet before any wgmma reads it.
 ROUND_CHUNKS = ROUND_PAIR + r"""
 template <int kDropped, int kChunks, int kThreads>
 __device__ __forceinline__ void tm_round_e4m3_chunks(void* stage) {
   uint4* chunks = static_cast<uint4*>(stage);
-  // (four chunks in flight a thread: unrolled whole, the loads of a 64-row stage would take 128
-  // registers, and every thread of the kernel gets as many as its hungriest branch)
-  #pragma unroll 4
+  #pragma unroll
   for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
-    const int c = i * kThreads + static_cast<int>(threadIdx.x % kThreads);
+    const int c = i * kThreads + static_cast<int>(threadIdx.x);
     if (kChunks % kThreads == 0 || c < kChunks) {
       uint4 v = chunks[c];
       v.x = tm_round_e4m3_word<kDropped>(v.x);

@@ -139,18 +139,15 @@ CASES = {
     "producer_split_wait_split4_channelwise": (Problem.make(1024, 4096, -1),
                                                Knobs(32, 1, 1, 64, 4, split_k=4, release_barriers=True,
                                                      producer_warp=True, stage_unroll=True, split_wait=True)),
-    # W4A8 on the W4A16 stream (fp8_rounded): the producer warp rounds each landed stage to its FP8
-    # values in place, in qkv_proj 16's and 64's forms (one warpgroup; the loop unrolled by the stages)
-    # and with two warpgroups in bf16 (a rolled loop)
+    # W4A8 on the W4A16 stream (fp8_rounded): each landed stage rounded to its FP8 values in place, in
+    # qkv_proj 16's form (one warpgroup) and with two warpgroups in bf16 (block-barrier stages); up to
+    # block_m 16 (knobs.check)
     "fp8_rounded_qkv16": (Problem(12288, 4096, 128, act="fp8_rounded"),
                           Knobs(16, 1, 1, 128, 6, split_k=2, release_barriers=True, producer_warp=True, pdl=True,
                                 early_start=2, stage_unroll=True, scale_on_acc=True, fold_lag=True, rotate=True,
                                 split_wait=True)),
-    "fp8_rounded_qkv64": (Problem(12288, 4096, 128, act="fp8_rounded"),
-                          Knobs(64, 1, 1, 64, 6, split_k=2, release_barriers=True, producer_warp=True,
-                                cluster_reduce=True, early_start=2, stage_unroll=True, rotate=True)),
     "fp8_rounded_bf16_wg2": (Problem(1024, 4096, 128, dtype="bfloat16", act="fp8_rounded"),
-                             Knobs(16, 1, 2, 64, 4, split_k=2, release_barriers=True, producer_warp=True)),
+                             Knobs(16, 1, 2, 64, 4, split_k=2)),
 }
 
 
@@ -217,30 +214,24 @@ def compiled(request, tmp_path_factory):
     return compiled_case(*CASES[request.param], tmp_path_factory)
 
 
-def test_fp8_rounded_has_the_producer_warp_round_each_landed_stage(compiled):
-    """fp8_rounded: the producer warp waits for a stage's copies, rounds its 16-byte chunks (mask
-    0xFF80FF80 in float16, 0xFFF0FFF0 in bfloat16: schedules/fp8_rounding.py, which fences them for the
-    async proxy) and arrives on the stage's "rounded" barrier; the consumers wait on that barrier after
-    the copies' one, and neither round nor fence anything themselves."""
+def test_fp8_rounded_rounds_each_landed_stage_before_its_wgmmas(compiled):
+    """Per k-tile: the stage's barrier wait, its 16-byte chunks rounded (mask 0xFF80FF80 in float16,
+    0xFFF0FFF0 in bfloat16: schedules/fp8_rounding.py), a fence for the async proxy and the consumers'
+    barrier, then the wgmmas."""
     problem, knobs, src, ptx = compiled
     masks = re.findall(r"\band\.b32\s+%r\d+, %r\d+, (-8323200|-983056);", ptx)
     if not problem.rounds_fp8:
-        assert not masks and "tm_round_e4m3" not in src and "rounded[" not in src
+        assert not masks and "tm_round_e4m3" not in src
         return
     assert set(masks) == {"-8323200" if problem.dtype == "float16" else "-983056"}
-    assert count(r"fence\.proxy\.async\.shared::cta", ptx) >= 1
     body = src[src.index("__global__"):]
-    producer = braced(body, body.index("<= tm_warp_index()) {"))       # the producer warp's branch
-    calls = [m.start() for m in re.finditer(r"tm_round_e4m3_chunks<", producer)]
-    assert calls and count(r"tm_round_e4m3_chunks<", body) == len(calls)
+    calls = [m.start() for m in re.finditer(r"tm_round_e4m3_chunks<", body)]
+    assert calls
     for call in calls:
-        before, after = producer[:call], producer[call:]
-        assert re.search(r"full\[[^\]]*\]\.wait\([^;]*;\s*$", before)          # its copies have landed
-        assert re.match(r"tm_round_e4m3_chunks<[^;]*;\s*rounded\[[^\]]*\]\.arrive\(\);", after)
-    loops = [loop for loop in k_loops(src) if "wgmma_rs" in loop]
-    for loop in loops:
-        waits = re.findall(r"(full|rounded)\[[^\]]*\]\.wait", loop)
-        assert waits and waits == ["full", "rounded"] * (len(waits) // 2), waits
+        before, after = body[:call], body[call:]
+        assert before.rindex(".wait(") > before.rfind("wgmma_rs")      # the stage has landed
+        assert after.index("tm_consumers_sync(") < after.index("wgmma_rs")
+    assert count(r"fence\.proxy\.async\.shared::cta", ptx) >= 1
 
 
 def test_wgmma_takes_the_weights_from_registers(compiled):
@@ -351,8 +342,9 @@ def test_barriers_in_the_k_loops(compiled):
     assert consumers, "no k-loop issues wgmmas"
     syncs = r"__syncthreads\(\)"
     empty_wait, empty_arrive = r"empty\[[^\]]+\]\.wait\(", r"empty\[[^\]]+\]\.arrive\(\)"
-    # TMA writes through the async proxy (fp8_rounded's producer warp fences its own writes)
-    assert not any("fence_proxy_async" in loop for loop in consumers)
+    # TMA writes through the async proxy; fp8_rounded's rounding writes the stage through the generic one
+    # (its own fence, and TileLang's before the wgmmas)
+    assert all(("fence_proxy_async" in loop) == problem.rounds_fp8 for loop in consumers)
     if not knobs.release_barriers:
         assert all(count(syncs, loop) == 1 for loop in consumers)         # frees the oldest stage for its TMA
         return
@@ -360,10 +352,7 @@ def test_barriers_in_the_k_loops(compiled):
     assert all(count(empty_arrive, loop) >= 1 for loop in consumers)
     if knobs.producer_warp:      # the consumers only wait for full stages; the producer for empty ones
         producers = [loop for loop in loops if "tma_load" in loop and "wgmma_rs" not in loop]
-        # (fp8_rounded with stage_unroll: a split short of two rounds of the stages past its first
-        # copies has the producer's loop unrolled whole)
-        assert producers or problem.rounds_fp8 and knobs.stage_unroll
-        assert all(count(empty_wait, loop) == 1 for loop in producers)
+        assert producers and all(count(empty_wait, loop) == 1 for loop in producers)
         assert all("tma_load" not in loop and count(empty_wait, loop) == 0 for loop in consumers)
     else:                        # warp 0 waits for the release before it refills
         assert all(count(empty_wait, loop) == 1 for loop in consumers)
@@ -468,20 +457,12 @@ def test_split_wait_has_the_last_split_read_the_others_slots(compiled):
         assert f"if ({short} <= ((int)blockIdx.z))" in src
 
 
-def test_fp8_rounded_needs_the_producer_warp_and_is_refused_by_marlin_mma():
+def test_fp8_rounded_is_refused_past_block_m_16_and_by_marlin_mma():
     from schedules import marlin_mma
-    from schedules.stream_wgmma.knobs import ROUNDED_BLOCK_M
 
     rounded = Problem(1024, 4096, 128, act="fp8_rounded")
-    producer = dict(release_barriers=True, producer_warp=True)
-    assert stream_wgmma.check(rounded, Knobs(16, 1, 1, 128, 4, **producer), SM90) is None
-    assert stream_wgmma.check(rounded, Knobs(ROUNDED_BLOCK_M, 1, 1, 64, 4, **producer), SM90) is None
-    assert "needs producer_warp" in stream_wgmma.check(rounded, Knobs(16, 1, 1, 128, 4), SM90)
-    assert "needs producer_warp" in stream_wgmma.check(rounded, Knobs(16, 1, 1, 128, 4, release_barriers=True), SM90)
-    assert "not setmaxnreg" in stream_wgmma.check(
-        Problem(4096, 4096, 128, act="fp8_rounded"), Knobs(128, 1, 2, 64, 4, setmaxnreg=True, **producer), SM90)
-    assert f"block_m={ROUNDED_BLOCK_M} at most" in stream_wgmma.check(
-        rounded, Knobs(2 * ROUNDED_BLOCK_M, 1, 1, 64, 4, **producer), SM90)
+    assert stream_wgmma.check(rounded, Knobs(16, 1, 1, 128, 4), SM90) is None
+    assert "block_m=16" in stream_wgmma.check(rounded, Knobs(32, 1, 1, 128, 4), SM90)
     assert "stream_mma's and stream_wgmma's" in marlin_mma.check(rounded, marlin_mma.Knobs(), SM90)
 
 
@@ -540,8 +521,8 @@ def test_stage_unroll_makes_every_stage_index_a_constant(compiled):
     """stage_unroll: the consumers' k-loop covers a multiple of `stages` k-tiles per trip, each with its
     stage's barrier named by a constant (a trip's unrolled index), so no k-tile divides by `stages`."""
     problem, knobs, src, _ = compiled
-    loop = next(loop for loop in k_loops(src) if "wgmma_rs" in loop)    # (the producer's may come first)
-    waits = re.findall(r"(?:full|rounded)\[([^\]]+)\]\.wait", loop)     # (fp8_rounded: and its rounding)
+    loop = k_loops(src)[1] if knobs.producer_warp else k_loop(src)     # (the producer's loop comes first)
+    waits = re.findall(r"full\[([^\]]+)\]\.wait", loop)
     if not knobs.stage_unroll:      # a trip of two k-tiles: the stage is computed from the trip number
         assert waits and any("t0" in index for index in waits), waits
         return
@@ -566,7 +547,7 @@ def test_lead_k_tiles_past_three_run_as_a_rolled_loop(compiled):
     assert sorted(int(trips) for _, trips in rolled) == [lead // 2 for lead in leads if lead >= 4]
     for name, _ in rolled:      # (each k-tile's stage from the trip number, at run time)
         body = src[src.index(f"for (int {name} = 0;"):]
-        assert re.search(rf"(?:full|rounded)\[[^\]]*{name}[^\]]*\]\.wait", body[:body.index("wgmma")])
+        assert re.search(rf"full\[[^\]]*{name}[^\]]*\]\.wait", body[:body.index("wgmma")])
 
 
 def test_stage_unroll_makes_the_producers_stage_indices_constant(compiled):
@@ -575,8 +556,7 @@ def test_stage_unroll_makes_the_producers_stage_indices_constant(compiled):
     problem, knobs, src, _ = compiled
     if not knobs.producer_warp or knobs.setmaxnreg:
         return
-    body = src[src.index("__global__"):]
-    producer = braced(body, body.index("<= tm_warp_index()) {"))       # the producer warp's branch
+    producer = k_loops(src)[0]
     assert "tma_load" in producer and "wgmma_rs" not in producer
     waits = re.findall(r"empty\[([^\]]+)\]\.wait", producer)
     assert waits
@@ -625,8 +605,9 @@ def test_scale_on_acc_scales_each_k_tiles_sums(compiled, tmp_path):
     sums = knobs.groups * knobs.block_m // 2
     assert count(r"fma\.rn\.f32", ptx) >= sums * tiles_per_loop
     if knobs.block_m == 16 and knobs.groups == 1:
-        # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits; still 3 blocks per SM)
-        uneven = knobs.longer_splits(problem)
+        # (an uneven split's two copies of the pipeline: 126 at down_proj's 8 splits, fp8_rounded's stage
+        # pass: 115; still 3 blocks per SM)
+        uneven = knobs.longer_splits(problem) or problem.rounds_fp8
         out = ptxas_output(ptx, "sm_90a", tmp_path)
         bound = (128 if uneven else 112) if knobs.fold_lag else 80
         assert int(re.search(r"Used (\d+) registers", out).group(1)) <= bound, out

@@ -132,10 +132,10 @@ def test_w4a16_kernels_rounding_activations_themselves_match_the_w4a8_reference(
         assert why is None, f"{name} M={m} call {call}: {why}"
 
 
-@pytest.mark.parametrize("m, family", [(1, "stream_mma"), (16, "stream_wgmma"), (64, "stream_wgmma")])
+@pytest.mark.parametrize("m, family", [(1, "stream_mma"), (16, "stream_wgmma")])
 def test_the_op_at_small_m_rounds_in_the_twins_kernel_on_the_committed_table(monkeypatch, m, family):
-    """With the committed H200 table, W4A8 at M = 1, 16 and 64 runs on the W4A16 twin's kernel compiled
-    as fp8_rounded (no activation kernel), within 2e-3 of the W4A8 reference."""
+    """With the committed H200 table, W4A8 at M = 1 and 16 runs on the W4A16 twin's kernel compiled as
+    fp8_rounded (no activation kernel), within 2e-3 of the W4A8 reference."""
     import runtime.dispatch as dispatching
     import runtime.op as op
     from runtime.table import TunedTable

@@ -45,7 +45,7 @@ def device_code(plan: Plan) -> str:
     kb = plan.kb
     return render_dequant(plan.dtype, plan.bits) + (CLUSTER_HELPERS if plan.cluster else "") + \
         (WARP_INDEX if kb.producer_warp else "") + (COPY16 if kb.staged_store else "") + \
-        (CONSUMERS_SYNC if kb.staged_store or plan.offset else "") + \
+        (CONSUMERS_SYNC if kb.staged_store or plan.offset or plan.round_fp8 else "") + \
         (ROUND_CHUNKS if plan.round_fp8 else "") + \
         (FENCE_ASYNC_SHARED if plan.offset else "") + (EARLY_START_HELPERS if kb.early_start else "") + \
         plan.split_k_prelude
@@ -60,7 +60,6 @@ def buffers(plan, A, B, S, C, ws, counters, TS, KS):
     T.annotate_layout({X_s: make_swizzled_layout(X_s)})
     full = T.alloc_barrier([1 if plan.release else plan.threads] * stages)
     empty = T.alloc_barrier([plan.consumers] * stages) if plan.release else None
-    rounded = T.alloc_barrier([32] * stages) if plan.round_fp8 else None    # the producer warp's lanes
     W_s = T.alloc_shared((stages, plan.word_rows, 2 * bn), "int32")
     S_s = T.alloc_shared((stages, plan.scale_rows, bn), dtype)
     w = T.alloc_local((plan.per_w,), "int32")
@@ -72,8 +71,8 @@ def buffers(plan, A, B, S, C, ws, counters, TS, KS):
     KS_s = T.alloc_shared((2 * bm * K_TILES_PER_STEP,), dtype) if plan.offset else None
     ks_desc = T.alloc_wgmma_desc() if plan.offset else None
     Y_s = T.alloc_shared((bm, bn + 8), dtype) if plan.kb.staged_store else None   # padded: see store.py
-    return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s, rounded, TS, KS,
-                   KS_s, ks_desc)
+    return Buffers(A, B, S, C, ws, counters, X_s, full, empty, W_s, S_s, w, sc, a, acc, desc, Y_s, TS, KS, KS_s,
+                   ks_desc)
 
 
 @T.macro

@@ -13,9 +13,9 @@ Why it looks the way it does:
 - ring = D commits each k-step's wgmmas as a group of their own and decodes k-step u into slot u % D
   once the wgmmas that read it last are done: D k-steps of fragments instead of two stages', fewer
   registers, more blocks per SM (docs/performance.md, ring).
-- fp8_rounded (W4A8 on this kernel): the consumers also wait for a stage's "rounded" barrier: the
-  producer warp has rounded its activations to their FP8 values in place and fenced them for the
-  async proxy (producer.py).
+- fp8_rounded (W4A8 on this kernel, block_m <= 16): once a stage has landed the consumers round its
+  activations to their FP8 values in place, fence them for the async proxy and meet before its
+  wgmmas (schedules/fp8_rounding.py).
 - scale_on_acc gives each k-tile's wgmmas sums of their own; ptxas serializes every wgmma (C7514)
   if sums are read with any wgmma in flight across the loop's back edge, so the fold waits for all
   of them, or with fold_lag folds k-tile t - 1's under k-tile t's wgmmas within the unrolled trip and
@@ -59,6 +59,16 @@ def mma_stage(plan, mem, abuf, tile, sums=0):
 
 
 @T.macro
+def round_stage(plan, mem, tile):
+    """fp8_rounded: the consumers round the landed stage's activations to their FP8 values in place and
+    fence them for the async proxy (schedules/fp8_rounding.py), then meet, so that no wgmma reads the
+    stage before every chunk of it is rounded."""
+    T.call_extern("handle", plan.round_stage,
+                  mem.X_s.access_ptr("rw", offset=tile % plan.stages * plan.stage_units * 8))
+    T.call_extern("handle", "tm_consumers_sync", plan.consumers)
+
+
+@T.macro
 def mma_ring(plan, mem, tile):
     """ring = D: the stage's k-steps one commit group each, k-step u decoded into fragment slot
     u % D once the wgmmas that read it last (D groups back) are done: D k-steps of wgmmas in
@@ -77,17 +87,15 @@ def mma_ring(plan, mem, tile):
 @T.macro
 def consume_k_tile(plan, mem, k0, by, bx, tx, wg, wq, lane, g, t, r, first=True, last=True):
     """K-tile t (number g of the block's sequence) into A fragment buffer r % 2: wait for its stage's
-    barrier phase (fp8_rounded: and its "rounded" barrier's), decode, issue the wgmmas; then free the
-    oldest stage: a block barrier after the wgmma wait (and the next copy, issued by one elected
-    thread), or with release_barriers an arrival on the stage's "empty" barrier (warp 0 refills it,
-    or with producer_warp the producer warp). first / last: whether it opens / closes its unrolled
-    trip (fold_lag waits for all wgmmas once per trip)."""
+    barrier phase, decode, issue the wgmmas; then free the oldest stage: a block barrier after the
+    wgmma wait (and the next copy, issued by one elected thread), or with release_barriers an
+    arrival on the stage's "empty" barrier (warp 0 refills it, or with producer_warp the producer
+    warp). first / last: whether it opens / closes its unrolled trip (fold_lag waits for all wgmmas
+    once per trip)."""
     stages, sacc, release, empty = plan.stages, plan.sacc, plan.release, mem.empty
     T.mbarrier_wait_parity(mem.full[g % stages], g // stages % 2)
     if plan.round_fp8:
-        # (after the copies' own barrier, whose completion makes the words and scales visible to this
-        # thread directly: the wait costs nothing once the producer warp has seen it complete)
-        T.mbarrier_wait_parity(mem.rounded[g % stages], g // stages % 2)
+        round_stage(plan, mem, g)
     read_w(plan, mem, g, wg, wq, lane, r % 2 * plan.per_s if sacc else 0)
     if plan.kb.ring:
         mma_ring(plan, mem, g)

@@ -125,10 +125,10 @@ class Plan:
         x_bytes = 1 if self.fp8 else 2
         self.atoms = self.bk * x_bytes // 128    # [block_m, 128-byte] swizzled tiles per stage, along K
         self.stage_units = self.bm * self.bk * x_bytes // 16
-        # fp8_rounded: the producer warp rounds each landed stage's activations to their FP8 values in
-        # place (schedules/fp8_rounding.py); the consumers wait for that, not for the copies
+        # fp8_rounded: each landed stage's activations rounded to their FP8 values in place by the
+        # consumers (schedules/fp8_rounding.py), who then meet before its wgmmas
         self.round_fp8 = problem.rounds_fp8
-        self.round_stage = round_chunks_call(problem.dtype, self.stage_units, 32)
+        self.round_stage = round_chunks_call(problem.dtype, self.stage_units, self.consumers)
         self.out_chunks = self.bm * self.bn // 8     # 16-byte chunks of the output tile (staged_store)
         self.out_rounds = -(-self.out_chunks // self.consumers)
         self.split_k_prelude = split_k_prelude(self.bm, self.bn, kb.split_k, self.threads, problem.n,
@@ -195,7 +195,6 @@ class Buffers:
     acc: object
     desc: object
     Y_s: object
-    rounded: object = None    # fp8_rounded: a stage's barrier once the producer warp has rounded it
     TS: object = None     # W4A8: the activations' token scales [M, 1] fp32
     KS: object = None     # W4A8: the activations' k-tile sums [M, K / 128] fp32 (correction.py)
     KS_s: object = None   # ... the correction's B tile and its descriptor

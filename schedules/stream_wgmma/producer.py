@@ -10,10 +10,6 @@ Why it looks the way it does:
   release barriers every consumer thread arrives on the stage's "empty" mbarrier instead: warp 0
   (load_tma), or with producer_warp a warp of its own that does nothing else (produce, warp
   specialization), waits for it before the refill; the warpgroups no longer meet.
-- fp8_rounded: the producer warp also rounds each landed stage's activations to their FP8 values
-  in place (schedules/fp8_rounding.py), so that the consumers wait for no pass of their own. It
-  rounds k-tile j before it issues k-tile j + stages - 1's copies: their stage comes free once the
-  consumers have had k-tile j, so the copies in flight are as many as without the rounding.
 - The producer warp is told apart by a warp index made warp-uniform by a shuffle (WARP_INDEX):
   ptxas serializes every wgmma under a branch it cannot prove is taken by whole warps.
 - early_start asks L2 for the block's first k-tiles before the wait for the previous kernel, so that
@@ -86,60 +82,13 @@ def fill(plan, mem, k0, g, t, by, bx, tx):
 
 
 @T.macro
-def round_landed(plan, mem, g):
-    """fp8_rounded: wait for the copies of the block's k-tile g, round its activations in place with the
-    warp's 32 lanes (each fences its chunks for the async proxy), and let every lane arrive on the
-    stage's "rounded" barrier, which the consumers wait on after the copies' own."""
-    stages = plan.stages
-    T.mbarrier_wait_parity(mem.full[g % stages], g // stages % 2)
-    T.call_extern("handle", plan.round_stage, mem.X_s.access_ptr("rw", offset=g % stages * plan.stage_units * 8))
-    T.barrier_arrive(mem.rounded[g % stages])
-
-
-@T.macro
-def round_then_fill(plan, mem, k0, j, by, bx, tx):
-    """fp8_rounded: round k-tile j, then issue k-tile j + stages - 1's copies into the stage that the
-    consumers release once they have had k-tile j (j >= 1)."""
-    round_landed(plan, mem, j)
-    fill(plan, mem, k0, j + plan.stages - 1, j + plan.stages - 1, by, bx, tx)
-
-
-@T.macro
-def produce_rounding(plan, mem, k0, count, by, bx, tx):
-    """fp8_rounded's producer warp: every stage's first copies at once, then k-tile by k-tile the
-    rounding and the copies of the stage freed by it (round_then_fill), then the last stages' rounding.
-    With stage_unroll the middle loop runs whole rounds of the stages, so its stage indices are
-    constants."""
-    stages = plan.stages
-    middle = count - stages     # round_then_fill's k-tiles, from 1 (check: count >= stages)
-    for t in T.unroll(stages):
-        fill(plan, mem, k0, t, t, by, bx, tx)
-    round_landed(plan, mem, 0)
-    if plan.kb.stage_unroll:
-        lead = middle % stages
-        for j in T.unroll(lead):
-            round_then_fill(plan, mem, k0, 1 + j, by, bx, tx)
-        for t0 in T.serial(middle // stages):
-            for r in T.unroll(stages):
-                round_then_fill(plan, mem, k0, 1 + lead + t0 * stages + r, by, bx, tx)
-    else:
-        for j in T.serial(middle):
-            round_then_fill(plan, mem, k0, 1 + j, by, bx, tx)
-    for j in T.unroll(stages - 1):
-        round_landed(plan, mem, middle + 1 + j)
-
-
-@T.macro
 def produce(plan, mem, k0, count, by, bx, tx):
     """producer_warp: the extra warp fills every stage as soon as the consumers have released its
-    previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx
-    (fp8_rounded: produce_rounding).
+    previous k-tile; one lane issues the three copies, lane 0 arrives after the warp's expect-tx.
     With stage_unroll (not setmaxnreg's producer warpgroup) the loop runs whole rounds of the stages,
     so that every stage index in it is a constant."""
     stages = plan.stages
-    if plan.round_fp8:
-        produce_rounding(plan, mem, k0, count, by, bx, tx)
-    elif plan.kb.stage_unroll and not plan.kb.setmaxnreg:
+    if plan.kb.stage_unroll and not plan.kb.setmaxnreg:
         lead = count % stages   # k-tiles before the loop, which then runs whole rounds of the stages
         for t in T.unroll(lead):
             fill(plan, mem, k0, t, t, by, bx, tx)
