@@ -7,13 +7,13 @@ columns (or 8) of the shared copy, divides them by the row's scale (the smallest
 to the finite range) and stores the bytes at once in the order of marlin_mma.layout.fp8_k_order
 (position p of every 16 columns holds column FP8_K_ORDER[p]), so that an 8-bit MMA fed with the
 packed INT4 words sums matching k. The row's scale goes to S [M, 1] (1 for an all-zero row), the
-per-token factor of the output; build_with_sums also writes the sum of each 128 columns' e4m3 values to KS [M, K / 128], which
-GEMMs with offset_decode need (their weight decode is offset: templates/dequant.cuh.j2). Each block
-first lets the next kernel launch (griddepcontrol.launch_dependents): a GEMM built with the pdl knob
-then starts while this one runs, asks L2 for its first weights (early_start) and waits for this
-kernel's writes before it reads them. The row is read from global memory once: read a
-second time in the k order, under those early weight reads, the calls measured slower
-(docs/performance.md). The math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
+per-token factor of the output; build_with_sums also writes the sum of each 128 columns' e4m3 values
+to KS [M, K / 128], which GEMMs with offset_decode need (their weight decode is offset:
+templates/dequant.cuh.j2). Each block first lets the next kernel launch
+(griddepcontrol.launch_dependents): a GEMM built with the pdl knob then starts while this one runs,
+asks L2 for its first weights (early_start) and waits for this kernel's writes before it reads them.
+The row is read from global memory once: read a second time in the k order, under those early weight
+reads, the calls measured slower (docs/performance.md). The math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
 """
 # (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
 # build()'s locals)
