@@ -13,7 +13,8 @@ templates/dequant.cuh.j2). Each block first lets the next kernel launch
 (griddepcontrol.launch_dependents): a GEMM built with the pdl knob then starts while this one runs,
 asks L2 for its first weights (early_start) and waits for this kernel's writes before it reads them.
 The row is read from global memory once: read a second time in the k order, under those early weight
-reads, the calls measured slower (docs/performance.md). The math is schedules.quant.quantize_fp8_per_token's; building imports TileLang.
+reads, the calls measured slower (docs/performance.md). The math is
+schedules.quant.quantize_fp8_per_token's; building imports TileLang.
 """
 # (no `from __future__ import annotations`: TileLang evaluates the prim_func's annotations, which name
 # build()'s locals)
@@ -196,12 +197,6 @@ def _quantize_columns(k: int, dtype: str, sums: bool):
     return quantize_columns
 
 
-def _check_hopper(arch: Arch) -> None:
-    if not arch.hopper:
-        raise ValueError(f"W4A8's activation kernels serve FP8 wgmma (Hopper, sm_90a); {arch.name} has none")
-
-
-
 def build(k: int, dtype: str, arch: Arch):
     """The TileLang prim_func quantize(X [M, K] `dtype`, Q [M, K] float8_e4m3fn, S [M, 1] float32), M dynamic,
     for `arch` (Hopper: W4A8 runs on FP8 wgmma)."""
@@ -220,8 +215,8 @@ def build_with_sums(k: int, dtype: str, arch: Arch):
 def _build(k: int, dtype: str, arch: Arch, sums: bool):
     import tilelang.language as T
 
-    _check_hopper(arch)
-
+    if not arch.hopper:
+        raise ValueError(f"W4A8's activation kernels serve FP8 wgmma (Hopper, sm_90a); {arch.name} has none")
     if k % TILE_K:
         raise ValueError(f"K={k} must be a multiple of {TILE_K} (the FP8 k order permutes within 16 columns)")
     m = T.dynamic("m")
@@ -236,17 +231,18 @@ def _build(k: int, dtype: str, arch: Arch, sums: bool):
         quantize_columns(x_s, scale, Q, KS, row)
         S[row, 0] = scale[0]
 
+    prelude = EARLY_START_HELPERS + TOKEN_SCALE + E4M3_COLUMNS
     if sums:
         @T.prim_func
         def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                          S: T.Tensor((m, 1), "float32"), KS: T.Tensor((m, k // FP8_K_TILE), "float32")):
-            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + TOKEN_SCALE + E4M3_COLUMNS) as row:
+            with T.Kernel(m, threads=threads_for(k), prelude=prelude) as row:
                 quantize_row(X, Q, S, KS, row)
     else:
         @T.prim_func
         def quantize_fp8(X: T.Tensor((m, k), dtype), Q: T.Tensor((m, k), "float8_e4m3fn"),
                          S: T.Tensor((m, 1), "float32")):
-            with T.Kernel(m, threads=threads_for(k), prelude=EARLY_START_HELPERS + TOKEN_SCALE + E4M3_COLUMNS) as row:
+            with T.Kernel(m, threads=threads_for(k), prelude=prelude) as row:
                 quantize_row(X, Q, S, None, row)
 
     return quantize_fp8
