@@ -37,8 +37,8 @@ _OFF = ("0", "false", "no", "off")
 def activation_kernels(problems: Iterable[Problem], gathered: Iterable[Problem] = (),
                        normed: Iterable[Problem] = ()) -> list[tuple[str, int, str]]:
     """(kind, K, dtype) of each activation kernel (runtime.kernels.ACTIVATION_KERNELS) that layers of
-    `problems` need, W4A8's quantizer (with and without the k-tile sums) and its rounding for every FP8
-    one (three small kernels per K: which one a bucket uses follows the tuned table,
+    `problems` need, W4A8's quantizer with and without the k-tile sums for every FP8 one (two small
+    kernels per K: whether a bucket uses one, and which, follows the tuned table,
     Dispatch.serving_problem, and the kernel's offset_decode, on the serving machine too), that
     act-order layers of `gathered` need, the column gather, and that act-order layers fed
     by an RMSNorm in their order (`normed`, runtime/checkpoint/norm_fold.py) need, that norm; one per
